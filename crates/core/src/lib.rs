@@ -1,0 +1,13 @@
+//! stweaver-core: the device-agnostic heart of stweaver.
+//!
+//! Vocabulary types ([`units`]), the recorded allocation history ([`trace`]), and
+//! (as they land) the trace and plan file formats, the plan verifier and the online
+//! engine. This crate links neither CUDA nor torch.
+
+pub mod trace;
+pub mod units;
+
+pub use trace::{
+    Allocation, Event, EventKind, Lifetime, LowerBound, MarkerKind, Trace, TraceError,
+};
+pub use units::{AllocId, Bytes, DeviceId, EventIdx, Offset, StreamId};

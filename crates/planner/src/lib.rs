@@ -1,0 +1,6 @@
+//! stweaver-planner: everything that runs offline, on a laptop, without a GPU.
+//!
+//! Snapshot import, iteration detection, classification, the offline solver,
+//! replay models of PyTorch's caching allocator, reports and pictures. The
+//! `stweaver` binary (`src/bin/stweaver`) is a thin CLI over this library.
+//! This crate links neither CUDA nor torch.
