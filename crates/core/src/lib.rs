@@ -4,9 +4,11 @@
 //! (as they land) the trace and plan file formats, the plan verifier and the online
 //! engine. This crate links neither CUDA nor torch.
 
+pub mod plan;
 pub mod trace;
 pub mod units;
 
+pub use plan::{DynamicSummary, NEVER_FREED, Plan, PlannedRequest};
 pub use trace::{
     Allocation, Event, EventKind, Lifetime, LowerBound, MarkerKind, Trace, TraceError,
 };
