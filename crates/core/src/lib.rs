@@ -7,6 +7,7 @@
 pub mod plan;
 pub mod trace;
 pub mod units;
+pub mod verify;
 
 pub use plan::{DynamicSummary, NEVER_FREED, Plan, PlannedRequest};
 pub use trace::{

@@ -1,0 +1,432 @@
+//! The plan verifier: the one checker every plan passes, in tests, in the CLI and on load.
+//!
+//! It shares no code with the solver. It checks a [`Plan`] as a value:
+//!
+//! 1. **alignment**: the alignment is a power of two and every offset is a multiple of it;
+//! 2. **bounds**: `offset + size <= pool_size` (no overflow) for every request;
+//! 3. **lifetimes**: `start < end`, `start` inside its section, iteration requests freed
+//!    eventually (a never-freed request cannot repeat forever at one offset);
+//! 4. **no overlap in address × time**: on the unrolled timeline (the prologue on
+//!    `[0, P)`, iteration `k` on `[P + k·L, P + (k+1)·L)`), no two live requests share a
+//!    byte.
+//!
+//! Coverage (every planned allocation of a trace has a request) is checked by the
+//! planner, which owns the mapping from trace to plan.
+//!
+//! ## How the overlap check works, and what it costs
+//!
+//! A request of iteration `k` lives on `[P + k·L + start, P + k·L + end)`. Let `m` be the
+//! largest number of iterations any iteration request spans (`ceil((end - start) / L)`)
+//! and `q` the number of iterations a finite prologue request reaches into. Every pair
+//! of requests that can ever be live together appears, shifted by a whole number of
+//! iterations, among iterations `0 .. q + 2m + 2`, because the pattern repeats exactly
+//! after the prologue; never-freed prologue requests are live throughout, so they meet
+//! every iteration request already in those iterations. The verifier unrolls that many
+//! iterations and sweeps time in order (frees before allocs at the same tick, since
+//! lifetimes are half-open) with an ordered map of live address ranges: inserting a
+//! range checks only its two neighbours. Cost: O(N log N) time and O(N) memory for
+//! N = prologue + (q + 2m + 2) · iteration requests.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::plan::{NEVER_FREED, Plan, PlannedRequest};
+use crate::units::{Bytes, Offset};
+
+/// Which request a finding is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestRef {
+    /// Index into [`Plan::prologue`].
+    Prologue(usize),
+    /// Index into [`Plan::iteration`], in unrolled iteration `k`.
+    Iteration { index: usize, k: u64 },
+}
+
+impl fmt::Display for RequestRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RequestRef::Prologue(i) => write!(f, "prologue request #{i}"),
+            RequestRef::Iteration { index, k } => {
+                write!(f, "iteration request #{index} (iteration {k})")
+            }
+        }
+    }
+}
+
+/// One thing wrong with a plan.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanViolation {
+    #[error("alignment {0} is not a power of two")]
+    BadAlignment(Bytes),
+    #[error("{at}: offset {offset} is not a multiple of the alignment {align}")]
+    Misaligned {
+        at: RequestRef,
+        offset: Offset,
+        align: Bytes,
+    },
+    #[error("{at}: size 0")]
+    ZeroSize { at: RequestRef },
+    #[error("{at}: [{offset}, +{size}) ends past the pool ({pool})")]
+    OutOfBounds {
+        at: RequestRef,
+        offset: Offset,
+        size: Bytes,
+        pool: Bytes,
+    },
+    #[error(
+        "{at}: lifetime [{start}, {end}) is empty or starts outside its section (length {len})"
+    )]
+    BadLifetime {
+        at: RequestRef,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
+    #[error("{at}: an iteration request that is never freed cannot repeat at one offset")]
+    IterationNeverFreed { at: RequestRef },
+    #[error("an iteration section has {count} requests but length 0")]
+    EmptyIterationClock { count: usize },
+    #[error(
+        "{a} [{a_offset}, +{a_size}) and {b} [{b_offset}, +{b_size}) are live together at tick {tick} and overlap"
+    )]
+    Overlap {
+        a: RequestRef,
+        a_offset: Offset,
+        a_size: Bytes,
+        b: RequestRef,
+        b_offset: Offset,
+        b_size: Bytes,
+        tick: u64,
+    },
+    #[error("the unrolled timeline would need {0} entries, more than the verifier accepts")]
+    TooLarge(u128),
+}
+
+/// All violations found (at most [`MAX_REPORTED`]), in the order found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanViolations(pub Vec<PlanViolation>);
+
+/// The verifier stops collecting after this many violations.
+pub const MAX_REPORTED: usize = 64;
+
+/// Unrolled timelines larger than this are refused rather than checked slowly.
+const MAX_UNROLLED: u128 = 1 << 28;
+
+impl fmt::Display for PlanViolations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "plan is invalid ({} problem", self.0.len())?;
+        if self.0.len() != 1 {
+            f.write_str("s")?;
+        }
+        if self.0.len() >= MAX_REPORTED {
+            f.write_str(", list truncated")?;
+        }
+        f.write_str(")")?;
+        for v in &self.0 {
+            write!(f, "\n  - {v}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PlanViolations {}
+
+/// What a valid plan looks like from the verifier's side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// The highest `offset + size` of any request (≤ the pool size).
+    pub used: Bytes,
+    /// The peak of live requested bytes on the unrolled timeline.
+    pub peak_live: Bytes,
+    /// Iterations unrolled to check the repeating section.
+    pub iterations_unrolled: u64,
+}
+
+/// Checks a plan. See the module docs for what is checked and the cost.
+pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
+    let mut errs = Vec::new();
+    let align = plan.alignment;
+    if !align.get().is_power_of_two() {
+        errs.push(PlanViolation::BadAlignment(align));
+        return Err(PlanViolations(errs));
+    }
+    if !plan.iteration.is_empty() && plan.iteration_len == 0 {
+        errs.push(PlanViolation::EmptyIterationClock {
+            count: plan.iteration.len(),
+        });
+        return Err(PlanViolations(errs));
+    }
+
+    let mut used = 0u64;
+    let mut check_static = |at: RequestRef, r: &PlannedRequest, len: u64, errs: &mut Vec<_>| {
+        if r.size == Bytes::ZERO {
+            errs.push(PlanViolation::ZeroSize { at });
+        }
+        if r.offset.get() % align.get() != 0 {
+            errs.push(PlanViolation::Misaligned {
+                at,
+                offset: r.offset,
+                align,
+            });
+        }
+        match r.offset.end(r.size) {
+            Some(end) if end.get() <= plan.pool_size.get() => used = used.max(end.get()),
+            _ => errs.push(PlanViolation::OutOfBounds {
+                at,
+                offset: r.offset,
+                size: r.size,
+                pool: plan.pool_size,
+            }),
+        }
+        if r.start >= r.end || r.start >= len {
+            errs.push(PlanViolation::BadLifetime {
+                at,
+                start: r.start,
+                end: r.end,
+                len,
+            });
+        }
+    };
+    for (i, r) in plan.prologue.iter().enumerate() {
+        check_static(RequestRef::Prologue(i), r, plan.prologue_len, &mut errs);
+    }
+    for (i, r) in plan.iteration.iter().enumerate() {
+        let at = RequestRef::Iteration { index: i, k: 0 };
+        check_static(at, r, plan.iteration_len, &mut errs);
+        if r.end == NEVER_FREED {
+            errs.push(PlanViolation::IterationNeverFreed { at });
+        }
+    }
+    if !errs.is_empty() {
+        errs.truncate(MAX_REPORTED);
+        return Err(PlanViolations(errs));
+    }
+
+    // How many iterations to unroll (module docs).
+    let p = plan.prologue_len;
+    let l = plan.iteration_len;
+    let iterations = if plan.iteration.is_empty() {
+        0
+    } else {
+        let m = plan
+            .iteration
+            .iter()
+            .map(|r| (r.end - r.start).div_ceil(l))
+            .max()
+            .unwrap_or(1);
+        let q = plan
+            .prologue
+            .iter()
+            .filter(|r| r.end != NEVER_FREED && r.end > p)
+            .map(|r| (r.end - p).div_ceil(l))
+            .max()
+            .unwrap_or(0);
+        q + 2 * m + 2
+    };
+    let total = plan.prologue.len() as u128 + iterations as u128 * plan.iteration.len() as u128;
+    if total > MAX_UNROLLED {
+        return Err(PlanViolations(vec![PlanViolation::TooLarge(total)]));
+    }
+
+    // Timeline entries: (tick, is_alloc, request). Frees sort before allocs at a tick.
+    struct Live {
+        at: RequestRef,
+        r: PlannedRequest,
+    }
+    let mut entries: Vec<(u64, bool, u32)> = Vec::with_capacity(2 * total as usize);
+    let mut live_tab: Vec<Live> = Vec::with_capacity(total as usize);
+    for (i, r) in plan.prologue.iter().enumerate() {
+        let id = live_tab.len() as u32;
+        live_tab.push(Live {
+            at: RequestRef::Prologue(i),
+            r: *r,
+        });
+        entries.push((r.start, true, id));
+        if r.end != NEVER_FREED {
+            entries.push((r.end, false, id));
+        }
+    }
+    for k in 0..iterations {
+        let base = p + k * l;
+        for (i, r) in plan.iteration.iter().enumerate() {
+            let id = live_tab.len() as u32;
+            live_tab.push(Live {
+                at: RequestRef::Iteration { index: i, k },
+                r: *r,
+            });
+            entries.push((base + r.start, true, id));
+            entries.push((base + r.end, false, id));
+        }
+    }
+    entries.sort_unstable();
+
+    // offset -> id of the live request starting there.
+    let mut live: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut live_bytes = 0u64;
+    let mut peak_live = 0u64;
+    for &(tick, is_alloc, id) in &entries {
+        let me = &live_tab[id as usize];
+        let lo = me.r.offset.get();
+        let hi = lo + me.r.size.get();
+        if !is_alloc {
+            if live.get(&lo) == Some(&id) {
+                live.remove(&lo);
+                live_bytes -= me.r.size.get();
+            }
+            continue;
+        }
+        let mut clash = None;
+        if let Some((_, &other)) = live.range(..=lo).next_back() {
+            let o = &live_tab[other as usize].r;
+            if o.offset.get() + o.size.get() > lo {
+                clash = Some(other);
+            }
+        }
+        if clash.is_none()
+            && let Some((&start, &other)) = live.range(lo..).next()
+            && start < hi
+        {
+            clash = Some(other);
+        }
+        if let Some(other) = clash {
+            let o = &live_tab[other as usize];
+            errs.push(PlanViolation::Overlap {
+                a: o.at,
+                a_offset: o.r.offset,
+                a_size: o.r.size,
+                b: me.at,
+                b_offset: me.r.offset,
+                b_size: me.r.size,
+                tick,
+            });
+            if errs.len() >= MAX_REPORTED {
+                break;
+            }
+            // Leave the clashing request out so later findings stay independent.
+            continue;
+        }
+        live.insert(lo, id);
+        live_bytes += me.r.size.get();
+        peak_live = peak_live.max(live_bytes);
+    }
+    if !errs.is_empty() {
+        return Err(PlanViolations(errs));
+    }
+    Ok(VerifyReport {
+        used: Bytes(used),
+        peak_live: Bytes(peak_live),
+        iterations_unrolled: iterations,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::{DeviceId, StreamId};
+
+    fn req(size: u64, offset: u64, start: u64, end: u64) -> PlannedRequest {
+        PlannedRequest {
+            size: Bytes(size),
+            stream: StreamId(0),
+            offset: Offset(offset),
+            start,
+            end,
+        }
+    }
+
+    fn plan(prologue: Vec<PlannedRequest>, p: u64, iteration: Vec<PlannedRequest>, l: u64) -> Plan {
+        Plan {
+            device: DeviceId(0),
+            alignment: Bytes(512),
+            pool_size: Bytes(1 << 20),
+            lower_bound: Bytes(0),
+            trace_digest: 0,
+            prologue,
+            prologue_len: p,
+            iteration,
+            iteration_len: l,
+            dynamic: Default::default(),
+        }
+    }
+
+    #[test]
+    fn accepts_a_valid_plan_with_reuse_and_a_crossing_request() {
+        // A persistent weight at 0, two activations that reuse one slot in turn, and a
+        // gradient buffer that crosses into the next iteration (freed at tick 2 there).
+        let p = plan(
+            vec![req(1024, 0, 0, NEVER_FREED)],
+            2,
+            vec![
+                req(512, 1024, 0, 2),
+                req(512, 1024, 2, 4),
+                req(512, 1536, 3, 6),
+            ],
+            4,
+        );
+        let report = verify_plan(&p).expect("valid");
+        assert_eq!(report.used, Bytes(2048));
+        assert_eq!(report.peak_live, Bytes(2048));
+    }
+
+    #[test]
+    fn finds_overlap_across_the_iteration_boundary() {
+        // The crossing request is still live when the next iteration's first request
+        // reuses its offset.
+        let ok = plan(vec![], 0, vec![req(512, 0, 0, 2), req(512, 512, 2, 5)], 4);
+        assert!(verify_plan(&ok).is_ok());
+        let p = plan(vec![], 0, vec![req(512, 0, 0, 2), req(512, 0, 2, 5)], 4);
+        let errs = verify_plan(&p).unwrap_err().0;
+        assert!(
+            matches!(errs[0], PlanViolation::Overlap { tick: 4, .. }),
+            "{errs:?}"
+        );
+    }
+
+    #[test]
+    fn finds_misalignment_bounds_and_lifetime_errors() {
+        let mut p = plan(
+            vec![
+                req(512, 100, 0, 1),
+                req(512, (1 << 20) - 256, 0, 1),
+                req(1, 0, 3, 3),
+            ],
+            2,
+            vec![req(512, 0, 0, NEVER_FREED)],
+            1,
+        );
+        let errs = verify_plan(&p).unwrap_err().0;
+        assert!(
+            errs.iter()
+                .any(|e| matches!(e, PlanViolation::Misaligned { .. }))
+        );
+        assert!(
+            errs.iter()
+                .any(|e| matches!(e, PlanViolation::OutOfBounds { .. }))
+        );
+        assert!(
+            errs.iter()
+                .any(|e| matches!(e, PlanViolation::BadLifetime { .. }))
+        );
+        assert!(
+            errs.iter()
+                .any(|e| matches!(e, PlanViolation::IterationNeverFreed { .. }))
+        );
+        p.alignment = Bytes(3);
+        assert_eq!(
+            verify_plan(&p).unwrap_err().0,
+            vec![PlanViolation::BadAlignment(Bytes(3))]
+        );
+    }
+
+    #[test]
+    fn persistent_prologue_request_meets_every_iteration() {
+        let p = plan(
+            vec![req(512, 0, 0, NEVER_FREED)],
+            1,
+            vec![req(512, 0, 0, 1)],
+            1,
+        );
+        let errs = verify_plan(&p).unwrap_err().0;
+        assert!(matches!(errs[0], PlanViolation::Overlap { .. }));
+    }
+}
