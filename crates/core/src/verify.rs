@@ -162,7 +162,7 @@ pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
         if r.size == Bytes::ZERO {
             errs.push(PlanViolation::ZeroSize { at });
         }
-        if r.offset.get() % align.get() != 0 {
+        if !r.offset.get().is_multiple_of(align.get()) {
             errs.push(PlanViolation::Misaligned {
                 at,
                 offset: r.offset,
