@@ -1,0 +1,376 @@
+//! One CUDA device: its primary context, the virtual-memory granule, and thin RAII
+//! wrappers over the driver's virtual-memory API and events.
+//!
+//! - [`VaRange`] — a reserved virtual address range (`cuMemAddressReserve`, freed with
+//!   `cuMemAddressFree` on drop).
+//! - [`Mapping`] — physical memory mapped into a range (`cuMemCreate` + `cuMemMap` +
+//!   `cuMemSetAccess`; the allocation handle is released right after mapping, so the
+//!   memory lives exactly as long as the mapping; `cuMemUnmap` on drop returns it).
+//! - [`Event`] — a CUDA event recorded on a raw stream (`cuEventCreate` with timing
+//!   disabled, `cuEventRecord`, `cuEventQuery`, `cuEventDestroy` on drop).
+//!
+//! Dropping a [`VaRange`] while a [`Mapping`] inside it is alive is a driver error, which
+//! the range's drop ignores; owners drop mappings first.
+
+use std::marker::PhantomData;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::driver::{CtxGuard, CudaError, Driver, Result, call, call_raw, check};
+
+/// A CUDA device, with its primary context retained for the device's lifetime.
+#[derive(Debug)]
+pub struct CudaDevice {
+    ordinal: i32,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    granularity: u64,
+    total_memory: u64,
+}
+
+// Safety: `CUcontext` is a driver handle usable from any thread (we only push it as the
+// current context around calls); the struct holds no thread-affine state.
+unsafe impl Send for CudaDevice {}
+// Safety: every method takes `&self` and only passes the handles to thread-safe driver calls.
+unsafe impl Sync for CudaDevice {}
+
+fn alloc_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    // Safety: `CUmemAllocationProp` is a plain C struct for which all-zero is the documented
+    // "no flags" initial value.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    prop
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: loads the driver if needed, retains the primary context
+    /// (the one the CUDA runtime, hence PyTorch, uses) and reads the mapping granularity.
+    pub fn open(ordinal: i32) -> Result<CudaDevice> {
+        let driver = Driver::get()?;
+        if ordinal < 0 || ordinal >= driver.device_count() {
+            return Err(CudaError::invalid(
+                "CudaDevice::open",
+                format!(
+                    "device {ordinal} does not exist (the driver sees {} device(s))",
+                    driver.device_count()
+                ),
+            ));
+        }
+        let mut dev: sys::CUdevice = 0;
+        // Safety: valid out-pointer, ordinal checked against the device count.
+        call("cuDeviceGet", || unsafe {
+            sys::cuDeviceGet(&mut dev, ordinal)
+        })?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // Safety: valid out-pointer and device handle.
+        call("cuDevicePrimaryCtxRetain", || unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+        })?;
+        let mut total: usize = 0;
+        // Safety: valid out-pointer and device handle.
+        let total_res = call("cuDeviceTotalMem", || unsafe {
+            sys::cuDeviceTotalMem_v2(&mut total, dev)
+        });
+        let prop = alloc_prop(dev);
+        let mut gran: usize = 0;
+        // Safety: `prop` is fully initialised; valid out-pointer.
+        let gran_res = call("cuMemGetAllocationGranularity", || unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut gran,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        });
+        if let Err(e) = total_res.and(gran_res) {
+            // Safety: balances the retain above; nothing else holds this reference yet.
+            let _ = call("cuDevicePrimaryCtxRelease", || unsafe {
+                sys::cuDevicePrimaryCtxRelease_v2(dev)
+            });
+            return Err(e);
+        }
+        if gran == 0 || !gran.is_power_of_two() {
+            return Err(CudaError::invalid(
+                "cuMemGetAllocationGranularity",
+                format!("driver reported granularity {gran}, not a power of two"),
+            ));
+        }
+        Ok(CudaDevice {
+            ordinal,
+            dev,
+            ctx,
+            granularity: gran as u64,
+            total_memory: total as u64,
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The mapping granule (2 MiB on current GPUs): every reservation, offset and mapping
+    /// size is a multiple of it.
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// Total device memory in bytes.
+    pub fn total_memory(&self) -> u64 {
+        self.total_memory
+    }
+
+    /// Free and total device memory as the driver sees them (`cuMemGetInfo`).
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        let _g = CtxGuard::push(self.ctx)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // Safety: valid out-pointers; a context is current (guard).
+        call("cuMemGetInfo", || unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok((free as u64, total as u64))
+    }
+
+    fn check_granular(&self, call: &'static str, what: &str, v: u64) -> Result<()> {
+        if v == 0 || !v.is_multiple_of(self.granularity) {
+            return Err(CudaError::invalid(
+                call,
+                format!(
+                    "{what} = {v} is not a positive multiple of the granularity {}",
+                    self.granularity
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reserves `size` bytes of virtual address space (no physical memory).
+    pub fn reserve(&self, size: u64) -> Result<VaRange> {
+        self.check_granular("cuMemAddressReserve", "size", size)?;
+        let _g = CtxGuard::push(self.ctx)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // Safety: valid out-pointer; size checked; alignment = granularity; no fixed address.
+        call("cuMemAddressReserve", || unsafe {
+            sys::cuMemAddressReserve(&mut ptr, size as usize, self.granularity as usize, 0, 0)
+        })?;
+        Ok(VaRange {
+            base: ptr,
+            size,
+            _not_sync: PhantomData,
+        })
+    }
+
+    /// Backs `[offset, offset + size)` of `range` with new physical memory, readable and
+    /// writable by this device. A driver out-of-memory is reported as such
+    /// ([`CudaError::is_out_of_memory`]).
+    pub fn map(&self, range: &VaRange, offset: u64, size: u64) -> Result<Mapping> {
+        self.check_granular("cuMemMap", "size", size)?;
+        if !offset.is_multiple_of(self.granularity)
+            || offset.checked_add(size).is_none_or(|end| end > range.size)
+        {
+            return Err(CudaError::invalid(
+                "cuMemMap",
+                format!(
+                    "offset {offset} + size {size} does not fit granule-aligned in a range of {}",
+                    range.size
+                ),
+            ));
+        }
+        let _g = CtxGuard::push(self.ctx)?;
+        let prop = alloc_prop(self.dev);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // Safety: valid out-pointer; `prop` initialised; size is a granule multiple.
+        call("cuMemCreate", || unsafe {
+            sys::cuMemCreate(&mut handle, size as usize, &prop, 0)
+        })?;
+        let va = range.base + offset;
+        // Safety: `va..va+size` lies inside a live reservation (checked) and `handle` is a
+        // fresh allocation of exactly `size` bytes.
+        let mapped = call("cuMemMap", || unsafe {
+            sys::cuMemMap(va, size as usize, 0, handle, 0)
+        });
+        if let Err(e) = mapped {
+            // Safety: releases the handle created above, which nothing maps.
+            let _ = call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) });
+            return Err(e);
+        }
+        let mapping = Mapping {
+            ptr: va,
+            size,
+            _not_sync: PhantomData,
+        };
+        // Safety: the mapping now holds a reference to the physical memory; releasing the
+        // handle makes the memory go away exactly when it is unmapped.
+        let released = call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) });
+        // Safety: zero is a valid "no flags" initial value of this plain C struct.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = self.dev;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // Safety: `va..va+size` is mapped (above); one descriptor.
+        let access = call("cuMemSetAccess", || unsafe {
+            sys::cuMemSetAccess(va, size as usize, &desc, 1)
+        });
+        // On error `mapping` drops here and unmaps.
+        released.and(access)?;
+        Ok(mapping)
+    }
+
+    /// Creates an event (timing disabled) in this device's context.
+    pub fn create_event(&self) -> Result<Event> {
+        let _g = CtxGuard::push(self.ctx)?;
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // Safety: valid out-pointer; a context is current.
+        call("cuEventCreate", || unsafe {
+            sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        })?;
+        Ok(Event { raw: ev })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Safety: balances the retain in `open`.
+        let _ = call("cuDevicePrimaryCtxRelease", || unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(self.dev)
+        });
+    }
+}
+
+/// A reserved range of device virtual addresses. Freed on drop; mappings inside it must be
+/// dropped first.
+#[derive(Debug)]
+pub struct VaRange {
+    base: u64,
+    size: u64,
+    // Owned, movable between threads, but not shared by reference across threads.
+    _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+impl VaRange {
+    /// The first address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The length in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Whether `addr` lies inside the range.
+    pub fn contains(&self, addr: u64) -> bool {
+        addr >= self.base && addr - self.base < self.size
+    }
+}
+
+impl Drop for VaRange {
+    fn drop(&mut self) {
+        // Safety: `base/size` are exactly what `cuMemAddressReserve` returned; the range is
+        // freed once (drop).
+        let _ = call("cuMemAddressFree", || unsafe {
+            sys::cuMemAddressFree(self.base, self.size as usize)
+        });
+    }
+}
+
+/// Physical memory mapped at `[ptr, ptr + size)`. Unmapped (and the memory returned to the
+/// device) on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: u64,
+    size: u64,
+    _not_sync: PhantomData<std::cell::Cell<()>>,
+}
+
+impl Mapping {
+    /// The first mapped address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Mapped bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // Safety: unmaps exactly the range mapped in `CudaDevice::map`, once. The memory is
+        // no longer handed out by the owner (the engine frees before it unmaps).
+        let _ = call("cuMemUnmap", || unsafe {
+            sys::cuMemUnmap(self.ptr, self.size as usize)
+        });
+    }
+}
+
+/// A CUDA event for stream ordering. Destroyed on drop (the driver defers destruction of a
+/// recorded event until it completes).
+#[derive(Debug)]
+pub struct Event {
+    raw: sys::CUevent,
+}
+
+// Safety: CUDA events are driver handles that may be recorded, queried and destroyed from
+// any thread.
+unsafe impl Send for Event {}
+// Safety: as above; `record` and `query` are thread-safe driver calls.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Records the event on `stream` (a raw `cudaStream_t`/`CUstream`; 0 is the legacy
+    /// default stream).
+    pub fn record(&self, stream: usize) -> Result<()> {
+        let s = stream as sys::CUstream;
+        // Safety: `raw` is a live event; `stream` is a stream handle the caller got from the
+        // CUDA runtime (PyTorch) for a live stream of the same device.
+        call("cuEventRecord", || unsafe {
+            sys::cuEventRecord(self.raw, s)
+        })
+    }
+
+    /// Whether all work captured by the last `record` has completed.
+    pub fn query(&self) -> Result<bool> {
+        // Safety: `raw` is a live event.
+        let r = call_raw("cuEventQuery", || unsafe { sys::cuEventQuery(self.raw) })?;
+        match r {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuEventQuery", other).map(|_| false),
+        }
+    }
+
+    /// Blocks until the event completes.
+    pub fn synchronize(&self) -> Result<()> {
+        // Safety: `raw` is a live event.
+        call("cuEventSynchronize", || unsafe {
+            sys::cuEventSynchronize(self.raw)
+        })
+    }
+
+    /// Makes `stream` wait for this event (device-side, no host sync).
+    pub fn wait_on(&self, stream: usize) -> Result<()> {
+        let s = stream as sys::CUstream;
+        // Safety: live event; a live stream handle from the caller.
+        call("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(s, self.raw, 0)
+        })
+    }
+
+    /// The raw handle (for logging).
+    pub fn raw(&self) -> usize {
+        self.raw as usize
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // Safety: destroys the event created in `create_event`, once.
+        let _ = call("cuEventDestroy", || unsafe {
+            sys::cuEventDestroy_v2(self.raw)
+        });
+    }
+}
