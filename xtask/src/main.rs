@@ -1,17 +1,21 @@
 //! Project automation: `cargo xtask <task>`.
 //!
-//! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests).
+//! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, codegen --check).
+//! - `codegen [--check]`: regenerate the committed generated code (see `codegen.rs`).
 
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
+mod codegen;
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
+        Some("codegen") => codegen::run(&args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <ci>");
+            eprintln!("usage: cargo xtask <ci|codegen [--check]>");
             bail!("unknown or missing task")
         }
     }
@@ -47,5 +51,6 @@ fn ci() -> Result<()> {
     run(clippy)?;
     let mut test = cargo();
     test.args(["test", "--workspace"]);
-    run(test)
+    run(test)?;
+    codegen::run(&["--check".to_owned()])
 }

@@ -4,8 +4,10 @@
 //! (as they land) the trace and plan file formats, the plan verifier and the online
 //! engine. This crate links neither CUDA nor torch.
 
+pub mod file_format;
 pub mod plan;
 pub mod trace;
+pub mod trace_file;
 pub mod units;
 pub mod verify;
 
