@@ -4,3 +4,5 @@
 //! replay models of PyTorch's caching allocator, reports and pictures. The
 //! `stweaver` binary (`src/bin/stweaver`) is a thin CLI over this library.
 //! This crate links neither CUDA nor torch.
+
+pub mod snapshot;
