@@ -409,6 +409,41 @@ impl AllocatorConfig {
     }
 }
 
+impl AllocatorConfig {
+    /// The configuration a snapshot's `allocator_settings` describe (§4.2): the raw
+    /// `PYTORCH_CUDA_ALLOC_CONF` string is parsed (it alone carries
+    /// `large_segment_size_mb` and `max_non_split_rounding_mb`), then the decoded fields
+    /// override it, since they are what the allocator actually used (settings can change
+    /// at run time).
+    pub fn from_snapshot_settings(
+        settings: &crate::snapshot::AllocatorSettings,
+    ) -> Result<AllocatorConfig, ConfigError> {
+        let mut cfg = AllocatorConfig::parse(&settings.alloc_conf)?;
+        if !settings.present {
+            return Ok(cfg);
+        }
+        cfg.expandable_segments = settings.expandable_segments;
+        cfg.max_split_size = settings.max_split_size;
+        cfg.garbage_collection_threshold = (settings.garbage_collection_threshold > 0.0)
+            .then_some(settings.garbage_collection_threshold);
+        if !settings.roundup_power2_divisions.is_empty() {
+            let mut table = [0u32; ROUNDUP_INTERVALS];
+            for r in &settings.roundup_power2_divisions {
+                let mib = (r.interval_start.get() / MIB).max(1);
+                let idx = (63 - mib.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+                table[idx] = u32::try_from(r.divisions).map_err(|_| ConfigError::BadValue {
+                    input: settings.alloc_conf.clone(),
+                    key: "roundup_power2_divisions".into(),
+                    value: r.divisions.to_string(),
+                    reason: "too large".into(),
+                })?;
+            }
+            cfg.roundup_power2_divisions = table;
+        }
+        Ok(cfg)
+    }
+}
+
 fn mb_to_bytes(mb: u64) -> u64 {
     mb.saturating_mul(MIB)
 }
@@ -657,6 +692,39 @@ mod tests {
         assert_eq!(c.round_size(Bytes(1500)), Bytes(1536));
         // step == 0: tiny sizes with huge divisions go to the next power of two.
         assert_eq!(roundup_power2_next_division(3000, 4096), 4096);
+    }
+
+    #[test]
+    fn snapshot_settings_override_the_conf_string() {
+        use crate::snapshot::{AllocatorSettings, RoundupDivisions};
+        let mut s = AllocatorSettings {
+            present: true,
+            alloc_conf: "large_segment_size_mb:32,expandable_segments:True".into(),
+            expandable_segments: false,
+            max_split_size: Some(Bytes(64 * MIB)),
+            roundup_power2_divisions: (0..16)
+                .map(|i| RoundupDivisions {
+                    interval_start: Bytes(MIB << i),
+                    divisions: if i == 3 { 8 } else { 0 },
+                })
+                .collect(),
+            garbage_collection_threshold: 0.0,
+        };
+        let c = AllocatorConfig::from_snapshot_settings(&s).unwrap();
+        assert_eq!(c.large_segment_size, Bytes(32 * MIB));
+        assert!(!c.expandable_segments);
+        assert_eq!(c.max_split_size, Some(Bytes(64 * MIB)));
+        assert_eq!(c.divisions_for(9 * MIB), 8);
+        assert_eq!(c.divisions_for(5 * MIB), 0);
+        assert_eq!(c.garbage_collection_threshold, None);
+        s.alloc_conf = "bogus:1".into();
+        assert!(AllocatorConfig::from_snapshot_settings(&s).is_err());
+        let absent = AllocatorSettings::default();
+        assert!(
+            AllocatorConfig::from_snapshot_settings(&absent)
+                .unwrap()
+                .is_default()
+        );
     }
 
     #[test]
