@@ -4,6 +4,7 @@
 //! (as they land) the trace and plan file formats, the plan verifier and the online
 //! engine. This crate links neither CUDA nor torch.
 
+pub mod engine;
 pub mod file_format;
 pub mod plan;
 pub mod trace;

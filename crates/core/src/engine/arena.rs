@@ -1,0 +1,1161 @@
+//! Growable virtual-memory arenas with best-fit allocation and coalescing.
+//!
+//! # Layout
+//!
+//! An **arena** is one reserved virtual range `[base, base + len)` (granule aligned),
+//! cut into **blocks** that tile it exactly, in address order, through `prev`/`next`
+//! links. A block is in one of the [`BlockState`]s:
+//!
+//! ```text
+//!  base                                                              base + len
+//!  | Allocated | Free | Allocated | PendingFree | Free |      Unmapped        |
+//!  |<------------------------- mapped ------------------->|                   |
+//! ```
+//!
+//! `Mapping` and `Unmapping` blocks are owned by a thread that is calling the device
+//! with the engine's lock released; nobody else touches them.
+//!
+//! All blocks of all arenas live in one slab (`Vec<Block>` plus a free list of vacant
+//! slots), addressed by `u32` indices, so steady-state allocation reuses slots and never
+//! touches the heap.
+//!
+//! # Invariants (checked by [`Heap::check`])
+//!
+//! 1. The blocks of an arena tile it: each block starts where its predecessor ends.
+//! 2. No two `Free` blocks and no two `Unmapped` blocks are adjacent (coalescing).
+//! 3. Every boundary between mapped memory (`Free`, `Allocated`, `PendingFree`,
+//!    `Unmapping`) and unmapped memory (`Unmapped`, `Mapping`) is granule aligned.
+//! 4. The arena's fit tree holds exactly its `Free` blocks; its unmapped index exactly
+//!    its `Unmapped` blocks.
+//! 5. Block addresses and sizes are multiples of the 512-B alignment.
+//!
+//! # Algorithms and costs (n = free blocks in the arena)
+//!
+//! - **Best fit** ([`Heap::alloc`]): the free blocks of an arena sit in an intrusive
+//!   treap keyed by `(size, addr)`; the smallest key with `size >= request` is the best
+//!   fit, lowest address on ties (PyTorch's rule). The block is split and the remainder
+//!   goes back into the tree. Expected O(log n), no heap allocation once the slab has
+//!   grown to the workload's block count.
+//! - **Free** ([`Heap::free`]): coalesce with free neighbours, insert. Expected O(log n).
+//! - **Growth** ([`Heap::carve_growth`]): when nothing fits, take the lowest-addressed
+//!   run of free-then-unmapped space big enough for the request (PyTorch's
+//!   `find_expandable_block`) and carve out the granules that must be mapped — only the
+//!   ones the request needs, not a fixed segment size. O(unmapped blocks + run length).
+//!   The caller maps them with the lock released, then [`Heap::finish_mapping`] turns
+//!   them into free memory.
+//! - **Release** ([`Heap::carve_releasable`]): every granule lying wholly inside a free
+//!   block is carved out for unmapping (`empty_cache`); what stays is free memory that
+//!   shares a granule with a block in use — the *non-releasable* bytes the engine reports
+//!   as `inactive_split`. O(blocks).
+//!
+//! Fragmentation is therefore bounded as in PyTorch's expandable segments (same best
+//! fit, same growth rule), with a finer mapping unit: the granule (2 MiB) instead of the
+//! 20 MiB page expandable segments map for the large pool.
+
+use std::collections::BTreeMap;
+
+use crate::engine::stats::PoolKind;
+use crate::engine::streams::StreamUse;
+use crate::units::StreamId;
+
+/// Slab index of a block.
+pub(crate) type Idx = u32;
+/// The null index.
+pub(crate) const NIL: Idx = u32::MAX;
+
+/// Index of an arena in [`Heap`].
+pub(crate) type ArenaId = u32;
+
+/// Every block address and size is a multiple of this (PyTorch's `kMinBlockSize`).
+pub const ALIGNMENT: u64 = 512;
+
+/// What a block of an arena is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockState {
+    /// Mapped and available.
+    Free,
+    /// Handed out to a caller.
+    Allocated,
+    /// Freed by the caller, waiting for other streams to pass their events.
+    PendingFree,
+    /// Reserved address space with no physical memory.
+    Unmapped,
+    /// Being mapped by a thread that released the lock.
+    Mapping,
+    /// Being unmapped by a thread that released the lock.
+    Unmapping,
+}
+
+impl BlockState {
+    /// Whether physical memory backs the block (for reserved-bytes accounting).
+    #[inline]
+    pub fn is_mapped(self) -> bool {
+        !matches!(self, BlockState::Unmapped | BlockState::Mapping)
+    }
+}
+
+/// One block (a slab slot).
+#[derive(Debug)]
+pub(crate) struct Block {
+    pub addr: u64,
+    pub size: u64,
+    /// The caller's unrounded size while `Allocated` / `PendingFree`.
+    pub requested: u64,
+    pub state: BlockState,
+    pub arena: ArenaId,
+    /// Address-order neighbours (`next` doubles as the vacant-slot list link).
+    pub prev: Idx,
+    pub next: Idx,
+    left: Idx,
+    right: Idx,
+    prio: u32,
+    /// Streams other than the allocating one that use the block (`record_stream`),
+    /// with the event recorded for each at free time. Capacity is kept across reuse.
+    pub uses: Vec<StreamUse>,
+    /// Events still outstanding while `PendingFree`.
+    pub events_left: u32,
+    /// The block's allocation id in the trace being recorded, or `u32::MAX`.
+    pub trace_id: u32,
+}
+
+/// One arena: a reserved virtual range for one (stream, pool).
+#[derive(Debug)]
+pub(crate) struct Arena {
+    pub stream: StreamId,
+    pub kind: PoolKind,
+    pub base: u64,
+    pub len: u64,
+    head: Idx,
+    /// Root of the fit treap of `Free` blocks.
+    root: Idx,
+    /// `Unmapped` blocks by address.
+    unmapped: BTreeMap<u64, Idx>,
+}
+
+/// Why [`Heap::carve_growth`] could not carve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GrowthFailure {
+    /// No run of free + unmapped space in the arena is big enough.
+    NoRoom,
+    /// A run exists but mapping it needs `needed` bytes, more than the budget.
+    OverBudget { needed: u64 },
+}
+
+/// The slab has run out of `u32` indices (4 billion blocks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SlabFull;
+
+/// Per-pool totals computed by [`Heap::check`] from the blocks themselves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    pub arenas: u64,
+    pub mapped: u64,
+    pub allocated: u64,
+    pub allocated_count: u64,
+    pub active: u64,
+    pub active_count: u64,
+    pub requested: u64,
+    pub inactive: u64,
+    pub inactive_count: u64,
+}
+
+/// All arenas of an engine and the slab their blocks live in.
+#[derive(Debug)]
+pub(crate) struct Heap {
+    granule: u64,
+    blocks: Vec<Block>,
+    vacant: Idx,
+    arenas: Vec<Option<Arena>>,
+    /// Non-releasable free bytes and the number of free blocks holding some, per pool
+    /// (index 0 small, 1 large); maintained on every fit-tree insert and remove.
+    inactive_bytes: [u64; 2],
+    inactive_count: [u64; 2],
+}
+
+/// splitmix64 finaliser: treap priorities independent of slot order.
+fn mix(i: u64) -> u32 {
+    let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) as u32
+}
+
+#[inline]
+fn pool_index(kind: PoolKind) -> usize {
+    match kind {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+impl Heap {
+    /// An empty heap whose mapping unit is `granule` (a power of two ≥ [`ALIGNMENT`]).
+    pub fn new(granule: u64) -> Heap {
+        debug_assert!(granule.is_power_of_two() && granule >= ALIGNMENT);
+        Heap {
+            granule,
+            blocks: Vec::new(),
+            vacant: NIL,
+            arenas: Vec::new(),
+            inactive_bytes: [0; 2],
+            inactive_count: [0; 2],
+        }
+    }
+
+    #[inline]
+    pub fn block(&self, i: Idx) -> &Block {
+        &self.blocks[i as usize]
+    }
+
+    #[inline]
+    pub fn block_mut(&mut self, i: Idx) -> &mut Block {
+        &mut self.blocks[i as usize]
+    }
+
+    #[inline]
+    pub fn arena(&self, a: ArenaId) -> Option<&Arena> {
+        self.arenas.get(a as usize).and_then(Option::as_ref)
+    }
+
+    #[inline]
+    fn arena_mut(&mut self, a: ArenaId) -> &mut Arena {
+        match self.arenas.get_mut(a as usize).and_then(Option::as_mut) {
+            Some(arena) => arena,
+            None => unreachable!("arena {a} used after removal"),
+        }
+    }
+
+    /// Ids of the live arenas.
+    pub fn arena_ids(&self) -> impl Iterator<Item = ArenaId> + '_ {
+        self.arenas
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.is_some())
+            .map(|(i, _)| i as ArenaId)
+    }
+
+    /// The blocks of arena `a` in address order.
+    pub fn arena_blocks(&self, a: ArenaId) -> ArenaBlocks<'_> {
+        ArenaBlocks {
+            heap: self,
+            at: self.arena(a).map_or(NIL, |x| x.head),
+        }
+    }
+
+    /// Non-releasable free bytes of `kind` (the engine's `inactive_split_bytes`).
+    pub fn inactive_bytes(&self, kind: PoolKind) -> u64 {
+        self.inactive_bytes[pool_index(kind)]
+    }
+
+    /// Free blocks of `kind` holding non-releasable bytes (`inactive_split`).
+    pub fn inactive_count(&self, kind: PoolKind) -> u64 {
+        self.inactive_count[pool_index(kind)]
+    }
+
+    // ---------------------------------------------------------------- slab
+
+    fn new_block(
+        &mut self,
+        addr: u64,
+        size: u64,
+        state: BlockState,
+        arena: ArenaId,
+    ) -> Result<Idx, SlabFull> {
+        let i = if self.vacant != NIL {
+            let i = self.vacant;
+            self.vacant = self.blocks[i as usize].next;
+            i
+        } else {
+            if self.blocks.len() >= NIL as usize {
+                return Err(SlabFull);
+            }
+            let i = self.blocks.len() as Idx;
+            self.blocks.push(Block {
+                addr: 0,
+                size: 0,
+                requested: 0,
+                state: BlockState::Unmapped,
+                arena: 0,
+                prev: NIL,
+                next: NIL,
+                left: NIL,
+                right: NIL,
+                prio: mix(i as u64),
+                uses: Vec::new(),
+                events_left: 0,
+                trace_id: u32::MAX,
+            });
+            i
+        };
+        let b = &mut self.blocks[i as usize];
+        b.addr = addr;
+        b.size = size;
+        b.requested = 0;
+        b.state = state;
+        b.arena = arena;
+        b.prev = NIL;
+        b.next = NIL;
+        b.left = NIL;
+        b.right = NIL;
+        b.uses.clear();
+        b.events_left = 0;
+        b.trace_id = u32::MAX;
+        Ok(i)
+    }
+
+    fn drop_block(&mut self, i: Idx) {
+        let vacant = self.vacant;
+        let b = &mut self.blocks[i as usize];
+        b.next = vacant;
+        b.prev = NIL;
+        b.size = 0;
+        self.vacant = i;
+    }
+
+    /// Links `n` right after `at` in address order.
+    fn link_after(&mut self, at: Idx, n: Idx) {
+        let next = self.blocks[at as usize].next;
+        self.blocks[n as usize].prev = at;
+        self.blocks[n as usize].next = next;
+        self.blocks[at as usize].next = n;
+        if next != NIL {
+            self.blocks[next as usize].prev = n;
+        }
+    }
+
+    /// Unlinks `n` from its arena's address list (it must not be the head).
+    fn unlink(&mut self, n: Idx) {
+        let (prev, next) = (self.blocks[n as usize].prev, self.blocks[n as usize].next);
+        debug_assert!(prev != NIL, "the head block is never unlinked");
+        self.blocks[prev as usize].next = next;
+        if next != NIL {
+            self.blocks[next as usize].prev = prev;
+        }
+    }
+
+    // ---------------------------------------------------------------- arenas
+
+    /// Adds an arena over the reserved range `[base, base + len)`, all unmapped.
+    pub fn add_arena(
+        &mut self,
+        stream: StreamId,
+        kind: PoolKind,
+        base: u64,
+        len: u64,
+    ) -> Result<ArenaId, SlabFull> {
+        let id = match self.arenas.iter().position(Option::is_none) {
+            Some(i) => i as ArenaId,
+            None => {
+                self.arenas.push(None);
+                (self.arenas.len() - 1) as ArenaId
+            }
+        };
+        let head = self.new_block(base, len, BlockState::Unmapped, id)?;
+        let mut unmapped = BTreeMap::new();
+        unmapped.insert(base, head);
+        self.arenas[id as usize] = Some(Arena {
+            stream,
+            kind,
+            base,
+            len,
+            head,
+            root: NIL,
+            unmapped,
+        });
+        Ok(id)
+    }
+
+    /// Whether arena `a` has nothing mapped and nothing in flight (one unmapped block).
+    pub fn arena_is_empty(&self, a: ArenaId) -> bool {
+        self.arena(a).is_some_and(|x| {
+            let h = self.block(x.head);
+            h.state == BlockState::Unmapped && h.next == NIL
+        })
+    }
+
+    /// Removes an empty arena (see [`Heap::arena_is_empty`]), returning it.
+    pub fn remove_arena(&mut self, a: ArenaId) -> Option<Arena> {
+        if !self.arena_is_empty(a) {
+            return None;
+        }
+        let arena = self.arenas[a as usize].take()?;
+        self.drop_block(arena.head);
+        Some(arena)
+    }
+
+    // ---------------------------------------------------------------- fit tree
+
+    #[inline]
+    fn key(&self, i: Idx) -> (u64, u64) {
+        let b = &self.blocks[i as usize];
+        (b.size, b.addr)
+    }
+
+    /// Splits treap `t` into keys `< key` and keys `>= key`.
+    fn split(&mut self, t: Idx, key: (u64, u64)) -> (Idx, Idx) {
+        if t == NIL {
+            return (NIL, NIL);
+        }
+        if self.key(t) < key {
+            let (l, r) = self.split(self.blocks[t as usize].right, key);
+            self.blocks[t as usize].right = l;
+            (t, r)
+        } else {
+            let (l, r) = self.split(self.blocks[t as usize].left, key);
+            self.blocks[t as usize].left = r;
+            (l, t)
+        }
+    }
+
+    /// Joins treaps `a` and `b`, every key of `a` below every key of `b`.
+    fn merge(&mut self, a: Idx, b: Idx) -> Idx {
+        if a == NIL {
+            return b;
+        }
+        if b == NIL {
+            return a;
+        }
+        if self.blocks[a as usize].prio > self.blocks[b as usize].prio {
+            let r = self.merge(self.blocks[a as usize].right, b);
+            self.blocks[a as usize].right = r;
+            a
+        } else {
+            let l = self.merge(a, self.blocks[b as usize].left);
+            self.blocks[b as usize].left = l;
+            b
+        }
+    }
+
+    fn insert_rec(&mut self, t: Idx, n: Idx) -> Idx {
+        if t == NIL {
+            return n;
+        }
+        if self.blocks[n as usize].prio > self.blocks[t as usize].prio {
+            let (l, r) = self.split(t, self.key(n));
+            self.blocks[n as usize].left = l;
+            self.blocks[n as usize].right = r;
+            return n;
+        }
+        if self.key(n) < self.key(t) {
+            let l = self.insert_rec(self.blocks[t as usize].left, n);
+            self.blocks[t as usize].left = l;
+        } else {
+            let r = self.insert_rec(self.blocks[t as usize].right, n);
+            self.blocks[t as usize].right = r;
+        }
+        t
+    }
+
+    fn remove_rec(&mut self, t: Idx, key: (u64, u64)) -> Idx {
+        if t == NIL {
+            return NIL;
+        }
+        let tk = self.key(t);
+        if key < tk {
+            let l = self.remove_rec(self.blocks[t as usize].left, key);
+            self.blocks[t as usize].left = l;
+            t
+        } else if key > tk {
+            let r = self.remove_rec(self.blocks[t as usize].right, key);
+            self.blocks[t as usize].right = r;
+            t
+        } else {
+            let (l, r) = (self.blocks[t as usize].left, self.blocks[t as usize].right);
+            self.blocks[t as usize].left = NIL;
+            self.blocks[t as usize].right = NIL;
+            self.merge(l, r)
+        }
+    }
+
+    /// Non-releasable bytes of a free block `[addr, addr + size)`: everything outside
+    /// the granules that lie wholly inside it.
+    #[inline]
+    pub fn non_releasable(&self, addr: u64, size: u64) -> u64 {
+        let g = self.granule;
+        let lo = addr.div_ceil(g) * g;
+        let hi = (addr + size) / g * g;
+        size - hi.saturating_sub(lo)
+    }
+
+    fn tree_insert(&mut self, n: Idx) {
+        let b = &self.blocks[n as usize];
+        debug_assert_eq!(b.state, BlockState::Free);
+        let a = b.arena;
+        let nr = self.non_releasable(b.addr, b.size);
+        let kind = self.arena_mut(a).kind;
+        self.inactive_bytes[pool_index(kind)] += nr;
+        self.inactive_count[pool_index(kind)] += u64::from(nr > 0);
+        self.blocks[n as usize].left = NIL;
+        self.blocks[n as usize].right = NIL;
+        let root = self.arena_mut(a).root;
+        let root = self.insert_rec(root, n);
+        self.arena_mut(a).root = root;
+    }
+
+    fn tree_remove(&mut self, n: Idx) {
+        let b = &self.blocks[n as usize];
+        debug_assert_eq!(b.state, BlockState::Free);
+        let a = b.arena;
+        let nr = self.non_releasable(b.addr, b.size);
+        let kind = self.arena_mut(a).kind;
+        self.inactive_bytes[pool_index(kind)] -= nr;
+        self.inactive_count[pool_index(kind)] -= u64::from(nr > 0);
+        let root = self.arena_mut(a).root;
+        let key = self.key(n);
+        let root = self.remove_rec(root, key);
+        self.arena_mut(a).root = root;
+    }
+
+    /// The free block of arena `a` with the smallest `(size, addr)` such that
+    /// `size >= want`, or [`NIL`].
+    fn best_fit(&self, a: ArenaId, want: u64) -> Idx {
+        let mut t = self.arena(a).map_or(NIL, |x| x.root);
+        let mut best = NIL;
+        while t != NIL {
+            let b = &self.blocks[t as usize];
+            if b.size >= want {
+                best = t;
+                t = b.left;
+            } else {
+                t = b.right;
+            }
+        }
+        best
+    }
+
+    // ---------------------------------------------------------------- serving
+
+    /// Best fit for `size` bytes (a multiple of [`ALIGNMENT`]) in arena `a`: the block is
+    /// split to exactly `size` and marked `Allocated`. `Ok(None)` when no free block is
+    /// big enough.
+    pub fn alloc(
+        &mut self,
+        a: ArenaId,
+        size: u64,
+        requested: u64,
+    ) -> Result<Option<Idx>, SlabFull> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT));
+        let b = self.best_fit(a, size);
+        if b == NIL {
+            return Ok(None);
+        }
+        let rest = self.blocks[b as usize].size - size;
+        // Take the slot for the remainder before touching the tree, so a full slab
+        // leaves everything as it was.
+        let r = if rest > 0 {
+            let addr = self.blocks[b as usize].addr + size;
+            Some(self.new_block(addr, rest, BlockState::Free, a)?)
+        } else {
+            None
+        };
+        self.tree_remove(b);
+        {
+            let blk = &mut self.blocks[b as usize];
+            blk.size = size;
+            blk.state = BlockState::Allocated;
+            blk.requested = requested;
+        }
+        if let Some(r) = r {
+            self.link_after(b, r);
+            self.tree_insert(r);
+        }
+        Ok(Some(b))
+    }
+
+    /// Returns `Allocated`/`PendingFree` block `i` to the free memory of its arena,
+    /// coalescing with free neighbours. Returns the index of the resulting free block.
+    pub fn free(&mut self, i: Idx) -> Idx {
+        debug_assert!(matches!(
+            self.blocks[i as usize].state,
+            BlockState::Allocated | BlockState::PendingFree
+        ));
+        {
+            let b = &mut self.blocks[i as usize];
+            b.state = BlockState::Free;
+            b.requested = 0;
+            b.events_left = 0;
+            b.trace_id = u32::MAX;
+            b.uses.clear();
+        }
+        let i = self.coalesce_free(i);
+        self.tree_insert(i);
+        i
+    }
+
+    /// Merges free block `i` (not in the tree) with free neighbours (which are), and
+    /// returns the merged block (not in the tree).
+    fn coalesce_free(&mut self, mut i: Idx) -> Idx {
+        let prev = self.blocks[i as usize].prev;
+        if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+            self.tree_remove(prev);
+            let size = self.blocks[i as usize].size;
+            self.blocks[prev as usize].size += size;
+            self.unlink(i);
+            self.drop_block(i);
+            i = prev;
+        }
+        let next = self.blocks[i as usize].next;
+        if next != NIL && self.blocks[next as usize].state == BlockState::Free {
+            self.tree_remove(next);
+            let size = self.blocks[next as usize].size;
+            self.blocks[i as usize].size += size;
+            self.unlink(next);
+            self.drop_block(next);
+        }
+        i
+    }
+
+    /// Marks block `i` `Unmapped`, merging it with unmapped neighbours and indexing it.
+    fn settle_unmapped(&mut self, mut i: Idx) {
+        let a = self.blocks[i as usize].arena;
+        self.blocks[i as usize].state = BlockState::Unmapped;
+        let prev = self.blocks[i as usize].prev;
+        if prev != NIL && self.blocks[prev as usize].state == BlockState::Unmapped {
+            let size = self.blocks[i as usize].size;
+            self.blocks[prev as usize].size += size;
+            self.unlink(i);
+            self.drop_block(i);
+            i = prev;
+        }
+        let next = self.blocks[i as usize].next;
+        if next != NIL && self.blocks[next as usize].state == BlockState::Unmapped {
+            let (naddr, nsize) = (
+                self.blocks[next as usize].addr,
+                self.blocks[next as usize].size,
+            );
+            self.arena_mut(a).unmapped.remove(&naddr);
+            self.blocks[i as usize].size += nsize;
+            self.unlink(next);
+            self.drop_block(next);
+        }
+        let addr = self.blocks[i as usize].addr;
+        self.arena_mut(a).unmapped.insert(addr, i);
+    }
+
+    // ---------------------------------------------------------------- growth
+
+    /// Finds the lowest-addressed run of free and unmapped blocks in arena `a` that holds
+    /// `size` bytes, and carves out the granules of it that must be mapped (`Mapping`
+    /// blocks, returned in address order with their sizes). Fails if no run is big
+    /// enough, or if mapping it would take more than `budget` bytes.
+    pub fn carve_growth(
+        &mut self,
+        a: ArenaId,
+        size: u64,
+        budget: u64,
+    ) -> Result<Result<Vec<Idx>, GrowthFailure>, SlabFull> {
+        let g = self.granule;
+        let Some(arena) = self.arena(a) else {
+            return Ok(Err(GrowthFailure::NoRoom));
+        };
+        // The first unmapped block whose run (starting at a free predecessor) holds
+        // `size` bytes.
+        let mut start = NIL;
+        for &u in arena.unmapped.values() {
+            let prev = self.blocks[u as usize].prev;
+            let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+                prev
+            } else {
+                u
+            };
+            let (mut sum, mut b) = (0u64, s);
+            while b != NIL && sum < size {
+                let blk = &self.blocks[b as usize];
+                if !matches!(blk.state, BlockState::Free | BlockState::Unmapped) {
+                    break;
+                }
+                sum += blk.size;
+                b = blk.next;
+            }
+            if sum >= size {
+                start = s;
+                break;
+            }
+        }
+        if start == NIL {
+            return Ok(Err(GrowthFailure::NoRoom));
+        }
+        // How much of each unmapped block in the run to map.
+        let mut plan: Vec<(Idx, u64)> = Vec::new();
+        let (mut left, mut b) = (size, start);
+        while left > 0 {
+            let blk = &self.blocks[b as usize];
+            match blk.state {
+                BlockState::Free => left -= left.min(blk.size),
+                BlockState::Unmapped => {
+                    let m = left.div_ceil(g).saturating_mul(g).min(blk.size);
+                    plan.push((b, m));
+                    left -= left.min(m);
+                }
+                _ => unreachable!("run checked above"),
+            }
+            b = blk.next;
+        }
+        let needed: u64 = plan.iter().map(|&(_, m)| m).sum();
+        if needed > budget {
+            return Ok(Err(GrowthFailure::OverBudget { needed }));
+        }
+        // Reserve slab slots first so a full slab changes nothing.
+        let spare_needed = plan
+            .iter()
+            .filter(|&&(b, m)| m < self.blocks[b as usize].size)
+            .count();
+        let mut spares = Vec::with_capacity(spare_needed);
+        for _ in 0..spare_needed {
+            match self.new_block(0, 0, BlockState::Unmapped, a) {
+                Ok(s) => spares.push(s),
+                Err(e) => {
+                    spares.into_iter().for_each(|s| self.drop_block(s));
+                    return Err(e);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(plan.len());
+        for (b, m) in plan {
+            let (addr, bsize) = (self.blocks[b as usize].addr, self.blocks[b as usize].size);
+            self.arena_mut(a).unmapped.remove(&addr);
+            if m < bsize {
+                let Some(r) = spares.pop() else {
+                    unreachable!("one spare per split")
+                };
+                self.blocks[r as usize].addr = addr + m;
+                self.blocks[r as usize].size = bsize - m;
+                self.link_after(b, r);
+                self.arena_mut(a).unmapped.insert(addr + m, r);
+                self.blocks[b as usize].size = m;
+            }
+            self.blocks[b as usize].state = BlockState::Mapping;
+            out.push(b);
+        }
+        Ok(Ok(out))
+    }
+
+    /// Ends the mapping of `Mapping` block `i`: on success it becomes free memory
+    /// (coalesced, in the fit tree), on failure unmapped again.
+    pub fn finish_mapping(&mut self, i: Idx, mapped: bool) {
+        debug_assert_eq!(self.blocks[i as usize].state, BlockState::Mapping);
+        if mapped {
+            self.blocks[i as usize].state = BlockState::Free;
+            let i = self.coalesce_free(i);
+            self.tree_insert(i);
+        } else {
+            self.settle_unmapped(i);
+        }
+    }
+
+    // ---------------------------------------------------------------- release
+
+    /// Carves every granule that lies wholly inside a free block of arena `a` out as an
+    /// `Unmapping` block (returned in address order). Free heads and tails that share a
+    /// granule with something else stay free.
+    pub fn carve_releasable(&mut self, a: ArenaId) -> Result<Vec<Idx>, SlabFull> {
+        let g = self.granule;
+        let mut out = Vec::new();
+        let mut b = self.arena(a).map_or(NIL, |x| x.head);
+        while b != NIL {
+            let blk = &self.blocks[b as usize];
+            let next = blk.next;
+            if blk.state == BlockState::Free {
+                let (addr, size) = (blk.addr, blk.size);
+                let lo = addr.div_ceil(g) * g;
+                let hi = (addr + size) / g * g;
+                if hi > lo {
+                    let head = (lo > addr).then_some(lo - addr);
+                    let tail = (addr + size > hi).then_some(addr + size - hi);
+                    let slots = usize::from(head.is_some()) + usize::from(tail.is_some());
+                    let mut spares = Vec::with_capacity(slots);
+                    for _ in 0..slots {
+                        match self.new_block(0, 0, BlockState::Free, a) {
+                            Ok(s) => spares.push(s),
+                            Err(e) => {
+                                spares.into_iter().for_each(|s| self.drop_block(s));
+                                return Err(e);
+                            }
+                        }
+                    }
+                    self.tree_remove(b);
+                    // `b` becomes the unmapping middle; head and tail are new free blocks.
+                    self.blocks[b as usize].addr = lo;
+                    self.blocks[b as usize].size = hi - lo;
+                    self.blocks[b as usize].state = BlockState::Unmapping;
+                    if let Some(h) = head {
+                        let Some(s) = spares.pop() else {
+                            unreachable!("spare for head")
+                        };
+                        self.blocks[s as usize].addr = addr;
+                        self.blocks[s as usize].size = h;
+                        let prev = self.blocks[b as usize].prev;
+                        if prev == NIL {
+                            unreachable!(
+                                "a block with a free head part has a predecessor in the arena"
+                            );
+                        }
+                        self.link_after(prev, s);
+                        self.tree_insert(s);
+                    }
+                    if let Some(t) = tail {
+                        let Some(s) = spares.pop() else {
+                            unreachable!("spare for tail")
+                        };
+                        self.blocks[s as usize].addr = hi;
+                        self.blocks[s as usize].size = t;
+                        self.link_after(b, s);
+                        self.tree_insert(s);
+                    }
+                    out.push(b);
+                }
+            }
+            b = next;
+        }
+        Ok(out)
+    }
+
+    /// Ends the unmapping of `Unmapping` block `i`: on success it becomes unmapped
+    /// (coalesced, indexed), on failure free memory again.
+    pub fn finish_unmapping(&mut self, i: Idx, unmapped: bool) {
+        debug_assert_eq!(self.blocks[i as usize].state, BlockState::Unmapping);
+        if unmapped {
+            self.settle_unmapped(i);
+        } else {
+            self.blocks[i as usize].state = BlockState::Free;
+            let i = self.coalesce_free(i);
+            self.tree_insert(i);
+        }
+    }
+
+    // ---------------------------------------------------------------- checking
+
+    /// Checks the invariants of the module documentation for every arena and returns
+    /// per-pool totals recomputed from the blocks (index 0 small, 1 large).
+    pub fn check(&self) -> Result<[Totals; 2], String> {
+        let g = self.granule;
+        let mut totals = [Totals::default(); 2];
+        for a in self.arena_ids() {
+            let arena = self.arena(a).ok_or("listed arena missing")?;
+            let t = &mut totals[pool_index(arena.kind)];
+            t.arenas += 1;
+            if !arena.base.is_multiple_of(g) || !arena.len.is_multiple_of(g) || arena.len == 0 {
+                return Err(format!("arena {a} not granule aligned"));
+            }
+            let (mut at, mut prev, mut b) = (arena.base, NIL, arena.head);
+            let (mut free_blocks, mut unmapped_blocks) = (0usize, 0usize);
+            while b != NIL {
+                let blk = self.block(b);
+                let ctx = |m: &str| {
+                    format!(
+                        "arena {a} block {b} [{:#x}+{:#x}] {:?}: {m}",
+                        blk.addr, blk.size, blk.state
+                    )
+                };
+                if blk.arena != a {
+                    return Err(ctx("belongs to another arena"));
+                }
+                if blk.addr != at || blk.prev != prev {
+                    return Err(ctx("does not continue its predecessor"));
+                }
+                if blk.size == 0 || !blk.addr.is_multiple_of(ALIGNMENT) || !blk.size.is_multiple_of(ALIGNMENT) {
+                    return Err(ctx("empty or misaligned"));
+                }
+                if prev != NIL {
+                    let p = self.block(prev);
+                    if p.state == blk.state
+                        && matches!(blk.state, BlockState::Free | BlockState::Unmapped)
+                    {
+                        return Err(ctx("not coalesced with its predecessor"));
+                    }
+                    if p.state.is_mapped() != blk.state.is_mapped() && !blk.addr.is_multiple_of(g) {
+                        return Err(ctx("mapped/unmapped boundary not granule aligned"));
+                    }
+                }
+                if blk.state.is_mapped() {
+                    t.mapped += blk.size;
+                }
+                match blk.state {
+                    BlockState::Free => {
+                        free_blocks += 1;
+                        let nr = self.non_releasable(blk.addr, blk.size);
+                        t.inactive += nr;
+                        t.inactive_count += u64::from(nr > 0);
+                    }
+                    BlockState::Allocated => {
+                        t.allocated += blk.size;
+                        t.allocated_count += 1;
+                        t.active += blk.size;
+                        t.active_count += 1;
+                        t.requested += blk.requested;
+                    }
+                    BlockState::PendingFree => {
+                        t.active += blk.size;
+                        t.active_count += 1;
+                        t.requested += blk.requested;
+                    }
+                    BlockState::Unmapped => {
+                        unmapped_blocks += 1;
+                        if arena.unmapped.get(&blk.addr) != Some(&b) {
+                            return Err(ctx("missing from the unmapped index"));
+                        }
+                    }
+                    BlockState::Mapping | BlockState::Unmapping => {}
+                }
+                at = blk.addr + blk.size;
+                prev = b;
+                b = blk.next;
+            }
+            if at != arena.base + arena.len {
+                return Err(format!("arena {a} blocks end at {at:#x}, not at its end"));
+            }
+            if unmapped_blocks != arena.unmapped.len() {
+                return Err(format!("arena {a} unmapped index has stale entries"));
+            }
+            let mut in_tree = 0usize;
+            self.check_tree(arena.root, a, None, None, u32::MAX, &mut in_tree)?;
+            if in_tree != free_blocks {
+                return Err(format!(
+                    "arena {a} fit tree holds {in_tree} blocks, the arena {free_blocks} free ones"
+                ));
+            }
+        }
+        for (k, t) in totals.iter().enumerate() {
+            if (t.inactive, t.inactive_count) != (self.inactive_bytes[k], self.inactive_count[k]) {
+                return Err(format!(
+                    "pool {k}: non-releasable bytes/blocks counted {}/{}, recomputed {}/{}",
+                    self.inactive_bytes[k], self.inactive_count[k], t.inactive, t.inactive_count
+                ));
+            }
+        }
+        Ok(totals)
+    }
+
+    fn check_tree(
+        &self,
+        t: Idx,
+        a: ArenaId,
+        lo: Option<(u64, u64)>,
+        hi: Option<(u64, u64)>,
+        max_prio: u32,
+        count: &mut usize,
+    ) -> Result<(), String> {
+        if t == NIL {
+            return Ok(());
+        }
+        let b = self.block(t);
+        let k = self.key(t);
+        if b.state != BlockState::Free || b.arena != a {
+            return Err(format!(
+                "fit tree of arena {a} holds block {t} ({:?}, arena {})",
+                b.state, b.arena
+            ));
+        }
+        if lo.is_some_and(|lo| k <= lo) || hi.is_some_and(|hi| k >= hi) {
+            return Err(format!("fit tree of arena {a} out of order at block {t}"));
+        }
+        if b.prio > max_prio {
+            return Err(format!(
+                "fit tree of arena {a} violates heap order at block {t}"
+            ));
+        }
+        *count += 1;
+        self.check_tree(b.left, a, lo, Some(k), b.prio, count)?;
+        self.check_tree(b.right, a, Some(k), hi, b.prio, count)
+    }
+}
+
+/// Iterator over the blocks of one arena in address order.
+pub(crate) struct ArenaBlocks<'a> {
+    heap: &'a Heap,
+    at: Idx,
+}
+
+impl<'a> Iterator for ArenaBlocks<'a> {
+    type Item = (Idx, &'a Block);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at == NIL {
+            return None;
+        }
+        let i = self.at;
+        let b = self.heap.block(i);
+        self.at = b.next;
+        Some((i, b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    const G: u64 = 4096;
+    const BASE: u64 = 1 << 30;
+
+    fn heap_with_arena(len: u64) -> (Heap, ArenaId) {
+        let mut h = Heap::new(G);
+        let a = h
+            .add_arena(StreamId(0), PoolKind::Small, BASE, len)
+            .unwrap();
+        (h, a)
+    }
+
+    fn grow(h: &mut Heap, a: ArenaId, size: u64) -> u64 {
+        let carved = h.carve_growth(a, size, u64::MAX).unwrap().unwrap();
+        let mut mapped = 0;
+        for b in carved {
+            mapped += h.block(b).size;
+            h.finish_mapping(b, true);
+        }
+        mapped
+    }
+
+    #[test]
+    fn best_fit_prefers_smallest_then_lowest_address() {
+        let (mut h, a) = heap_with_arena(16 * G);
+        assert_eq!(grow(&mut h, a, 4 * G), 4 * G);
+        // Carve [x0:512][gap 1024][x1:512][gap 512][x2:512][gap 1024][rest]
+        let sizes = [512, 1024, 512, 512, 512, 1024, 512];
+        let ids: Vec<Idx> = sizes
+            .iter()
+            .map(|&s| h.alloc(a, s, s).unwrap().unwrap())
+            .collect();
+        for &i in &[ids[1], ids[3], ids[5]] {
+            h.free(i);
+        }
+        h.check().unwrap();
+        // A 512-B request takes the single 512-B hole, not a 1024-B one.
+        let x = h.alloc(a, 512, 100).unwrap().unwrap();
+        assert_eq!(h.block(x).addr, h.block(ids[3]).addr);
+        // A 1024-B request: two equal holes, the lower address wins.
+        let y = h.alloc(a, 1024, 1024).unwrap().unwrap();
+        assert_eq!(h.block(y).addr, BASE + 512);
+        h.check().unwrap();
+    }
+
+    #[test]
+    fn growth_maps_only_needed_granules_and_reuses_a_free_tail() {
+        let (mut h, a) = heap_with_arena(64 * G);
+        assert_eq!(grow(&mut h, a, 512), G);
+        let x = h.alloc(a, 512, 1).unwrap().unwrap();
+        // 3.5 granules free at the tail are not enough for 2G + ...: run = free tail
+        // (G - 512) + unmapped; map only what is missing.
+        assert!(h.alloc(a, 2 * G, 2 * G).unwrap().is_none());
+        assert_eq!(grow(&mut h, a, 2 * G), 2 * G);
+        let y = h.alloc(a, 2 * G, 2 * G).unwrap().unwrap();
+        assert_eq!(h.block(y).addr, BASE + 512);
+        let t = h.check().unwrap();
+        assert_eq!(t[0].mapped, 3 * G);
+        assert_eq!(t[0].allocated, 2 * G + 512);
+        // The free tail [BASE + 2G + 512, BASE + 3G) shares a granule with y.
+        assert_eq!(h.inactive_bytes(PoolKind::Small), G - 512);
+        h.free(x);
+        h.free(y);
+        assert_eq!(h.inactive_bytes(PoolKind::Small), 0);
+        let carved = h.carve_releasable(a).unwrap();
+        assert_eq!(carved.len(), 1);
+        for b in carved {
+            h.finish_unmapping(b, true);
+        }
+        assert!(h.arena_is_empty(a));
+        assert!(h.remove_arena(a).is_some());
+    }
+
+    #[test]
+    fn release_keeps_partial_granules_and_over_budget_is_refused() {
+        let (mut h, a) = heap_with_arena(8 * G);
+        grow(&mut h, a, 4 * G);
+        let x = h.alloc(a, 512, 512).unwrap().unwrap();
+        let _y = h.alloc(a, G, G).unwrap().unwrap();
+        let z = h.alloc(a, G, G).unwrap().unwrap();
+        let _w = h.alloc(a, 512, 512).unwrap().unwrap();
+        h.free(x);
+        h.free(z);
+        // Free: [0, 512) and [G+512, 2G+512) and [2G+1024, 4G).
+        let carved = h.carve_releasable(a).unwrap();
+        let got: Vec<(u64, u64)> = carved
+            .iter()
+            .map(|&b| (h.block(b).addr - BASE, h.block(b).size))
+            .collect();
+        assert_eq!(got, vec![(3 * G, G)]);
+        for b in carved {
+            h.finish_unmapping(b, true);
+        }
+        h.check().unwrap();
+        assert_eq!(
+            h.carve_growth(a, 5 * G, 2 * G).unwrap(),
+            Err(GrowthFailure::OverBudget { needed: 5 * G })
+        );
+        assert_eq!(
+            h.carve_growth(a, 9 * G, u64::MAX).unwrap(),
+            Err(GrowthFailure::NoRoom)
+        );
+        h.check().unwrap();
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(u64),
+        Free(usize),
+        Grow(u64),
+        Release,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (1u64..=24).prop_map(|k| Op::Alloc(k * 512)),
+            3 => any::<usize>().prop_map(Op::Free),
+            1 => (1u64..=40).prop_map(|k| Op::Grow(k * 512)),
+            1 => Just(Op::Release),
+        ]
+    }
+
+    proptest! {
+        /// The treap agrees with a `BTreeSet` of (size, addr) on every best fit, and the
+        /// heap's invariants hold after every step.
+        #[test]
+        fn heap_matches_a_set_model(ops in proptest::collection::vec(op(), 1..200)) {
+            let (mut h, a) = heap_with_arena(64 * G);
+            let mut live: Vec<Idx> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(s) => {
+                        let model: BTreeSet<(u64, u64)> = h
+                            .arena_blocks(a)
+                            .filter(|(_, b)| b.state == BlockState::Free)
+                            .map(|(_, b)| (b.size, b.addr))
+                            .collect();
+                        let want = model.range((s, 0)..).next().map(|&(_, addr)| addr);
+                        let got = h.alloc(a, s, s).unwrap();
+                        prop_assert_eq!(got.map(|i| h.block(i).addr), want);
+                        if let Some(i) = got {
+                            live.push(i);
+                        }
+                    }
+                    Op::Free(k) if !live.is_empty() => {
+                        let i = live.swap_remove(k % live.len());
+                        h.free(i);
+                    }
+                    Op::Free(_) => {}
+                    Op::Grow(s) => {
+                        if let Ok(carved) = h.carve_growth(a, s, u64::MAX).unwrap() {
+                            for b in carved {
+                                h.finish_mapping(b, true);
+                            }
+                        }
+                    }
+                    Op::Release => {
+                        for b in h.carve_releasable(a).unwrap() {
+                            h.finish_unmapping(b, true);
+                        }
+                    }
+                }
+                h.check().map_err(TestCaseError::fail)?;
+            }
+            for i in live {
+                h.free(i);
+            }
+            for b in h.carve_releasable(a).unwrap() {
+                h.finish_unmapping(b, true);
+            }
+            prop_assert!(h.arena_is_empty(a));
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! The device the engine allocates from, as a trait.
+//!
+//! The engine never talks to CUDA directly: it asks a [`DeviceMemory`] for
+//!
+//! - **virtual address ranges** ([`DeviceMemory::reserve`] / [`DeviceMemory::release`];
+//!   CUDA: `cuMemAddressReserve` / `cuMemAddressFree`),
+//! - **physical backing** of granule-aligned sub-ranges of a reservation
+//!   ([`DeviceMemory::map`] / [`DeviceMemory::unmap`]; CUDA: `cuMemCreate` + `cuMemMap` +
+//!   `cuMemSetAccess`, and `cuMemUnmap` + `cuMemRelease`), in multiples of
+//!   [`DeviceMemory::granularity`] (2 MiB on an H200),
+//! - **events** to order a free behind work on other streams
+//!   ([`DeviceMemory::create_event`], [`DeviceMemory::record_event`],
+//!   [`DeviceMemory::query_event`], [`DeviceMemory::synchronize_event`],
+//!   [`DeviceMemory::destroy_event`]; CUDA: `cudaEvent*`),
+//! - a **device-wide synchronisation** before memory is unmapped
+//!   ([`DeviceMemory::synchronize`]), and the device's **memory size**
+//!   ([`DeviceMemory::total_memory`], [`DeviceMemory::free_memory`]).
+//!
+//! The host implementation for tests is [`crate::engine::HostMemory`].
+//!
+//! # Contract
+//!
+//! Implementations are `Send + Sync`: the engine calls them from any thread, and never
+//! while holding its own lock (so a slow `cuMemMap` does not stall other threads'
+//! allocations). Every range passed to `map`/`unmap` lies inside one reservation and is
+//! granule-aligned in address and size; `map` is only called on unmapped granules and
+//! `unmap` only on mapped ones; `release` is only called on a whole reservation with
+//! nothing mapped. A violation of these is reported as [`DeviceError::InvalidRange`],
+//! never undefined behaviour.
+
+use std::fmt;
+
+use crate::units::{Bytes, StreamId};
+
+/// A device virtual address (`CUdeviceptr`). 0 is never a valid allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The raw address.
+    #[inline]
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The address `bytes` further on. `None` on overflow.
+    #[inline]
+    pub const fn add(self, bytes: Bytes) -> Option<DevicePtr> {
+        match self.0.checked_add(bytes.0) {
+            Some(v) => Some(DevicePtr(v)),
+            None => None,
+        }
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// An event handle issued by a [`DeviceMemory`] (`cudaEvent_t` as an integer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DeviceEvent(pub u64);
+
+impl fmt::Display for DeviceEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ev{}", self.0)
+    }
+}
+
+/// What a device call can fail with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// The device has no physical memory (or address space) left for the request.
+    #[error("device out of memory mapping {size}")]
+    OutOfMemory { size: Bytes },
+    /// A range that is not granule-aligned, not inside one reservation, or not in the
+    /// mapped/unmapped state the call needs.
+    #[error("invalid range {addr} + {size}: {reason}")]
+    InvalidRange {
+        addr: DevicePtr,
+        size: Bytes,
+        reason: &'static str,
+    },
+    /// An event handle the device did not issue (or already destroyed).
+    #[error("unknown event {0}")]
+    UnknownEvent(DeviceEvent),
+    /// Any other failure of the driver, with the call that failed.
+    #[error("{call} failed: {message} (code {code})")]
+    Driver {
+        call: &'static str,
+        code: i32,
+        message: String,
+    },
+}
+
+/// Virtual memory, physical backing and stream events of one device.
+///
+/// See the module documentation for the contract the engine keeps.
+pub trait DeviceMemory: Send + Sync {
+    /// The mapping granularity: reservations, `map` and `unmap` ranges are multiples of
+    /// it. A power of two, at least 512 B.
+    fn granularity(&self) -> Bytes;
+
+    /// Total memory of the device.
+    fn total_memory(&self) -> Bytes;
+
+    /// Memory the device could still map now (for out-of-memory reports).
+    fn free_memory(&self) -> Result<Bytes, DeviceError>;
+
+    /// Reserves `size` bytes (a granule multiple) of virtual address space, granule
+    /// aligned, with nothing mapped.
+    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError>;
+
+    /// Gives back a whole reservation made by [`DeviceMemory::reserve`]. Nothing in it
+    /// may be mapped.
+    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError>;
+
+    /// Backs `[addr, addr + size)` with physical memory, readable and writable by the
+    /// device. The range is granule aligned, inside one reservation, and unmapped.
+    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError>;
+
+    /// Removes the physical backing of `[addr, addr + size)` (granule aligned, mapped).
+    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError>;
+
+    /// Waits until all work queued on the device has finished (before unmapping memory
+    /// that kernels queued earlier might still touch).
+    fn synchronize(&self) -> Result<(), DeviceError>;
+
+    /// Creates an event (completed until first recorded, as in CUDA).
+    fn create_event(&self) -> Result<DeviceEvent, DeviceError>;
+
+    /// Records `event` on `stream`: it completes once the stream has passed this point.
+    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Whether the stream `event` was recorded on has passed it. Never blocks.
+    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError>;
+
+    /// Blocks until `event` has completed.
+    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError>;
+
+    /// Destroys an event.
+    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError>;
+}

@@ -1,0 +1,520 @@
+//! A [`DeviceMemory`] in host memory, for tests, fuzzing and benchmarks.
+//!
+//! [`HostMemory`] keeps real bookkeeping of what a GPU driver would track, and real bytes
+//! behind every mapped granule, so a test can write sentinel patterns into allocations
+//! and read them back:
+//!
+//! - **reservations** are address ranges handed out from a counter (starting high and
+//!   separated by an unmapped guard gap, so an overrun never lands in a neighbour);
+//! - **mapping** a granule allocates a zeroed buffer of one granule for it; unmapping
+//!   drops it. Mapping more than the configured capacity fails with
+//!   [`DeviceError::OutOfMemory`], like a full GPU;
+//! - every contract violation (unaligned range, range outside a reservation, mapping a
+//!   mapped granule, unmapping an unmapped one, releasing a reservation that still has
+//!   mappings, touching unmapped bytes) is an error, so tests catch engine bugs here;
+//! - **events** are [`FakeEvents`]: a test decides when a stream passes the events
+//!   recorded on it. [`DeviceMemory::synchronize`] passes every event on every stream
+//!   (after a device sync all queued work has finished).
+//!
+//! Costs are test-grade: a `Mutex` around `HashMap`s, O(granules) per map/unmap and per
+//! byte range touched.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::engine::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+use crate::units::{Bytes, StreamId};
+
+/// First address handed out by [`HostMemory::reserve`].
+const VA_START: u64 = 0x7e00_0000_0000;
+
+/// Host-memory device: see the module documentation.
+#[derive(Debug)]
+pub struct HostMemory {
+    granule: u64,
+    capacity: u64,
+    inner: Mutex<HostInner>,
+    events: FakeEvents,
+}
+
+#[derive(Debug, Default)]
+struct HostInner {
+    next_va: u64,
+    /// base -> size of every live reservation.
+    reservations: BTreeMap<u64, u64>,
+    /// granule address -> its bytes.
+    granules: HashMap<u64, Box<[u8]>>,
+    mapped: u64,
+    counters: HostCounters,
+    /// Fail the next `n`-th map call with out-of-memory (fault injection).
+    fail_map_in: Option<u32>,
+}
+
+/// How often each device call was made (for tests that count device traffic).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostCounters {
+    pub reserves: u64,
+    pub releases: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+    pub synchronizes: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding this test-only lock leaves plain bookkeeping behind; keep
+    // serving so the test reports the original panic rather than a poison error.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl HostMemory {
+    /// A device with `capacity` bytes of physical memory mapped in `granule`-byte
+    /// granules. `granule` must be a power of two ≥ 512 (else it is rounded up to one).
+    pub fn new(capacity: Bytes, granule: Bytes) -> HostMemory {
+        let granule = granule.get().max(512).next_power_of_two();
+        HostMemory {
+            granule,
+            capacity: capacity.get(),
+            inner: Mutex::new(HostInner {
+                next_va: VA_START,
+                ..HostInner::default()
+            }),
+            events: FakeEvents::default(),
+        }
+    }
+
+    /// The fake events, to decide when streams pass them.
+    pub fn events(&self) -> &FakeEvents {
+        &self.events
+    }
+
+    /// Bytes currently mapped.
+    pub fn mapped_bytes(&self) -> Bytes {
+        Bytes(lock(&self.inner).mapped)
+    }
+
+    /// Number of live reservations.
+    pub fn reservations(&self) -> usize {
+        lock(&self.inner).reservations.len()
+    }
+
+    /// How many calls of each kind were made.
+    pub fn counters(&self) -> HostCounters {
+        lock(&self.inner).counters
+    }
+
+    /// Makes the `n`-th next `map` call (1 = the very next) fail with out-of-memory.
+    pub fn fail_map_in(&self, n: u32) {
+        lock(&self.inner).fail_map_in = Some(n.max(1));
+    }
+
+    /// Fills `[ptr, ptr + len)` with `byte`. Every byte must be mapped.
+    pub fn fill(&self, ptr: DevicePtr, len: Bytes, byte: u8) -> Result<(), DeviceError> {
+        self.with_bytes(ptr, len, |chunk| chunk.fill(byte))
+    }
+
+    /// Whether every byte of `[ptr, ptr + len)` equals `byte`. Every byte must be mapped.
+    pub fn check(&self, ptr: DevicePtr, len: Bytes, byte: u8) -> Result<bool, DeviceError> {
+        let mut ok = true;
+        self.with_bytes(ptr, len, |chunk| ok &= chunk.iter().all(|&b| b == byte))?;
+        Ok(ok)
+    }
+
+    /// Copies `[ptr, ptr + out.len())` into `out`. Every byte must be mapped.
+    pub fn read(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        let mut at = 0;
+        self.with_bytes(ptr, Bytes(out.len() as u64), |chunk| {
+            out[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+        })
+    }
+
+    /// Calls `f` on each granule-sized piece of `[ptr, ptr + len)`, in address order.
+    fn with_bytes(
+        &self,
+        ptr: DevicePtr,
+        len: Bytes,
+        mut f: impl FnMut(&mut [u8]),
+    ) -> Result<(), DeviceError> {
+        let bad = |reason| DeviceError::InvalidRange {
+            addr: ptr,
+            size: len,
+            reason,
+        };
+        let end = ptr.get().checked_add(len.get()).ok_or(bad("overflows"))?;
+        let mut inner = lock(&self.inner);
+        let mut at = ptr.get();
+        while at < end {
+            let g = at & !(self.granule - 1);
+            let lo = (at - g) as usize;
+            let hi = ((end - g).min(self.granule)) as usize;
+            let buf = inner
+                .granules
+                .get_mut(&g)
+                .ok_or(bad("touches unmapped memory"))?;
+            f(&mut buf[lo..hi]);
+            at = g + hi as u64;
+        }
+        Ok(())
+    }
+
+    /// Checks that `[addr, addr + size)` is granule aligned, non-empty and inside one
+    /// reservation.
+    fn check_range(&self, inner: &HostInner, addr: u64, size: u64) -> Result<(), DeviceError> {
+        let bad = |reason| DeviceError::InvalidRange {
+            addr: DevicePtr(addr),
+            size: Bytes(size),
+            reason,
+        };
+        if size == 0 || !addr.is_multiple_of(self.granule) || !size.is_multiple_of(self.granule) {
+            return Err(bad("not granule aligned or empty"));
+        }
+        let end = addr.checked_add(size).ok_or(bad("overflows"))?;
+        match inner.reservations.range(..=addr).next_back() {
+            Some((&base, &len)) if end <= base + len => Ok(()),
+            _ => Err(bad("outside every reservation")),
+        }
+    }
+}
+
+impl DeviceMemory for HostMemory {
+    fn granularity(&self) -> Bytes {
+        Bytes(self.granule)
+    }
+
+    fn total_memory(&self) -> Bytes {
+        Bytes(self.capacity)
+    }
+
+    fn free_memory(&self) -> Result<Bytes, DeviceError> {
+        Ok(Bytes(
+            self.capacity.saturating_sub(lock(&self.inner).mapped),
+        ))
+    }
+
+    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
+        let size = size.get();
+        let mut inner = lock(&self.inner);
+        if size == 0 || !size.is_multiple_of(self.granule) {
+            return Err(DeviceError::InvalidRange {
+                addr: DevicePtr(0),
+                size: Bytes(size),
+                reason: "reservation not a granule multiple",
+            });
+        }
+        let base = inner.next_va;
+        // Leave a guard gap of one granule after each reservation.
+        let next = base
+            .checked_add(size)
+            .and_then(|e| e.checked_add(self.granule))
+            .ok_or(DeviceError::OutOfMemory { size: Bytes(size) })?;
+        inner.next_va = next;
+        inner.reservations.insert(base, size);
+        inner.counters.reserves += 1;
+        Ok(DevicePtr(base))
+    }
+
+    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        let mut inner = lock(&self.inner);
+        let bad = |reason| DeviceError::InvalidRange {
+            addr: base,
+            size,
+            reason,
+        };
+        match inner.reservations.get(&base.get()) {
+            Some(&len) if len == size.get() => {}
+            _ => return Err(bad("not a whole reservation")),
+        }
+        let (lo, hi) = (base.get(), base.get() + size.get());
+        if inner.granules.keys().any(|&g| g >= lo && g < hi) {
+            return Err(bad("reservation still has mapped granules"));
+        }
+        inner.reservations.remove(&base.get());
+        inner.counters.releases += 1;
+        Ok(())
+    }
+
+    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        let mut inner = lock(&self.inner);
+        self.check_range(&inner, addr.get(), size.get())?;
+        let granules = addr.get()..addr.get() + size.get();
+        if granules
+            .clone()
+            .step_by(self.granule as usize)
+            .any(|g| inner.granules.contains_key(&g))
+        {
+            return Err(DeviceError::InvalidRange {
+                addr,
+                size,
+                reason: "maps an already mapped granule",
+            });
+        }
+        if let Some(n) = inner.fail_map_in {
+            if n <= 1 {
+                inner.fail_map_in = None;
+                return Err(DeviceError::OutOfMemory { size });
+            }
+            inner.fail_map_in = Some(n - 1);
+        }
+        if inner.mapped + size.get() > self.capacity {
+            return Err(DeviceError::OutOfMemory { size });
+        }
+        for g in granules.step_by(self.granule as usize) {
+            inner
+                .granules
+                .insert(g, vec![0u8; self.granule as usize].into_boxed_slice());
+        }
+        inner.mapped += size.get();
+        inner.counters.maps += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        let mut inner = lock(&self.inner);
+        self.check_range(&inner, addr.get(), size.get())?;
+        let granules = addr.get()..addr.get() + size.get();
+        if !granules
+            .clone()
+            .step_by(self.granule as usize)
+            .all(|g| inner.granules.contains_key(&g))
+        {
+            return Err(DeviceError::InvalidRange {
+                addr,
+                size,
+                reason: "unmaps an unmapped granule",
+            });
+        }
+        for g in granules.step_by(self.granule as usize) {
+            inner.granules.remove(&g);
+        }
+        inner.mapped -= size.get();
+        inner.counters.unmaps += 1;
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        lock(&self.inner).counters.synchronizes += 1;
+        self.events.pass_everything();
+        Ok(())
+    }
+
+    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
+        Ok(self.events.create())
+    }
+
+    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
+        self.events.record(event, stream)
+    }
+
+    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+        self.events.query(event)
+    }
+
+    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.events.synchronize(event)
+    }
+
+    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.events.destroy(event)
+    }
+}
+
+/// Events whose completion a test controls.
+///
+/// Each stream has a count of events recorded on it and a count of events it has
+/// passed; an event recorded as the stream's `n`-th completes once the stream has passed
+/// `n` events. Streams pass events in the order they were recorded, as CUDA streams do.
+/// An event never recorded is complete (CUDA semantics); re-recording moves it.
+#[derive(Debug, Default)]
+pub struct FakeEvents {
+    inner: Mutex<FakeInner>,
+}
+
+#[derive(Debug, Default)]
+struct FakeInner {
+    next_id: u64,
+    /// event -> (stream, sequence number on that stream) of its last recording.
+    events: HashMap<u64, Option<(StreamId, u64)>>,
+    streams: HashMap<StreamId, StreamClock>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct StreamClock {
+    recorded: u64,
+    passed: u64,
+}
+
+impl FakeEvents {
+    fn create(&self) -> DeviceEvent {
+        let mut inner = lock(&self.inner);
+        inner.next_id += 1;
+        let id = inner.next_id;
+        inner.events.insert(id, None);
+        DeviceEvent(id)
+    }
+
+    fn record(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
+        let mut inner = lock(&self.inner);
+        if !inner.events.contains_key(&event.0) {
+            return Err(DeviceError::UnknownEvent(event));
+        }
+        let clock = inner.streams.entry(stream).or_default();
+        clock.recorded += 1;
+        let seq = clock.recorded;
+        inner.events.insert(event.0, Some((stream, seq)));
+        Ok(())
+    }
+
+    fn query(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+        let inner = lock(&self.inner);
+        match inner.events.get(&event.0) {
+            None => Err(DeviceError::UnknownEvent(event)),
+            Some(None) => Ok(true),
+            Some(Some((stream, seq))) => {
+                Ok(inner.streams.get(stream).is_some_and(|c| c.passed >= *seq))
+            }
+        }
+    }
+
+    fn synchronize(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        let mut inner = lock(&self.inner);
+        match inner.events.get(&event.0).copied() {
+            None => Err(DeviceError::UnknownEvent(event)),
+            Some(None) => Ok(()),
+            Some(Some((stream, seq))) => {
+                let clock = inner.streams.entry(stream).or_default();
+                clock.passed = clock.passed.max(seq);
+                Ok(())
+            }
+        }
+    }
+
+    fn destroy(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        match lock(&self.inner).events.remove(&event.0) {
+            Some(_) => Ok(()),
+            None => Err(DeviceError::UnknownEvent(event)),
+        }
+    }
+
+    /// Lets `stream` pass its oldest not yet passed event. Returns whether there was one.
+    pub fn pass_next(&self, stream: StreamId) -> bool {
+        let mut inner = lock(&self.inner);
+        let clock = inner.streams.entry(stream).or_default();
+        if clock.passed < clock.recorded {
+            clock.passed += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Lets `stream` pass every event recorded on it so far.
+    pub fn pass_all(&self, stream: StreamId) {
+        let mut inner = lock(&self.inner);
+        let clock = inner.streams.entry(stream).or_default();
+        clock.passed = clock.recorded;
+    }
+
+    /// Lets every stream pass every event recorded so far.
+    pub fn pass_everything(&self) {
+        for clock in lock(&self.inner).streams.values_mut() {
+            clock.passed = clock.recorded;
+        }
+    }
+
+    /// Events recorded on `stream` that it has not passed yet.
+    pub fn outstanding(&self, stream: StreamId) -> u64 {
+        let inner = lock(&self.inner);
+        inner
+            .streams
+            .get(&stream)
+            .map_or(0, |c| c.recorded - c.passed)
+    }
+
+    /// Events created and not destroyed.
+    pub fn live_events(&self) -> usize {
+        lock(&self.inner).events.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 4096;
+
+    #[test]
+    fn map_write_read_unmap_release() {
+        let h = HostMemory::new(Bytes(4 * G), Bytes(G));
+        let base = h.reserve(Bytes(8 * G)).unwrap();
+        assert!(h.fill(base, Bytes(10), 1).is_err(), "unmapped bytes");
+        h.map(base, Bytes(2 * G)).unwrap();
+        let p = DevicePtr(base.get() + G - 3);
+        h.fill(p, Bytes(6), 0xab).unwrap();
+        assert!(h.check(p, Bytes(6), 0xab).unwrap());
+        assert!(!h.check(DevicePtr(p.get() - 1), Bytes(2), 0xab).unwrap());
+        let mut buf = [0u8; 8];
+        h.read(DevicePtr(p.get() - 1), &mut buf).unwrap();
+        assert_eq!(buf, [0, 0xab, 0xab, 0xab, 0xab, 0xab, 0xab, 0]);
+        assert!(h.map(base, Bytes(G)).is_err(), "double map");
+        assert!(
+            h.map(DevicePtr(base.get() + 1), Bytes(G)).is_err(),
+            "unaligned"
+        );
+        assert!(h.map(base.add(Bytes(8 * G)).unwrap(), Bytes(G)).is_err());
+        assert_eq!(
+            h.map(base.add(Bytes(2 * G)).unwrap(), Bytes(3 * G)),
+            Err(DeviceError::OutOfMemory { size: Bytes(3 * G) })
+        );
+        assert!(h.release(base, Bytes(8 * G)).is_err(), "still mapped");
+        assert!(
+            h.unmap(base, Bytes(3 * G)).is_err(),
+            "third granule unmapped"
+        );
+        h.unmap(base, Bytes(2 * G)).unwrap();
+        assert_eq!(h.mapped_bytes(), Bytes(0));
+        h.release(base, Bytes(8 * G)).unwrap();
+        assert_eq!(h.reservations(), 0);
+    }
+
+    #[test]
+    fn fake_events_complete_in_stream_order() {
+        let h = HostMemory::new(Bytes(G), Bytes(G));
+        let (s1, s2) = (StreamId(1), StreamId(2));
+        let a = h.create_event().unwrap();
+        let b = h.create_event().unwrap();
+        let c = h.create_event().unwrap();
+        assert!(h.query_event(a).unwrap(), "unrecorded event is complete");
+        h.record_event(a, s1).unwrap();
+        h.record_event(b, s1).unwrap();
+        h.record_event(c, s2).unwrap();
+        assert!(!h.query_event(a).unwrap());
+        assert!(h.events().pass_next(s1));
+        assert!(h.query_event(a).unwrap());
+        assert!(!h.query_event(b).unwrap());
+        assert!(!h.query_event(c).unwrap());
+        h.synchronize_event(c).unwrap();
+        assert!(h.query_event(c).unwrap());
+        assert!(!h.query_event(b).unwrap());
+        h.synchronize().unwrap();
+        assert!(h.query_event(b).unwrap());
+        h.destroy_event(a).unwrap();
+        assert_eq!(
+            h.query_event(a),
+            Err(DeviceError::UnknownEvent(DeviceEvent(a.0)))
+        );
+        assert_eq!(h.events().live_events(), 2);
+    }
+
+    #[test]
+    fn injected_map_failure() {
+        let h = HostMemory::new(Bytes(8 * G), Bytes(G));
+        let base = h.reserve(Bytes(8 * G)).unwrap();
+        h.fail_map_in(2);
+        h.map(base, Bytes(G)).unwrap();
+        assert!(matches!(
+            h.map(base.add(Bytes(G)).unwrap(), Bytes(G)),
+            Err(DeviceError::OutOfMemory { .. })
+        ));
+        h.map(base.add(Bytes(G)).unwrap(), Bytes(G)).unwrap();
+    }
+}

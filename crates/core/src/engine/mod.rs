@@ -1,0 +1,971 @@
+//! The online engine: stweaver's allocator, device-agnostic behind [`DeviceMemory`].
+//!
+//! # What it does
+//!
+//! [`Engine::malloc`] rounds a request up to 512 B and serves it by best fit from the
+//! arena of its (stream, pool) — pool *small* for rounded sizes up to 1 MiB, *large*
+//! above — growing the arena by mapping granules when nothing fits
+//! ([`arena`](self::arena) has the algorithm). [`Engine::free`] returns the block at
+//! once, or, when other streams used it ([`Engine::record_stream`]), once they pass the
+//! events recorded at the free ([`streams`](self::streams)). [`Engine::empty_cache`]
+//! unmaps every granule that holds nothing and releases arenas left with nothing mapped.
+//! Stats ([`DeviceStats`]) are exact at all times; in trace mode
+//! ([`Engine::start_trace`]) every request is recorded into a [`Trace`].
+//!
+//! # Design
+//!
+//! - **One arena per (stream, pool)**, each a reserved virtual range of 9/8 of device
+//!   memory (as PyTorch's expandable segments), so memory freed on one stream is never
+//!   handed to another, and stream order alone makes reuse safe.
+//! - **State behind one mutex** ([`std::sync::Mutex`]); `Engine: Send + Sync`. The lock
+//!   is **never held across a device call**: mapping, unmapping, reserving, events and
+//!   synchronisation happen with the lock released, on blocks marked as owned by the
+//!   calling thread (`Mapping`, `Unmapping`, `PendingFree`) or on event queues taken out
+//!   of the state, and the result is applied after re-locking.
+//! - **Hot path**: `malloc` = lock, hash lookup of the arena, treap best fit, split, hash
+//!   insert of the pointer; `free` = lock, hash remove, coalesce, treap insert. Expected
+//!   O(log n) in the number of free blocks of the arena, no device call and no heap
+//!   allocation once the slab and maps have grown to the workload.
+//! - **Out of memory**: a growth that would pass the memory limit, or that the device
+//!   refuses, triggers one release of cached memory (as `empty_cache`) and a retry
+//!   (`num_alloc_retries`); if that fails too, [`EngineError::OutOfMemory`] says what was
+//!   asked and what is allocated, reserved and free (`num_ooms`).
+//! - **Bad input is an error**: zero-size or overflowing requests, unknown pointers,
+//!   double frees, `record_stream` after free — every case returns an [`EngineError`],
+//!   none panics or corrupts state.
+//!
+//! # When stats change
+//!
+//! Each stat moves at the end of the locked step that changes it, with PyTorch's
+//! semantics ([`stats`](self::stats)): an allocation (`allocation`, `allocated_bytes`,
+//! `active`, `active_bytes`, `requested_bytes`), a free request (`allocation`,
+//! `allocated_bytes`), a completed free (`active`, `active_bytes`, `requested_bytes`), a
+//! finished map (`reserved_bytes`, `num_device_alloc`) or unmap (`reserved_bytes`,
+//! `num_device_free`), an arena reserved or released (`segment`). `inactive_split` and
+//! `inactive_split_bytes` are brought to their new values at the end of every step that
+//! changes free memory, with one increase or decrease.
+//!
+//! # Room for plan mode
+//!
+//! The plan-backed pool will be one more reserved range beside the arenas, served by a
+//! cursor over the plan's requests; pointer lookup (`live`) already goes through one map
+//! for every block the engine owns, the stats and the trace are kept per engine, not
+//! per arena, and a plan miss falls through to exactly the `malloc` path here.
+
+pub mod arena;
+pub mod device;
+pub mod host;
+mod record;
+pub mod stats;
+mod streams;
+
+use std::sync::{Mutex, MutexGuard};
+
+use rustc_hash::FxHashMap;
+
+use crate::trace::{MarkerKind, Trace};
+use crate::units::{Bytes, DeviceId, StreamId};
+
+pub use self::arena::BlockState;
+use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, SlabFull};
+pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+pub use self::host::{FakeEvents, HostCounters, HostMemory};
+use self::record::Recorder;
+pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
+use self::streams::{EventQueue, PendingEvent, add_use};
+
+/// How much memory the engine may map.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MemoryLimit {
+    /// A fraction of the device's total memory, in `(0, 1]`
+    /// (`torch.cuda.set_per_process_memory_fraction`).
+    Fraction(f64),
+    /// An absolute number of bytes.
+    Bytes(Bytes),
+}
+
+/// How an engine is set up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// The device served (recorded in traces).
+    pub device: DeviceId,
+    /// The memory limit; `Fraction(1.0)` by default.
+    pub limit: MemoryLimit,
+    /// Virtual size of each arena (rounded up to the granularity); by default 9/8 of
+    /// the device's memory.
+    pub arena_size: Option<Bytes>,
+    /// Record a trace from the start ([`Engine::start_trace`]).
+    pub record_trace: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            device: DeviceId(0),
+            limit: MemoryLimit::Fraction(1.0),
+            arena_size: None,
+            record_trace: false,
+        }
+    }
+}
+
+/// Everything the engine can fail with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error("allocation of 0 bytes")]
+    ZeroSize,
+    #[error("allocation of {0} cannot be rounded to a multiple of 512 B")]
+    TooLarge(Bytes),
+    #[error(
+        "out of memory: tried to allocate {rounded} ({requested} requested) on {stream}; \
+         {allocated} allocated, {reserved} reserved ({free_reserved} of it free), \
+         memory limit {limit}, {device_free} free on the device"
+    )]
+    OutOfMemory {
+        requested: Bytes,
+        rounded: Bytes,
+        stream: StreamId,
+        allocated: Bytes,
+        reserved: Bytes,
+        free_reserved: Bytes,
+        limit: Bytes,
+        device_free: Bytes,
+    },
+    #[error("{0} is not the start of a live allocation of this engine")]
+    UnknownPointer(DevicePtr),
+    #[error("{0} was already freed (waiting for other streams)")]
+    AlreadyFreed(DevicePtr),
+    #[error("invalid memory limit {0}: a fraction must be in (0, 1]")]
+    InvalidLimit(f64),
+    #[error("the device's granularity {0} is not a power of two of at least 512 B")]
+    BadGranularity(Bytes),
+    #[error("trace overflowed at {0} events (a trace holds fewer than 2^32)")]
+    TraceOverflow(usize),
+    #[error("the engine holds 2^32 blocks, its index limit")]
+    TooManyBlocks,
+    #[error("engine state poisoned by an earlier panic")]
+    Poisoned,
+    #[error("engine state inconsistent: {0}")]
+    Inconsistent(String),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+impl From<SlabFull> for EngineError {
+    fn from(_: SlabFull) -> Self {
+        EngineError::TooManyBlocks
+    }
+}
+
+/// A block as reported by [`Engine::snapshot`] and [`Engine::block_info`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockInfo {
+    pub addr: DevicePtr,
+    /// Rounded size (what `allocated_bytes` counts).
+    pub size: Bytes,
+    /// The caller's size (0 unless allocated or pending).
+    pub requested: Bytes,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    pub state: BlockState,
+}
+
+/// An arena as reported by [`Engine::snapshot`] (PyTorch's `SegmentInfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    pub base: DevicePtr,
+    /// Reserved virtual size.
+    pub len: Bytes,
+    /// Mapped bytes.
+    pub mapped: Bytes,
+    /// Every block, in address order.
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// Everything behind the lock.
+#[derive(Debug)]
+struct State {
+    heap: Heap,
+    arena_of: FxHashMap<(StreamId, PoolKind), ArenaId>,
+    /// Address -> block, for every `Allocated` or `PendingFree` block.
+    live: FxHashMap<u64, Idx>,
+    stats: DeviceStats,
+    limit: u64,
+    /// Bytes being mapped by threads that released the lock.
+    mapping: u64,
+    events: EventQueue,
+    recorder: Option<Recorder>,
+}
+
+/// The online engine. See the module documentation.
+#[derive(Debug)]
+pub struct Engine<D: DeviceMemory> {
+    dev: D,
+    device: DeviceId,
+    granule: u64,
+    total: u64,
+    arena_size: u64,
+    state: Mutex<State>,
+}
+
+/// What a growth attempt came to.
+enum Growth {
+    /// Memory was mapped (or another thread's was): try the arena again.
+    Retry,
+    /// The limit, the arena or the device refused.
+    Refused,
+}
+
+fn limit_bytes(limit: MemoryLimit, total: u64) -> Result<u64, EngineError> {
+    match limit {
+        MemoryLimit::Bytes(b) => Ok(b.get()),
+        MemoryLimit::Fraction(f) if f > 0.0 && f <= 1.0 => Ok((f * total as f64) as u64),
+        MemoryLimit::Fraction(f) => Err(EngineError::InvalidLimit(f)),
+    }
+}
+
+impl State {
+    fn kind_of(&self, i: Idx) -> PoolKind {
+        let a = self.heap.block(i).arena;
+        self.heap.arena(a).map_or(PoolKind::Small, |x| x.kind)
+    }
+
+    fn stream_of(&self, i: Idx) -> StreamId {
+        let a = self.heap.block(i).arena;
+        self.heap.arena(a).map_or(StreamId(0), |x| x.stream)
+    }
+
+    /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals.
+    fn settle_inactive(&mut self) {
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            stats::settle(
+                &mut self.stats.inactive_split_bytes,
+                kind,
+                self.heap.inactive_bytes(kind),
+            );
+            stats::settle(
+                &mut self.stats.inactive_split,
+                kind,
+                self.heap.inactive_count(kind),
+            );
+        }
+    }
+
+    /// Completes the free of pending or allocated block `i`: it leaves `live`, goes
+    /// back to its arena, and stops counting as active.
+    fn complete_free(&mut self, i: Idx) {
+        let kind = self.kind_of(i);
+        let b = self.heap.block(i);
+        let (addr, size, requested, trace_id) = (b.addr, b.size, b.requested, b.trace_id);
+        self.live.remove(&addr);
+        stats::decrease(&mut self.stats.active, kind, 1);
+        stats::decrease(&mut self.stats.active_bytes, kind, size);
+        stats::decrease(&mut self.stats.requested_bytes, kind, requested);
+        if let Some(r) = self.recorder.as_mut() {
+            r.free_completed(trace_id);
+        }
+        self.heap.free(i);
+    }
+
+    /// Applies events taken out of the queue: done ones complete their blocks' frees,
+    /// the rest are queued again.
+    fn apply_events(&mut self, work: Vec<PendingEvent>) {
+        for e in &work {
+            if e.done {
+                self.events.idle.push(e.event);
+                let b = self.heap.block_mut(e.block);
+                b.events_left -= 1;
+                if b.events_left == 0 {
+                    self.complete_free(e.block);
+                }
+            } else {
+                self.events.push(e.event, e.block);
+            }
+        }
+        self.events.give_back(work);
+        self.settle_inactive();
+    }
+}
+
+impl<D: DeviceMemory> Engine<D> {
+    /// An engine serving from `dev`.
+    pub fn new(dev: D, config: EngineConfig) -> Result<Engine<D>, EngineError> {
+        let granule = dev.granularity().get();
+        if !granule.is_power_of_two() || granule < ALIGNMENT {
+            return Err(EngineError::BadGranularity(Bytes(granule)));
+        }
+        let total = dev.total_memory().get();
+        let limit = limit_bytes(config.limit, total)?;
+        let want = config
+            .arena_size
+            .map_or(total / 8 * 9, Bytes::get)
+            .max(granule);
+        let arena_size = want.div_ceil(granule).saturating_mul(granule);
+        let state = State {
+            heap: Heap::new(granule),
+            arena_of: FxHashMap::default(),
+            live: FxHashMap::default(),
+            stats: DeviceStats::default(),
+            limit,
+            mapping: 0,
+            events: EventQueue::default(),
+            recorder: config.record_trace.then(|| Recorder::new(config.device)),
+        };
+        Ok(Engine {
+            dev,
+            device: config.device,
+            granule,
+            total,
+            arena_size,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The device behind the engine.
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    /// The mapping granularity.
+    pub fn granularity(&self) -> Bytes {
+        Bytes(self.granule)
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>, EngineError> {
+        self.state.lock().map_err(|_| EngineError::Poisoned)
+    }
+
+    // ------------------------------------------------------------------ serving
+
+    /// Allocates `size` bytes for use on `stream`. The block is `size` rounded up to
+    /// 512 B, 512-B aligned, and reused only on `stream` after it is freed.
+    pub fn malloc(&self, size: Bytes, stream: StreamId) -> Result<DevicePtr, EngineError> {
+        if size == Bytes::ZERO {
+            return Err(EngineError::ZeroSize);
+        }
+        let rounded = size
+            .align_up(Bytes(ALIGNMENT))
+            .ok_or(EngineError::TooLarge(size))?
+            .get();
+        let kind = PoolKind::of(rounded);
+        let mut st = self.lock()?;
+        if !st.events.is_empty() {
+            st = self.process_events_locked(st)?;
+        }
+        let mut retried = false;
+        loop {
+            let Some(&a) = st.arena_of.get(&(stream, kind)) else {
+                st = self.create_arena(st, stream, kind)?;
+                continue;
+            };
+            if let Some(i) = st.heap.alloc(a, rounded, size.get())? {
+                let addr = st.heap.block(i).addr;
+                st.live.insert(addr, i);
+                let s = &mut st.stats;
+                stats::increase(&mut s.allocation, kind, 1);
+                stats::increase(&mut s.allocated_bytes, kind, rounded);
+                stats::increase(&mut s.active, kind, 1);
+                stats::increase(&mut s.active_bytes, kind, rounded);
+                stats::increase(&mut s.requested_bytes, kind, size.get());
+                if let Some(r) = st.recorder.as_mut() {
+                    let id = r.alloc(size, stream, addr);
+                    st.heap.block_mut(i).trace_id = id;
+                }
+                st.settle_inactive();
+                return Ok(DevicePtr(addr));
+            }
+            let (grown, guard) = self.grow(st, a, kind, rounded)?;
+            st = guard;
+            match grown {
+                Growth::Retry => continue,
+                Growth::Refused if !retried => {
+                    retried = true;
+                    drop(st);
+                    self.release_cached()?;
+                    st = self.lock()?;
+                    st.stats.num_alloc_retries += 1;
+                }
+                Growth::Refused => {
+                    st.stats.num_ooms += 1;
+                    let s = &st.stats;
+                    let allocated = s.allocated_bytes[0].current as u64;
+                    let reserved = s.reserved_bytes[0].current as u64;
+                    let free_reserved = reserved.saturating_sub(s.active_bytes[0].current as u64);
+                    let limit = st.limit;
+                    drop(st);
+                    let device_free = self.dev.free_memory().unwrap_or(Bytes::ZERO);
+                    return Err(EngineError::OutOfMemory {
+                        requested: size,
+                        rounded: Bytes(rounded),
+                        stream,
+                        allocated: Bytes(allocated),
+                        reserved: Bytes(reserved),
+                        free_reserved: Bytes(free_reserved),
+                        limit: Bytes(limit),
+                        device_free,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Reserves the arena for (`stream`, `kind`), with the lock released around the
+    /// device call. Another thread may have made it meanwhile; then ours is given back.
+    fn create_arena<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        stream: StreamId,
+        kind: PoolKind,
+    ) -> Result<MutexGuard<'a, State>, EngineError> {
+        drop(st);
+        let base = self.dev.reserve(Bytes(self.arena_size))?;
+        let mut st = self.lock()?;
+        if st.arena_of.contains_key(&(stream, kind)) {
+            drop(st);
+            self.dev.release(base, Bytes(self.arena_size))?;
+            return self.lock();
+        }
+        let a = match st.heap.add_arena(stream, kind, base.get(), self.arena_size) {
+            Ok(a) => a,
+            Err(e) => {
+                drop(st);
+                self.dev.release(base, Bytes(self.arena_size))?;
+                return Err(e.into());
+            }
+        };
+        st.arena_of.insert((stream, kind), a);
+        stats::increase(&mut st.stats.segment, kind, 1);
+        Ok(st)
+    }
+
+    /// Maps the granules arena `a` needs for `rounded` more bytes, within the limit.
+    fn grow<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        a: ArenaId,
+        kind: PoolKind,
+        rounded: u64,
+    ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
+        let reserved = st.stats.reserved_bytes[0].current as u64;
+        let budget = st.limit.saturating_sub(reserved + st.mapping);
+        let carved = match st.heap.carve_growth(a, rounded, budget)? {
+            Ok(carved) => carved,
+            Err(GrowthFailure::NoRoom | GrowthFailure::OverBudget { .. }) => {
+                return Ok((Growth::Refused, st));
+            }
+        };
+        let ranges: Vec<(Idx, u64, u64)> = carved
+            .iter()
+            .map(|&i| (i, st.heap.block(i).addr, st.heap.block(i).size))
+            .collect();
+        let total: u64 = ranges.iter().map(|r| r.2).sum();
+        st.mapping += total;
+        drop(st);
+        let results: Vec<Result<(), DeviceError>> = ranges
+            .iter()
+            .map(|&(_, addr, size)| self.dev.map(DevicePtr(addr), Bytes(size)))
+            .collect();
+        let mut st = self.lock()?;
+        st.mapping -= total;
+        let mut outcome = Ok(Growth::Retry);
+        for (&(i, _, size), r) in ranges.iter().zip(results) {
+            st.heap.finish_mapping(i, r.is_ok());
+            match r {
+                Ok(()) => {
+                    stats::increase(&mut st.stats.reserved_bytes, kind, size);
+                    st.stats.num_device_alloc += 1;
+                }
+                Err(DeviceError::OutOfMemory { .. }) => {
+                    if outcome.is_ok() {
+                        outcome = Ok(Growth::Refused);
+                    }
+                }
+                Err(e) => outcome = Err(e),
+            }
+        }
+        st.settle_inactive();
+        Ok((outcome?, st))
+    }
+
+    /// Frees the allocation at `ptr`. If other streams used it ([`Engine::record_stream`])
+    /// the memory is reused only after they pass the events recorded now.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        let Some(&i) = st.live.get(&ptr.get()) else {
+            return Err(EngineError::UnknownPointer(ptr));
+        };
+        if st.heap.block(i).state != BlockState::Allocated {
+            return Err(EngineError::AlreadyFreed(ptr));
+        }
+        let kind = st.kind_of(i);
+        let (size, trace_id) = (st.heap.block(i).size, st.heap.block(i).trace_id);
+        stats::decrease(&mut st.stats.allocation, kind, 1);
+        stats::decrease(&mut st.stats.allocated_bytes, kind, size);
+        if let Some(r) = st.recorder.as_mut() {
+            r.free_requested(trace_id);
+        }
+        if st.heap.block(i).uses.is_empty() {
+            st.complete_free(i);
+            st.settle_inactive();
+            return Ok(());
+        }
+        // Deferred. Phase 1 (locked): take the uses out, give them idle events.
+        let mut uses = {
+            let s = &mut *st;
+            let b = s.heap.block_mut(i);
+            b.state = BlockState::PendingFree;
+            let mut uses = std::mem::take(&mut b.uses);
+            b.events_left = uses.len() as u32;
+            for u in uses.iter_mut() {
+                u.event = s.events.idle.pop();
+            }
+            uses
+        };
+        drop(st);
+        // Phase 2 (unlocked): create missing events, record each on its stream.
+        let mut first_err = None;
+        for u in uses.iter_mut() {
+            if u.event.is_none() {
+                match self.dev.create_event() {
+                    Ok(e) => u.event = Some(e),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        continue;
+                    }
+                }
+            }
+            if let Some(ev) = u.event {
+                match self.dev.record_event(ev, u.stream) {
+                    Ok(()) => u.recorded = true,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        // Phase 3 (locked): queue the recorded events.
+        let mut st = self.lock()?;
+        for u in uses.iter_mut() {
+            match (u.event.take(), u.recorded) {
+                (Some(ev), true) => st.events.push(ev, i),
+                (Some(ev), false) => st.events.idle.push(ev),
+                (None, _) => {}
+            }
+            u.recorded = false;
+        }
+        uses.clear();
+        st.heap.block_mut(i).uses = uses;
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the allocation at `ptr` as used on `stream` too (`Tensor.record_stream`):
+    /// its free will wait for `stream` to pass the point of the free. A no-op for the
+    /// allocation's own stream.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        let Some(&i) = st.live.get(&ptr.get()) else {
+            return Err(EngineError::UnknownPointer(ptr));
+        };
+        if st.heap.block(i).state != BlockState::Allocated {
+            return Err(EngineError::AlreadyFreed(ptr));
+        }
+        if st.stream_of(i) != stream {
+            add_use(&mut st.heap.block_mut(i).uses, stream);
+        }
+        Ok(())
+    }
+
+    /// Completes the pending frees whose events have all completed (`malloc` does this
+    /// first whenever frees are pending).
+    pub fn process_events(&self) -> Result<(), EngineError> {
+        let st = self.lock()?;
+        if !st.events.is_empty() {
+            drop(self.process_events_locked(st)?);
+        }
+        Ok(())
+    }
+
+    fn process_events_locked<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+    ) -> Result<MutexGuard<'a, State>, EngineError> {
+        let mut work = st.events.take();
+        drop(st);
+        let mut first_err = None;
+        for e in work.iter_mut() {
+            e.done = match self.dev.query_event(e.event) {
+                Ok(done) => done,
+                Err(err) => {
+                    first_err.get_or_insert(err);
+                    false
+                }
+            };
+        }
+        let mut st = self.lock()?;
+        st.apply_events(work);
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(st),
+        }
+    }
+
+    // ------------------------------------------------------------------ releasing
+
+    /// Gives cached memory back to the device: completes every pending free (waiting for
+    /// its events), unmaps every granule that holds nothing, and releases arenas left
+    /// with nothing mapped. Afterwards reserved memory is what live blocks need, plus the
+    /// free bytes sharing their granules (`inactive_split_bytes`).
+    pub fn empty_cache(&self) -> Result<(), EngineError> {
+        self.release_cached()
+    }
+
+    fn release_cached(&self) -> Result<(), EngineError> {
+        // 1. Synchronise every pending event and complete the frees.
+        let mut st = self.lock()?;
+        st.stats.num_sync_all_streams += 1;
+        let mut work = st.events.take();
+        drop(st);
+        let mut first_err: Option<DeviceError> = None;
+        for e in work.iter_mut() {
+            e.done = match self.dev.synchronize_event(e.event) {
+                Ok(()) => true,
+                Err(err) => {
+                    first_err.get_or_insert(err);
+                    false
+                }
+            };
+        }
+        let mut st = self.lock()?;
+        st.apply_events(work);
+        if let Some(e) = first_err {
+            return Err(e.into());
+        }
+        // 2. Carve out every wholly free granule.
+        let ids: Vec<ArenaId> = st.heap.arena_ids().collect();
+        let mut carved: Vec<(Idx, u64, u64, PoolKind)> = Vec::new();
+        for &a in &ids {
+            let kind = st.heap.arena(a).map_or(PoolKind::Small, |x| x.kind);
+            for i in st.heap.carve_releasable(a)? {
+                let b = st.heap.block(i);
+                carved.push((i, b.addr, b.size, kind));
+            }
+        }
+        st.settle_inactive();
+        // 3. Unmap them after the device has finished all queued work.
+        if !carved.is_empty() {
+            drop(st);
+            let synced = self.dev.synchronize();
+            let results: Vec<Result<(), DeviceError>> = carved
+                .iter()
+                .map(|&(_, addr, size, _)| match &synced {
+                    Ok(()) => self.dev.unmap(DevicePtr(addr), Bytes(size)),
+                    Err(e) => Err(e.clone()),
+                })
+                .collect();
+            st = self.lock()?;
+            for (&(i, _, size, kind), r) in carved.iter().zip(results) {
+                st.heap.finish_unmapping(i, r.is_ok());
+                match r {
+                    Ok(()) => {
+                        stats::decrease(&mut st.stats.reserved_bytes, kind, size);
+                        st.stats.num_device_free += 1;
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            st.settle_inactive();
+        }
+        // 4. Release arenas with nothing mapped.
+        let mut released = Vec::new();
+        for a in ids {
+            if let Some(arena) = st.heap.remove_arena(a) {
+                st.arena_of.remove(&(arena.stream, arena.kind));
+                stats::decrease(&mut st.stats.segment, arena.kind, 1);
+                released.push((arena.base, arena.len));
+            }
+        }
+        drop(st);
+        for (base, len) in released {
+            if let Err(e) = self.dev.release(DevicePtr(base), Bytes(len)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    // ------------------------------------------------------------------ limits, stats
+
+    /// Sets the memory limit. Memory already mapped beyond it stays mapped; growth
+    /// beyond it fails (after one release of cached memory).
+    pub fn set_memory_limit(&self, limit: MemoryLimit) -> Result<(), EngineError> {
+        let bytes = limit_bytes(limit, self.total)?;
+        self.lock()?.limit = bytes;
+        Ok(())
+    }
+
+    /// The memory limit in bytes.
+    pub fn memory_limit(&self) -> Result<Bytes, EngineError> {
+        Ok(Bytes(self.lock()?.limit))
+    }
+
+    /// A copy of the stats.
+    pub fn stats(&self) -> Result<DeviceStats, EngineError> {
+        Ok(self.lock()?.stats)
+    }
+
+    /// Every peak back to its current value.
+    pub fn reset_peak_stats(&self) -> Result<(), EngineError> {
+        self.lock()?.stats.reset_peak();
+        Ok(())
+    }
+
+    /// Every accumulated counter back to zero.
+    pub fn reset_accumulated_stats(&self) -> Result<(), EngineError> {
+        self.lock()?.stats.reset_accumulated();
+        Ok(())
+    }
+
+    fn info(st: &State, i: Idx) -> BlockInfo {
+        let b = st.heap.block(i);
+        BlockInfo {
+            addr: DevicePtr(b.addr),
+            size: Bytes(b.size),
+            requested: Bytes(b.requested),
+            stream: st.stream_of(i),
+            pool: st.kind_of(i),
+            state: b.state,
+        }
+    }
+
+    /// The live (allocated or pending) block at `ptr`.
+    pub fn block_info(&self, ptr: DevicePtr) -> Result<BlockInfo, EngineError> {
+        let st = self.lock()?;
+        match st.live.get(&ptr.get()) {
+            Some(&i) => Ok(Self::info(&st, i)),
+            None => Err(EngineError::UnknownPointer(ptr)),
+        }
+    }
+
+    /// Every arena and its blocks (for `torch.cuda.memory_snapshot`). O(blocks).
+    pub fn snapshot(&self) -> Result<Vec<SegmentInfo>, EngineError> {
+        let st = self.lock()?;
+        let mut out = Vec::new();
+        for a in st.heap.arena_ids() {
+            let Some(arena) = st.heap.arena(a) else {
+                continue;
+            };
+            let blocks: Vec<BlockInfo> = st
+                .heap
+                .arena_blocks(a)
+                .map(|(i, _)| Self::info(&st, i))
+                .collect();
+            let mapped = blocks
+                .iter()
+                .filter(|b| b.state.is_mapped())
+                .map(|b| b.size.get())
+                .sum();
+            out.push(SegmentInfo {
+                stream: arena.stream,
+                pool: arena.kind,
+                base: DevicePtr(arena.base),
+                len: Bytes(arena.len),
+                mapped: Bytes(mapped),
+                blocks,
+            });
+        }
+        out.sort_by_key(|s| s.base);
+        Ok(out)
+    }
+
+    /// Recomputes everything from the blocks and checks it against the bookkeeping:
+    /// the arena invariants ([`arena`](self::arena)), every stat's current value, the
+    /// pointer map and the event queue. O(blocks). For tests and fuzzing.
+    pub fn check_invariants(&self) -> Result<(), EngineError> {
+        let st = self.lock()?;
+        let fail = |m: String| Err(EngineError::Inconsistent(m));
+        let totals = match st.heap.check() {
+            Ok(t) => t,
+            Err(m) => return fail(m),
+        };
+        let s = &st.stats;
+        for (kind, t) in [PoolKind::Small, PoolKind::Large].into_iter().zip(totals) {
+            let k = kind.stat_type() as usize;
+            let pairs: [(&str, i64, u64); 9] = [
+                ("segment", s.segment[k].current, t.arenas),
+                ("reserved_bytes", s.reserved_bytes[k].current, t.mapped),
+                ("allocation", s.allocation[k].current, t.allocated_count),
+                ("allocated_bytes", s.allocated_bytes[k].current, t.allocated),
+                ("active", s.active[k].current, t.active_count),
+                ("active_bytes", s.active_bytes[k].current, t.active),
+                ("requested_bytes", s.requested_bytes[k].current, t.requested),
+                (
+                    "inactive_split",
+                    s.inactive_split[k].current,
+                    t.inactive_count,
+                ),
+                (
+                    "inactive_split_bytes",
+                    s.inactive_split_bytes[k].current,
+                    t.inactive,
+                ),
+            ];
+            for (name, stat, real) in pairs {
+                if stat != real as i64 {
+                    return fail(format!(
+                        "{name} of {kind:?} pool is {stat}, blocks say {real}"
+                    ));
+                }
+            }
+        }
+        for arr in [
+            &s.allocation,
+            &s.segment,
+            &s.active,
+            &s.inactive_split,
+            &s.allocated_bytes,
+            &s.reserved_bytes,
+            &s.active_bytes,
+            &s.inactive_split_bytes,
+            &s.requested_bytes,
+        ] {
+            if arr[0].current != arr[1].current + arr[2].current {
+                return fail(format!("aggregate {:?} is not small + large", arr[0]));
+            }
+        }
+        let active: u64 = totals.iter().map(|t| t.active_count).sum();
+        if st.live.len() as u64 != active {
+            return fail(format!(
+                "{} live pointers, {active} active blocks",
+                st.live.len()
+            ));
+        }
+        for (&addr, &i) in &st.live {
+            let b = st.heap.block(i);
+            if b.addr != addr || !matches!(b.state, BlockState::Allocated | BlockState::PendingFree)
+            {
+                return fail(format!(
+                    "live pointer {addr:#x} maps to block {i} {:?} at {:#x}",
+                    b.state, b.addr
+                ));
+            }
+        }
+        for e in st.events.iter() {
+            if st.heap.block(e.block).state != BlockState::PendingFree {
+                return fail(format!(
+                    "event {} queued for a block that is not pending",
+                    e.event
+                ));
+            }
+        }
+        for (&(stream, kind), &a) in &st.arena_of {
+            match st.heap.arena(a) {
+                Some(x) if x.stream == stream && x.kind == kind => {}
+                _ => return fail(format!("arena map entry ({stream}, {kind:?}) is stale")),
+            }
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ trace mode
+
+    /// Starts recording a trace (a no-op if one is being recorded). Live blocks become
+    /// preexisting allocations of the new trace.
+    pub fn start_trace(&self) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        if st.recorder.is_some() {
+            return Ok(());
+        }
+        let mut rec = Recorder::new(self.device);
+        let mut live: Vec<Idx> = st.live.values().copied().collect();
+        live.sort_by_key(|&i| st.heap.block(i).addr);
+        for i in live {
+            let (requested, addr) = (st.heap.block(i).requested, st.heap.block(i).addr);
+            let stream = st.stream_of(i);
+            let id = rec.preexisting(Bytes(requested), stream, addr);
+            st.heap.block_mut(i).trace_id = id;
+        }
+        st.recorder = Some(rec);
+        Ok(())
+    }
+
+    /// Whether a trace is being recorded.
+    pub fn is_tracing(&self) -> Result<bool, EngineError> {
+        Ok(self.lock()?.recorder.is_some())
+    }
+
+    /// Stops recording and returns the trace (`None` if none was being recorded).
+    pub fn take_trace(&self) -> Result<Option<Trace>, EngineError> {
+        let rec = self.lock()?.recorder.take();
+        match rec.map(Recorder::finish) {
+            None => Ok(None),
+            Some(Ok(t)) => Ok(Some(t)),
+            Some(Err(n)) => Err(EngineError::TraceOverflow(n)),
+        }
+    }
+
+    /// Records an iteration boundary (an `IterationBegin` marker) in the trace.
+    pub fn mark_iteration(&self) -> Result<(), EngineError> {
+        self.mark(MarkerKind::IterationBegin, None)
+    }
+
+    /// Records a marker in the trace (a no-op when not tracing).
+    pub fn mark(&self, kind: MarkerKind, label: Option<&str>) -> Result<(), EngineError> {
+        if let Some(r) = self.lock()?.recorder.as_mut() {
+            r.marker(kind, label);
+        }
+        Ok(())
+    }
+}
+
+impl<D: DeviceMemory> Drop for Engine<D> {
+    /// Unmaps everything, releases every arena and destroys every event. Errors are
+    /// ignored: there is no one left to report them to.
+    fn drop(&mut self) {
+        let st = match self.state.get_mut() {
+            Ok(st) => st,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let _ = self.dev.synchronize();
+        let ids: Vec<ArenaId> = st.heap.arena_ids().collect();
+        for a in ids {
+            let mut run: Option<(u64, u64)> = None;
+            let mut runs = Vec::new();
+            for (_, b) in st.heap.arena_blocks(a) {
+                if b.state.is_mapped() {
+                    run = Some(match run {
+                        Some((s, l)) => (s, l + b.size),
+                        None => (b.addr, b.size),
+                    });
+                } else if let Some(r) = run.take() {
+                    runs.push(r);
+                }
+            }
+            runs.extend(run);
+            for (addr, len) in runs {
+                let _ = self.dev.unmap(DevicePtr(addr), Bytes(len));
+            }
+            if let Some(arena) = st.heap.arena(a) {
+                let _ = self.dev.release(DevicePtr(arena.base), Bytes(arena.len));
+            }
+        }
+        for e in st
+            .events
+            .take()
+            .into_iter()
+            .map(|p| p.event)
+            .chain(st.events.idle.drain(..))
+        {
+            let _ = self.dev.destroy_event(e);
+        }
+    }
+}

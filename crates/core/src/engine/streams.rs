@@ -1,0 +1,143 @@
+//! Stream-ordered frees: the bookkeeping behind `record_stream`.
+//!
+//! PyTorch's rule (and ours): memory allocated on stream `s` is reused only by later
+//! work on `s` (each stream has its own arenas, so stream order alone makes reuse safe).
+//! When a block is also used by other streams (`record_stream(ptr, t)`), freeing it
+//! records one event on each such stream `t` and the block stays *pending*: active,
+//! not allocated, not reusable. Once every one of those events has completed — every
+//! user stream has passed the point of the free — the free completes and the block
+//! returns to its arena.
+//!
+//! The protocol keeps the engine's lock off every device call:
+//!
+//! 1. **free** (locked): the block becomes `PendingFree`; its [`StreamUse`]s are taken
+//!    out of the block and given idle events from the pool. (unlocked): missing events
+//!    are created and each is recorded on its stream. (locked): each recorded event is
+//!    queued as a [`PendingEvent`]; the block keeps a count of outstanding events. An
+//!    event that could not be created or recorded is never queued, so its block stays
+//!    pending forever: leaking is safe, reusing would not be.
+//! 2. **process** (on every `malloc` while anything is pending, and on demand): the
+//!    queue is taken out whole (locked), each event queried (unlocked), and completed
+//!    events are applied (locked): the event goes back to the idle pool, the block's
+//!    count drops, and at zero the free completes. Events still running are requeued.
+//!    Because the queue is taken out, two threads never process the same event.
+//! 3. **release** (`empty_cache` and the out-of-memory retry): as in 2, but each event
+//!    is synchronised instead of queried, so every pending free completes.
+//!
+//! Costs: free with `k` user streams makes `k` record calls; processing makes one query
+//! per pending event. Steady state reuses the idle events and both queue buffers (no
+//! heap allocation, no event creation).
+
+use crate::engine::arena::Idx;
+use crate::engine::device::DeviceEvent;
+use crate::units::StreamId;
+
+/// A stream other than its own that a block is used on, and (once freed) the event
+/// recorded on that stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StreamUse {
+    pub stream: StreamId,
+    pub event: Option<DeviceEvent>,
+    /// Whether `event` was recorded successfully (phase 1 of the free).
+    pub recorded: bool,
+}
+
+/// Adds `stream` to `uses` unless it is already there. O(uses).
+pub(crate) fn add_use(uses: &mut Vec<StreamUse>, stream: StreamId) {
+    if !uses.iter().any(|u| u.stream == stream) {
+        uses.push(StreamUse {
+            stream,
+            event: None,
+            recorded: false,
+        });
+    }
+}
+
+/// An event recorded for a pending free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PendingEvent {
+    pub event: DeviceEvent,
+    pub block: Idx,
+    /// Set by whoever queried or synchronised the event while it was taken out.
+    pub done: bool,
+}
+
+/// The queue of pending events and the pool of idle ones.
+#[derive(Debug, Default)]
+pub(crate) struct EventQueue {
+    pending: Vec<PendingEvent>,
+    /// The buffer the queue swaps with when it is taken out, so taking it out and
+    /// bringing it back never allocates.
+    spare: Vec<PendingEvent>,
+    /// Created events not recorded for any pending free.
+    pub idle: Vec<DeviceEvent>,
+}
+
+impl EventQueue {
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    pub fn push(&mut self, event: DeviceEvent, block: Idx) {
+        self.pending.push(PendingEvent {
+            event,
+            block,
+            done: false,
+        });
+    }
+
+    /// Takes every queued event out (for querying without the lock).
+    pub fn take(&mut self) -> Vec<PendingEvent> {
+        let spare = std::mem::take(&mut self.spare);
+        std::mem::replace(&mut self.pending, spare)
+    }
+
+    /// Gives back a buffer returned by [`EventQueue::take`] once its events have been
+    /// dealt with (unfinished ones requeued with [`EventQueue::push`]); the buffer is
+    /// kept for the next take.
+    pub fn give_back(&mut self, mut work: Vec<PendingEvent>) {
+        work.clear();
+        if work.capacity() > self.spare.capacity() {
+            self.spare = work;
+        }
+    }
+
+    /// Every queued event (for consistency checks).
+    pub fn iter(&self) -> impl Iterator<Item = &PendingEvent> {
+        self.pending.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uses_are_deduplicated() {
+        let mut u = Vec::new();
+        add_use(&mut u, StreamId(3));
+        add_use(&mut u, StreamId(4));
+        add_use(&mut u, StreamId(3));
+        assert_eq!(u.len(), 2);
+    }
+
+    #[test]
+    fn take_and_give_back_reuse_buffers() {
+        let mut q = EventQueue::default();
+        q.push(DeviceEvent(1), 7);
+        q.push(DeviceEvent(2), 8);
+        let work = q.take();
+        assert_eq!(work.len(), 2);
+        assert!(q.is_empty());
+        q.push(DeviceEvent(3), 9);
+        let cap = work.capacity();
+        q.give_back(work);
+        let again = q.take();
+        assert_eq!(again.len(), 1);
+        // The next take swaps in the buffer given back.
+        q.give_back(again);
+        assert!(q.spare.capacity() >= cap.min(1));
+        assert!(q.iter().next().is_none());
+    }
+}
