@@ -5,5 +5,6 @@
 //! `stweaver` binary (`src/bin/stweaver`) is a thin CLI over this library.
 //! This crate links neither CUDA nor torch.
 
+pub mod iteration;
 pub mod replay;
 pub mod snapshot;
