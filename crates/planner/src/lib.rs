@@ -7,4 +7,5 @@
 
 pub mod iteration;
 pub mod replay;
+pub mod report;
 pub mod snapshot;

@@ -2,6 +2,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod compare;
+
 #[derive(Parser)]
 #[command(
     name = "stweaver",
@@ -14,11 +16,17 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Lower bound, PyTorch native, expandable segments and stweaver, side by side
+    /// (default input: a bundled real GPT-2 XL snapshot).
+    Compare(compare::CompareArgs),
+}
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let result: anyhow::Result<()> = match cli.command {};
+    let result: anyhow::Result<()> = match cli.command {
+        Command::Compare(args) => compare::run(args),
+    };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

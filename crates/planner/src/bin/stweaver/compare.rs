@@ -1,0 +1,128 @@
+//! `stweaver compare [INPUT]`: lower bound, PyTorch native, expandable segments and
+//! stweaver side by side (the logic is `stweaver_planner::report`).
+//!
+//! With no INPUT it runs on the snapshot bundled into the binary
+//! (`data/snap_gpt2xl_rcp.pickle.gz`, a real GPT-2 XL training run on an H200), so it
+//! works anywhere.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use stweaver_core::Trace;
+use stweaver_planner::replay::{AllocatorConfig, ReplayOptions};
+use stweaver_planner::report::{self, StweaverRow};
+use stweaver_planner::snapshot::{load_snapshot, load_snapshot_from_bytes};
+
+/// The bundled real snapshot.
+pub const BUNDLED: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../data/snap_gpt2xl_rcp.pickle.gz"
+));
+pub const BUNDLED_NAME: &str = "bundled snap_gpt2xl_rcp.pickle.gz";
+
+#[derive(clap::Args, Debug)]
+pub struct CompareArgs {
+    /// A PyTorch memory snapshot (`.pickle` or `.pickle.gz`). Default: the bundled
+    /// GPT-2 XL snapshot.
+    pub input: Option<PathBuf>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// PyTorch allocator settings for the PyTorch rows, `PYTORCH_CUDA_ALLOC_CONF`
+    /// syntax (default: the settings recorded in the snapshot).
+    #[arg(long, value_name = "STR")]
+    pub conf: Option<String>,
+    /// Device whose trace to compare (default: the first device with allocations).
+    #[arg(long, value_name = "N")]
+    pub device: Option<i32>,
+}
+
+/// A trace ready to compare or draw.
+pub struct Loaded {
+    pub source: String,
+    pub trace: Trace,
+    /// The allocator settings the run was recorded with.
+    pub recorded: AllocatorConfig,
+    pub load_seconds: f64,
+}
+
+/// Loads `input` (or the bundled snapshot) and picks the device's trace.
+pub fn load_input(input: Option<&Path>, device: Option<i32>) -> Result<Loaded> {
+    let t0 = Instant::now();
+    let (source, snap) = match input {
+        Some(p) => (p.display().to_string(), load_snapshot(p)?),
+        None => (
+            BUNDLED_NAME.to_string(),
+            load_snapshot_from_bytes(BUNDLED).context(BUNDLED_NAME)?,
+        ),
+    };
+    let load_seconds = t0.elapsed().as_secs_f64();
+    let recorded = AllocatorConfig::from_snapshot_settings(&snap.settings)
+        .with_context(|| format!("{source}: allocator_settings"))?;
+    let devices: Vec<String> = snap.traces.iter().map(|t| t.device.to_string()).collect();
+    let trace = match device {
+        None => snap.traces.into_iter().next(),
+        Some(d) => snap.traces.into_iter().find(|t| t.device.0 == d),
+    };
+    let Some(trace) = trace else {
+        bail!(
+            "{source}: no trace for device {} (devices with allocations: {})",
+            device.map_or("any".to_string(), |d| d.to_string()),
+            if devices.is_empty() {
+                "none".to_string()
+            } else {
+                devices.join(", ")
+            }
+        );
+    };
+    Ok(Loaded {
+        source,
+        trace,
+        recorded,
+        load_seconds,
+    })
+}
+
+pub fn run(args: CompareArgs) -> Result<()> {
+    let loaded = load_input(args.input.as_deref(), args.device)?;
+    let base = match &args.conf {
+        Some(s) => AllocatorConfig::parse(s).context("--conf")?,
+        None => loaded.recorded.clone(),
+    };
+    let t0 = Instant::now();
+    let sources: Vec<&dyn StweaverRow> = Vec::new();
+    let cmp = report::compare(
+        &loaded.source,
+        &loaded.trace,
+        &base,
+        &ReplayOptions::default(),
+        &sources,
+    )
+    .with_context(|| loaded.source.clone())?;
+    let compare_seconds = t0.elapsed().as_secs_f64();
+    let text = if args.json {
+        let mut j = cmp.to_json();
+        j["load_seconds"] = loaded.load_seconds.into();
+        j["compare_seconds"] = compare_seconds.into();
+        serde_json::to_string_pretty(&j)? + "\n"
+    } else {
+        format!(
+            "{}\nload {:.3} s, rows {:.3} s\n",
+            cmp.to_table(),
+            loaded.load_seconds,
+            compare_seconds
+        )
+    };
+    emit(&text)
+}
+
+/// Writes to stdout; a closed pipe (`| head`) is not an error.
+pub fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing to stdout"),
+        _ => Ok(()),
+    }
+}
