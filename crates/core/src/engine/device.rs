@@ -143,3 +143,46 @@ pub trait DeviceMemory: Send + Sync {
     /// Destroys an event.
     fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError>;
 }
+
+/// A shared device (one device behind several engines or a test's own handle).
+impl<T: DeviceMemory + ?Sized> DeviceMemory for std::sync::Arc<T> {
+    fn granularity(&self) -> Bytes {
+        (**self).granularity()
+    }
+    fn total_memory(&self) -> Bytes {
+        (**self).total_memory()
+    }
+    fn free_memory(&self) -> Result<Bytes, DeviceError> {
+        (**self).free_memory()
+    }
+    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
+        (**self).reserve(size)
+    }
+    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        (**self).release(base, size)
+    }
+    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        (**self).map(addr, size)
+    }
+    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        (**self).unmap(addr, size)
+    }
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        (**self).synchronize()
+    }
+    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
+        (**self).create_event()
+    }
+    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
+        (**self).record_event(event, stream)
+    }
+    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+        (**self).query_event(event)
+    }
+    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        (**self).synchronize_event(event)
+    }
+    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        (**self).destroy_event(event)
+    }
+}
