@@ -853,7 +853,10 @@ impl Heap {
                 if blk.addr != at || blk.prev != prev {
                     return Err(ctx("does not continue its predecessor"));
                 }
-                if blk.size == 0 || !blk.addr.is_multiple_of(ALIGNMENT) || !blk.size.is_multiple_of(ALIGNMENT) {
+                if blk.size == 0
+                    || !blk.addr.is_multiple_of(ALIGNMENT)
+                    || !blk.size.is_multiple_of(ALIGNMENT)
+                {
                     return Err(ctx("empty or misaligned"));
                 }
                 if prev != NIL {
