@@ -178,6 +178,17 @@ impl CudaDevice {
                 ),
             ));
         }
+        let mapping = self.map_unchecked_access(range.base + offset, size)?;
+        // On error `mapping` drops here and unmaps.
+        self.set_access(mapping.ptr(), size, &[self.ordinal])?;
+        Ok(mapping)
+    }
+
+    /// `cuMemCreate` + `cuMemMap` of `size` bytes at `va`, then `cuMemRelease` of the
+    /// handle (the mapping keeps the memory alive until it is unmapped). Access is not set.
+    /// The caller guarantees `va..va+size` is granule aligned, inside a live reservation
+    /// and unmapped.
+    pub(crate) fn map_unchecked_access(&self, va: u64, size: u64) -> Result<Mapping> {
         let _g = CtxGuard::push(self.ctx)?;
         let prop = alloc_prop(self.dev);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -185,37 +196,50 @@ impl CudaDevice {
         call("cuMemCreate", || unsafe {
             sys::cuMemCreate(&mut handle, size as usize, &prop, 0)
         })?;
-        let va = range.base + offset;
-        // Safety: `va..va+size` lies inside a live reservation (checked) and `handle` is a
-        // fresh allocation of exactly `size` bytes.
+        // Safety: `va..va+size` lies inside a live reservation and is unmapped (caller), and
+        // `handle` is a fresh allocation of exactly `size` bytes.
         let mapped = call("cuMemMap", || unsafe {
             sys::cuMemMap(va, size as usize, 0, handle, 0)
         });
-        if let Err(e) = mapped {
-            // Safety: releases the handle created above, which nothing maps.
-            let _ = call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) });
-            return Err(e);
-        }
+        // Safety: releases our reference to the handle: if the map succeeded the mapping
+        // holds the memory until `cuMemUnmap`; if it failed nothing references it.
+        let released = call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) });
+        mapped?;
         let mapping = Mapping {
             ptr: va,
             size,
             _not_sync: PhantomData,
         };
-        // Safety: the mapping now holds a reference to the physical memory; releasing the
-        // handle makes the memory go away exactly when it is unmapped.
-        let released = call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) });
-        // Safety: zero is a valid "no flags" initial value of this plain C struct.
-        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        desc.location.id = self.dev;
-        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // Safety: `va..va+size` is mapped (above); one descriptor.
-        let access = call("cuMemSetAccess", || unsafe {
-            sys::cuMemSetAccess(va, size as usize, &desc, 1)
-        });
-        // On error `mapping` drops here and unmaps.
-        released.and(access)?;
+        released?;
         Ok(mapping)
+    }
+
+    /// Gives `devices` read/write access to the mapped range `[va, va + size)` (one
+    /// `cuMemSetAccess` call with one descriptor per device).
+    pub(crate) fn set_access(&self, va: u64, size: u64, devices: &[i32]) -> Result<()> {
+        let descs: Vec<sys::CUmemAccessDesc> = devices
+            .iter()
+            .map(|&d| {
+                // Safety: zero is a valid "no flags" initial value of this plain C struct.
+                let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                desc.location.id = d;
+                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                desc
+            })
+            .collect();
+        let _g = CtxGuard::push(self.ctx)?;
+        // Safety: `va..va+size` is fully mapped (caller); `descs` holds `len` descriptors.
+        call("cuMemSetAccess", || unsafe {
+            sys::cuMemSetAccess(va, size as usize, descs.as_ptr(), descs.len())
+        })
+    }
+
+    /// Waits for all work queued on this device (`cuCtxSynchronize` in its primary context).
+    pub fn synchronize(&self) -> Result<()> {
+        let _g = CtxGuard::push(self.ctx)?;
+        // Safety: a context is current (guard).
+        call("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize() })
     }
 
     /// Creates an event (timing disabled) in this device's context.
@@ -364,6 +388,15 @@ impl Event {
     pub fn raw(&self) -> usize {
         self.raw as usize
     }
+}
+
+/// Blocks until the event with raw handle `raw` completes.
+pub(crate) fn synchronize_raw_event(raw: u64) -> Result<()> {
+    let ev = raw as sys::CUevent;
+    // Safety: the caller checked `raw` is a live event it created.
+    call("cuEventSynchronize", || unsafe {
+        sys::cuEventSynchronize(ev)
+    })
 }
 
 impl Drop for Event {

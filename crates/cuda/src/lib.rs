@@ -11,9 +11,11 @@
 
 mod device;
 mod driver;
+mod memory;
 
 pub use device::{CudaDevice, Event, Mapping, VaRange};
 pub use driver::{CudaError, Driver, Result};
+pub use memory::{CudaCounters, CudaMemory};
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,330 @@
+//! [`CudaMemory`]: the engine's [`DeviceMemory`] on a real CUDA device.
+//!
+//! - Reservations are [`VaRange`]s kept by base address.
+//! - Physical memory is created and mapped **one granule per allocation handle**: the driver
+//!   cannot unmap part of a mapping (`cuMemUnmap` takes whole mapped ranges), and the
+//!   engine unmaps any granule-aligned sub-range of what it mapped. Access is set once per
+//!   `map` call over the whole range, for this device and every peer enabled with
+//!   [`CudaMemory::enable_peer_access`].
+//! - Events are driver events (timing disabled) keyed by their raw handle; an event never
+//!   recorded is complete, as in CUDA.
+//!
+//! Every method checks the engine's contract (granule alignment, inside one reservation,
+//! mapped/unmapped state) before a driver call, so a violation is
+//! [`DeviceError::InvalidRange`], never a driver fault. The bookkeeping lock is never held
+//! across a driver call that can be slow (`cuMemCreate`, `cuMemMap`, synchronisation).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard};
+
+use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+use stweaver_core::units::{Bytes, StreamId};
+
+use crate::device::{CudaDevice, Event, Mapping, VaRange};
+use crate::driver::{CudaError, Result as CudaResult};
+
+/// Device-memory traffic counters (what `num_device_alloc` and friends count, and more).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaCounters {
+    pub reserves: u64,
+    pub releases: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+    pub mapped_bytes: u64,
+    pub events_created: u64,
+    pub synchronizes: u64,
+}
+
+/// The CUDA implementation of [`DeviceMemory`] for one device.
+#[derive(Debug)]
+pub struct CudaMemory {
+    device: CudaDevice,
+    granule: u64,
+    state: Mutex<State>,
+    events: Mutex<HashMap<u64, Event>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    reservations: BTreeMap<u64, VaRange>,
+    /// Granule address → its mapping (one allocation handle each).
+    granules: HashMap<u64, Mapping>,
+    /// Devices (other than ours) that may access our memory.
+    peers: Vec<i32>,
+    counters: CudaCounters,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded data is plain bookkeeping updated in single steps; a panic elsewhere
+    // cannot leave it half-written, so keep serving instead of propagating poison.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn to_device_error(e: CudaError) -> DeviceError {
+    match e {
+        CudaError::Driver {
+            call,
+            code,
+            name,
+            description,
+        } => DeviceError::Driver {
+            call,
+            code: code as i32,
+            message: format!("{name}: {description}"),
+        },
+        CudaError::NoDriver => DeviceError::Driver {
+            call: "dlopen(libcuda)",
+            code: -1,
+            message: e.to_string(),
+        },
+        CudaError::Unavailable { call, message } => DeviceError::Driver {
+            call,
+            code: -1,
+            message,
+        },
+        CudaError::InvalidArgument { call, message } => DeviceError::Driver {
+            call,
+            code: -1,
+            message: format!("invalid argument: {message}"),
+        },
+    }
+}
+
+fn bad(addr: u64, size: u64, reason: &'static str) -> DeviceError {
+    DeviceError::InvalidRange {
+        addr: DevicePtr(addr),
+        size: Bytes(size),
+        reason,
+    }
+}
+
+impl CudaMemory {
+    /// Opens CUDA device `ordinal` (see [`CudaDevice::open`]).
+    pub fn open(ordinal: i32) -> CudaResult<CudaMemory> {
+        let device = CudaDevice::open(ordinal)?;
+        let granule = device.granularity();
+        Ok(CudaMemory {
+            device,
+            granule,
+            state: Mutex::new(State::default()),
+            events: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The underlying device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// Call counters and mapped bytes.
+    pub fn counters(&self) -> CudaCounters {
+        lock(&self.state).counters
+    }
+
+    /// Lets device `peer` read and write all memory mapped now and later (what PyTorch's
+    /// `enablePeerAccess` asks of an allocator whose memory is `cuMemMap`ped). The caller
+    /// enables the runtime's peer access (`cudaDeviceEnablePeerAccess`) itself.
+    pub fn enable_peer_access(&self, peer: i32) -> CudaResult<()> {
+        let mut st = lock(&self.state);
+        if peer == self.device.ordinal() || st.peers.contains(&peer) {
+            return Ok(());
+        }
+        for m in st.granules.values() {
+            self.device.set_access(m.ptr(), m.size(), &[peer])?;
+        }
+        st.peers.push(peer);
+        Ok(())
+    }
+
+    /// Checks that `[addr, addr + size)` is non-empty, granule aligned and inside one
+    /// reservation.
+    fn check_range(&self, st: &State, addr: u64, size: u64) -> Result<(), DeviceError> {
+        if size == 0 || !addr.is_multiple_of(self.granule) || !size.is_multiple_of(self.granule) {
+            return Err(bad(addr, size, "not granule aligned or empty"));
+        }
+        let end = addr.checked_add(size).ok_or(bad(addr, size, "overflows"))?;
+        match st.reservations.range(..=addr).next_back() {
+            Some((_, r)) if end <= r.base() + r.size() => Ok(()),
+            _ => Err(bad(addr, size, "outside every reservation")),
+        }
+    }
+
+    fn event_known(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        if lock(&self.events).contains_key(&event.0) {
+            Ok(())
+        } else {
+            Err(DeviceError::UnknownEvent(event))
+        }
+    }
+
+    fn with_event<T>(
+        &self,
+        event: DeviceEvent,
+        f: impl FnOnce(&Event) -> CudaResult<T>,
+    ) -> Result<T, DeviceError> {
+        let events = lock(&self.events);
+        let ev = events
+            .get(&event.0)
+            .ok_or(DeviceError::UnknownEvent(event))?;
+        // Record and query are short, non-blocking driver calls; holding the event table
+        // lock across them keeps a concurrent destroy from freeing the event under us.
+        f(ev).map_err(to_device_error)
+    }
+}
+
+impl DeviceMemory for CudaMemory {
+    fn granularity(&self) -> Bytes {
+        Bytes(self.granule)
+    }
+
+    fn total_memory(&self) -> Bytes {
+        Bytes(self.device.total_memory())
+    }
+
+    fn free_memory(&self) -> Result<Bytes, DeviceError> {
+        let (free, _) = self.device.mem_info().map_err(to_device_error)?;
+        Ok(Bytes(free))
+    }
+
+    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
+        let size = size.get();
+        if size == 0 || !size.is_multiple_of(self.granule) {
+            return Err(bad(0, size, "reservation not a granule multiple"));
+        }
+        let range = self.device.reserve(size).map_err(|e| {
+            if e.is_out_of_memory() {
+                DeviceError::OutOfMemory { size: Bytes(size) }
+            } else {
+                to_device_error(e)
+            }
+        })?;
+        let base = range.base();
+        let mut st = lock(&self.state);
+        st.reservations.insert(base, range);
+        st.counters.reserves += 1;
+        Ok(DevicePtr(base))
+    }
+
+    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        let mut st = lock(&self.state);
+        match st.reservations.get(&base.get()) {
+            Some(r) if r.size() == size.get() => {}
+            _ => return Err(bad(base.get(), size.get(), "not a whole reservation")),
+        }
+        let (lo, hi) = (base.get(), base.get() + size.get());
+        if st.granules.keys().any(|&g| g >= lo && g < hi) {
+            return Err(bad(lo, size.get(), "reservation still has mapped granules"));
+        }
+        let range = st.reservations.remove(&lo);
+        st.counters.releases += 1;
+        drop(st);
+        drop(range); // cuMemAddressFree
+        Ok(())
+    }
+
+    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        let (addr, size) = (addr.get(), size.get());
+        let peers;
+        {
+            let st = lock(&self.state);
+            self.check_range(&st, addr, size)?;
+            if (addr..addr + size)
+                .step_by(self.granule as usize)
+                .any(|g| st.granules.contains_key(&g))
+            {
+                return Err(bad(addr, size, "maps an already mapped granule"));
+            }
+            peers = st.peers.clone();
+        }
+        // Create and map outside the lock (slow driver calls); the engine never maps the
+        // same granule from two threads (its contract), and the reservation cannot go
+        // away while the engine maps into it.
+        let mut done: Vec<Mapping> = Vec::with_capacity((size / self.granule) as usize);
+        let mut g = addr;
+        while g < addr + size {
+            match self.device.map_unchecked_access(g, self.granule) {
+                Ok(m) => done.push(m),
+                Err(e) => {
+                    drop(done); // unmaps what this call mapped
+                    return Err(if e.is_out_of_memory() {
+                        DeviceError::OutOfMemory { size: Bytes(size) }
+                    } else {
+                        to_device_error(e)
+                    });
+                }
+            }
+            g += self.granule;
+        }
+        let mut who = vec![self.device.ordinal()];
+        who.extend(peers);
+        if let Err(e) = self.device.set_access(addr, size, &who) {
+            drop(done);
+            return Err(to_device_error(e));
+        }
+        let mut st = lock(&self.state);
+        for m in done {
+            st.granules.insert(m.ptr(), m);
+        }
+        st.counters.maps += 1;
+        st.counters.mapped_bytes += size;
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        let (addr, size) = (addr.get(), size.get());
+        let mut st = lock(&self.state);
+        self.check_range(&st, addr, size)?;
+        if !(addr..addr + size)
+            .step_by(self.granule as usize)
+            .all(|g| st.granules.contains_key(&g))
+        {
+            return Err(bad(addr, size, "unmaps an unmapped granule"));
+        }
+        let gone: Vec<Mapping> = (addr..addr + size)
+            .step_by(self.granule as usize)
+            .filter_map(|g| st.granules.remove(&g))
+            .collect();
+        st.counters.unmaps += 1;
+        st.counters.mapped_bytes -= size;
+        drop(st);
+        drop(gone); // cuMemUnmap each granule, outside the lock
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        lock(&self.state).counters.synchronizes += 1;
+        self.device.synchronize().map_err(to_device_error)
+    }
+
+    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
+        let ev = self.device.create_event().map_err(to_device_error)?;
+        let id = ev.raw() as u64;
+        lock(&self.events).insert(id, ev);
+        lock(&self.state).counters.events_created += 1;
+        Ok(DeviceEvent(id))
+    }
+
+    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
+        self.with_event(event, |ev| ev.record(stream.0 as usize))
+    }
+
+    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+        self.with_event(event, Event::query)
+    }
+
+    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.event_known(event)?;
+        // Do not hold the table lock while blocking: synchronise on a raw copy. The engine
+        // does not destroy an event while it waits on it (contract).
+        let raw = event.0;
+        crate::device::synchronize_raw_event(raw).map_err(to_device_error)
+    }
+
+    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        let ev = lock(&self.events)
+            .remove(&event.0)
+            .ok_or(DeviceError::UnknownEvent(event))?;
+        drop(ev); // cuEventDestroy
+        Ok(())
+    }
+}

@@ -1,0 +1,402 @@
+//! The cxx bridge: what `cpp/stweaver_allocator.cpp` may call.
+//!
+//! One direction only (C++ → Rust); no torch type crosses: pointers and `cudaStream_t`
+//! travel as `usize`, stats and snapshots as plain shared structs the C++ side copies
+//! into torch's own structs. Every function returns `Result`: an `Err` becomes a C++
+//! `rust::Error` exception, which the C++ side turns into `c10::Error`. Every body runs
+//! under `catch_unwind` (see [`crate::guard`]), so no panic reaches C++.
+//!
+//! Out of memory is not an error here: [`Runtime::malloc`] returns 0 and C++ asks
+//! [`Runtime::oom_info`] for the report, calls the OOM observers, and throws
+//! `c10::OutOfMemoryError` (→ `torch.OutOfMemoryError`).
+
+#[cxx::bridge(namespace = "stweaver::ffi")]
+pub mod bridge {
+    /// `c10::CachingAllocator::Stat`.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct Stat {
+        current: i64,
+        peak: i64,
+        allocated: i64,
+        freed: i64,
+    }
+
+    /// `c10::CachingAllocator::StatArray`: aggregate, small pool, large pool.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct StatArray {
+        all: Stat,
+        small_pool: Stat,
+        large_pool: Stat,
+    }
+
+    /// `c10::CachingDeviceAllocator::DeviceStats` (torch 2.11), field for field.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct DeviceStats {
+        allocation: StatArray,
+        segment: StatArray,
+        active: StatArray,
+        inactive_split: StatArray,
+        allocated_bytes: StatArray,
+        reserved_bytes: StatArray,
+        active_bytes: StatArray,
+        inactive_split_bytes: StatArray,
+        requested_bytes: StatArray,
+        num_alloc_retries: i64,
+        num_ooms: i64,
+        oversize_allocations: Stat,
+        oversize_segments: Stat,
+        num_sync_all_streams: i64,
+        num_device_alloc: i64,
+        num_device_free: i64,
+        max_split_size: i64,
+    }
+
+    /// `c10::MempoolId_t`: `(0, 0)` is the default pool, `(k, 0)` a CUDA graph's private
+    /// pool, `(0, k)` a `torch.cuda.MemPool`.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    struct PoolId {
+        first: u64,
+        second: u64,
+    }
+
+    /// What C++ needs to report an out-of-memory error and call the OOM observers.
+    #[derive(Debug, Default, Clone, PartialEq, Eq)]
+    struct OomInfo {
+        /// The request, rounded as the engine rounds it.
+        rounded: u64,
+        /// Bytes the caller holds (allocated) and the engine has mapped (reserved).
+        allocated: u64,
+        reserved: u64,
+        /// The memory-fraction limit in bytes, or the device's total memory if unset.
+        limit: u64,
+        /// Free and total device memory as the driver reports them.
+        device_free: u64,
+        device_total: u64,
+        /// A human explanation (which limit was hit, fragmentation).
+        detail: String,
+    }
+
+    /// A contiguous address range.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct Range {
+        base: u64,
+        size: u64,
+    }
+
+    /// One block of a snapshot segment (`c10::CachingDeviceAllocator::BlockInfo`).
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct SnapshotBlock {
+        address: u64,
+        size: u64,
+        requested_size: u64,
+        /// Handed out to the caller.
+        allocated: bool,
+        /// Allocated, or freed but waiting for other streams.
+        active: bool,
+    }
+
+    /// One snapshot segment (`c10::CachingDeviceAllocator::SegmentInfo`): a contiguous
+    /// mapped range of one arena; its blocks are `blocks[first_block..first_block+num_blocks]`.
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct SnapshotSegment {
+        device: i32,
+        address: u64,
+        total_size: u64,
+        requested_size: u64,
+        allocated_size: u64,
+        active_size: u64,
+        stream: usize,
+        is_large: bool,
+        is_expandable: bool,
+        pool: PoolId,
+        first_block: usize,
+        num_blocks: usize,
+    }
+
+    /// Segments (sorted by device, then address) and their blocks.
+    #[derive(Debug, Default, Clone, PartialEq, Eq)]
+    struct Snapshot {
+        segments: Vec<SnapshotSegment>,
+        blocks: Vec<SnapshotBlock>,
+    }
+
+    /// `c10::CachingDeviceAllocator::TraceEntry::Action`, minus what C++ records itself
+    /// (`SNAPSHOT`, `OOM`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    enum HistoryAction {
+        Alloc,
+        FreeRequested,
+        FreeCompleted,
+        SegmentAlloc,
+        SegmentFree,
+        SegmentMap,
+        SegmentUnmap,
+    }
+
+    /// One entry of the allocator's history, for `torch.cuda.memory._record_memory_history`
+    /// and trace trackers (sizes as PyTorch defines them per action).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct HistoryEvent {
+        action: HistoryAction,
+        device: i32,
+        addr: u64,
+        size: u64,
+        stream: usize,
+        pool: PoolId,
+    }
+
+    extern "Rust" {
+        /// All allocator state of the process: one engine per (device, pool).
+        type Runtime;
+
+        /// A runtime serving in `mode` ("online", "trace", "plan" or "auto"). `plan` and
+        /// `trace` are file paths ("" for none): the plan to serve, where to write the trace.
+        fn new_runtime(mode: &str, plan: &str, trace: &str) -> Result<Box<Runtime>>;
+
+        /// PyTorch's lazy CUDA init: `device_count` devices exist. Devices are opened
+        /// lazily at their first allocation.
+        fn init(self: &Runtime, device_count: i32) -> Result<()>;
+
+        /// Allocates `size` (> 0) bytes on `device` for `stream` from `pool`. Returns the
+        /// address, or 0 when the device is out of memory (after releasing cached memory
+        /// and retrying).
+        fn malloc(
+            self: &Runtime,
+            device: i32,
+            size: usize,
+            stream: usize,
+            pool: PoolId,
+        ) -> Result<usize>;
+
+        /// Frees a pointer returned by `malloc`. Memory used by other streams
+        /// (`record_stream`) is reused only after they pass this point. Unknown pointers
+        /// and double frees are errors.
+        fn free(self: &Runtime, ptr: usize) -> Result<()>;
+
+        /// `Tensor.record_stream`: the block at `ptr` is also used on `stream`.
+        fn record_stream(self: &Runtime, ptr: usize, stream: usize) -> Result<()>;
+
+        /// Returns cached memory to the device: `device` -1 for all; `pool` (0,0) for the
+        /// default pools plus every released private pool, else that pool only.
+        fn empty_cache(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
+
+        fn device_stats(self: &Runtime, device: i32) -> Result<DeviceStats>;
+        fn reset_peak_stats(self: &Runtime, device: i32) -> Result<()>;
+        fn reset_accumulated_stats(self: &Runtime, device: i32) -> Result<()>;
+
+        /// `set_per_process_memory_fraction`: 0 ≤ fraction ≤ 1 of the device's memory.
+        fn set_memory_fraction(self: &Runtime, device: i32, fraction: f64) -> Result<()>;
+        fn memory_fraction(self: &Runtime, device: i32) -> Result<f64>;
+
+        /// The report for a failed `malloc` of `size` bytes on `device`.
+        fn oom_info(self: &Runtime, device: i32, size: usize) -> Result<OomInfo>;
+
+        /// Largest free cached block on `device` (for cuDNN's workspace sizing).
+        fn largest_free_block(self: &Runtime, device: i32) -> Result<u64>;
+
+        /// The arena range that holds `ptr` (`getBaseAllocation`).
+        fn base_allocation(self: &Runtime, ptr: usize) -> Result<Range>;
+
+        /// Segments and blocks of `pool`, or of every pool when `all_pools`.
+        fn snapshot(self: &Runtime, pool: PoolId, all_pools: bool) -> Result<Snapshot>;
+
+        /// Private pools: create or take a reference (`beginAllocateToPool`,
+        /// `createOrIncrefPool`), drop one (`releasePool`; at zero the pool's memory is
+        /// returned once nothing in it is live), count references.
+        fn pool_incref(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
+        fn pool_release(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
+        fn pool_use_count(self: &Runtime, device: i32, pool: PoolId) -> Result<i32>;
+        /// Addresses of the blocks allocated in a pool (`checkPoolLiveAllocations`).
+        fn pool_live_allocations(self: &Runtime, device: i32, pool: PoolId) -> Result<Vec<usize>>;
+
+        /// Starts or stops collecting [`HistoryEvent`]s (history recording or trace trackers).
+        fn set_history(self: &Runtime, enabled: bool) -> Result<()>;
+        /// Takes the events collected since the last call, oldest first.
+        fn drain_history(self: &Runtime) -> Result<Vec<HistoryEvent>>;
+
+        /// Lets `peer` access all memory of `device` (after `cudaDeviceEnablePeerAccess`).
+        fn enable_peer_access(self: &Runtime, device: i32, peer: i32) -> Result<()>;
+
+        /// An iteration boundary (`stweaver.step()`).
+        fn step(self: &Runtime) -> Result<()>;
+        /// A named phase marker: `begin` true opens the phase `label`, false closes it.
+        fn mark(self: &Runtime, label: &str, begin: bool) -> Result<()>;
+        /// The serving mode now ("online", "trace", "plan"; "auto" reports its stage).
+        fn mode(self: &Runtime) -> Result<String>;
+        /// Writes the recorded trace(s) now (trace and auto modes); returns the paths.
+        fn flush_trace(self: &Runtime) -> Result<Vec<String>>;
+        /// A JSON object with the runtime's state and counters (for `stweaver.stats()`).
+        fn info_json(self: &Runtime) -> Result<String>;
+    }
+}
+
+use std::sync::Arc;
+
+use stweaver_cuda::CudaMemory;
+
+use crate::error::{BridgeError, guard};
+use crate::runtime::{Core, DeviceFactory, Settings, to_ffi_stats};
+use crate::tracked::BridgeDevice;
+use bridge::{DeviceStats, HistoryEvent, OomInfo, PoolId, Range, Snapshot};
+
+/// The object C++ holds (`rust::Box<stweaver::ffi::Runtime>`): the guarded face of a
+/// [`Core`]. Every method runs under [`guard`], so no panic reaches C++.
+pub struct Runtime {
+    core: Core,
+}
+
+/// Opens CUDA devices through the driver API.
+pub fn cuda_factory() -> DeviceFactory {
+    Box::new(|d| Ok(Arc::new(CudaMemory::open(d)?) as Arc<dyn BridgeDevice>))
+}
+
+fn new_runtime(mode: &str, plan: &str, trace: &str) -> Result<Box<Runtime>, BridgeError> {
+    guard("new_runtime", || {
+        let settings = Settings::parse(mode, plan, trace)?;
+        Ok(Box::new(Runtime::with_core(Core::new(
+            settings,
+            cuda_factory(),
+        ))))
+    })
+}
+
+impl Runtime {
+    /// A runtime over any device factory (tests use host memory).
+    pub fn with_core(core: Core) -> Runtime {
+        Runtime { core }
+    }
+
+    /// The state behind the guard.
+    pub fn core(&self) -> &Core {
+        &self.core
+    }
+
+    pub fn init(&self, device_count: i32) -> Result<(), BridgeError> {
+        guard("init", || self.core.init(device_count))
+    }
+
+    pub fn malloc(
+        &self,
+        device: i32,
+        size: usize,
+        stream: usize,
+        pool: PoolId,
+    ) -> Result<usize, BridgeError> {
+        guard("malloc", || self.core.malloc(device, size, stream, pool))
+    }
+
+    pub fn free(&self, ptr: usize) -> Result<(), BridgeError> {
+        guard("free", || self.core.free(ptr))
+    }
+
+    pub fn record_stream(&self, ptr: usize, stream: usize) -> Result<(), BridgeError> {
+        guard("record_stream", || self.core.record_stream(ptr, stream))
+    }
+
+    pub fn empty_cache(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {
+        guard("empty_cache", || self.core.empty_cache(device, pool))
+    }
+
+    pub fn device_stats(&self, device: i32) -> Result<DeviceStats, BridgeError> {
+        guard("device_stats", || {
+            Ok(to_ffi_stats(&self.core.device_stats(device)?))
+        })
+    }
+
+    pub fn reset_peak_stats(&self, device: i32) -> Result<(), BridgeError> {
+        guard("reset_peak_stats", || self.core.reset_peak_stats(device))
+    }
+
+    pub fn reset_accumulated_stats(&self, device: i32) -> Result<(), BridgeError> {
+        guard("reset_accumulated_stats", || {
+            self.core.reset_accumulated_stats(device)
+        })
+    }
+
+    pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<(), BridgeError> {
+        guard("set_memory_fraction", || {
+            self.core.set_memory_fraction(device, fraction)
+        })
+    }
+
+    pub fn memory_fraction(&self, device: i32) -> Result<f64, BridgeError> {
+        guard("memory_fraction", || self.core.memory_fraction(device))
+    }
+
+    pub fn oom_info(&self, device: i32, size: usize) -> Result<OomInfo, BridgeError> {
+        guard("oom_info", || self.core.oom_info(device, size))
+    }
+
+    pub fn largest_free_block(&self, device: i32) -> Result<u64, BridgeError> {
+        guard("largest_free_block", || {
+            self.core.largest_free_block(device)
+        })
+    }
+
+    pub fn base_allocation(&self, ptr: usize) -> Result<Range, BridgeError> {
+        guard("base_allocation", || self.core.base_allocation(ptr))
+    }
+
+    pub fn snapshot(&self, pool: PoolId, all_pools: bool) -> Result<Snapshot, BridgeError> {
+        guard("snapshot", || self.core.snapshot(pool, all_pools))
+    }
+
+    pub fn pool_incref(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {
+        guard("pool_incref", || self.core.pool_incref(device, pool))
+    }
+
+    pub fn pool_release(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {
+        guard("pool_release", || self.core.pool_release(device, pool))
+    }
+
+    pub fn pool_use_count(&self, device: i32, pool: PoolId) -> Result<i32, BridgeError> {
+        guard("pool_use_count", || self.core.pool_use_count(device, pool))
+    }
+
+    pub fn pool_live_allocations(
+        &self,
+        device: i32,
+        pool: PoolId,
+    ) -> Result<Vec<usize>, BridgeError> {
+        guard("pool_live_allocations", || {
+            self.core.pool_live_allocations(device, pool)
+        })
+    }
+
+    pub fn set_history(&self, enabled: bool) -> Result<(), BridgeError> {
+        guard("set_history", || {
+            self.core.set_history(enabled);
+            Ok(())
+        })
+    }
+
+    pub fn drain_history(&self) -> Result<Vec<HistoryEvent>, BridgeError> {
+        guard("drain_history", || Ok(self.core.drain_history()))
+    }
+
+    pub fn enable_peer_access(&self, device: i32, peer: i32) -> Result<(), BridgeError> {
+        guard("enable_peer_access", || {
+            self.core.enable_peer_access(device, peer)
+        })
+    }
+
+    pub fn step(&self) -> Result<(), BridgeError> {
+        guard("step", || self.core.step())
+    }
+
+    pub fn mark(&self, label: &str, begin: bool) -> Result<(), BridgeError> {
+        guard("mark", || self.core.mark(label, begin))
+    }
+
+    pub fn mode(&self) -> Result<String, BridgeError> {
+        guard("mode", || Ok(self.core.mode()))
+    }
+
+    pub fn flush_trace(&self) -> Result<Vec<String>, BridgeError> {
+        guard("flush_trace", || self.core.flush_trace())
+    }
+
+    pub fn info_json(&self) -> Result<String, BridgeError> {
+        guard("info_json", || self.core.info_json())
+    }
+}

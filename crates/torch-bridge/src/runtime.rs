@@ -1,0 +1,1135 @@
+//! [`Core`]: the process's allocator state behind the bridge — one [`Engine`] per
+//! (device, pool), device-level stats, private pools for CUDA graphs and `MemPool`s,
+//! trace mode, and the history PyTorch's memory tools read.
+//!
+//! # Pools
+//!
+//! Each CUDA device has a *default* engine (opened at its first allocation) and one
+//! engine per live private pool (`beginAllocateToPool` / `createOrIncrefPool` create it,
+//! `releasePool` drops a reference). A private pool's memory is never handed to another
+//! pool; when its last reference is released its cache is emptied at once and the
+//! engine is dropped as soon as nothing in it is live (a graph's outputs may outlive the
+//! graph). Engines share the device ([`BridgeDevice`]) through [`Tracked`], which maps
+//! every reservation to its engine, so `free(ptr)` needs no per-pointer table.
+//!
+//! # Device stats
+//!
+//! With only the default engine, a device's stats are that engine's (exact). With
+//! private pools, current values and counters are sums over the engines (plus what
+//! dropped engines accumulated), and each peak is the largest of: the highest sum seen
+//! at the end of any operation on the device, the current sum, and each engine's own
+//! peak (each a lower bound of the true peak; together exact at operation granularity).
+//!
+//! # History
+//!
+//! When PyTorch records memory history (or a trace tracker is attached), every
+//! allocation, free request, free completion (late for stream-deferred frees) and
+//! mapping change is reported as a [`HistoryEvent`], which C++ turns into `TraceEntry`s.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard};
+
+use stweaver_core::engine::{
+    BlockState, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineConfig, EngineError,
+    MemoryLimit, PoolKind, SegmentInfo, Stat,
+};
+use stweaver_core::trace::MarkerKind;
+use stweaver_core::trace_file::write_trace_file;
+use stweaver_core::units::{Bytes, DeviceId, StreamId};
+
+use crate::error::{BridgeError, Result};
+use crate::ffi::bridge as ffi;
+use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
+use crate::tracked::{BridgeDevice, Owner, Shared, Tracked};
+
+/// Opens device `ordinal` (CUDA in production, host memory in tests).
+pub type DeviceFactory = Box<dyn Fn(i32) -> Result<Arc<dyn BridgeDevice>> + Send + Sync>;
+
+const DEFAULT_POOL: PoolId = PoolId {
+    first: 0,
+    second: 0,
+};
+
+fn is_default(p: PoolId) -> bool {
+    p == DEFAULT_POOL
+}
+
+/// How the runtime serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Online best fit only.
+    Online,
+    /// Online, recording every request of the default pools into a trace.
+    Trace,
+}
+
+/// Validated install settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    pub mode: Mode,
+    /// Where trace mode writes (device 0; other devices get `.cudaN` before the extension).
+    pub trace_path: Option<PathBuf>,
+}
+
+impl Settings {
+    /// Parses `install(mode, plan, trace)` arguments ("" = not given).
+    pub fn parse(mode: &str, plan: &str, trace: &str) -> Result<Settings> {
+        let bad = |m: String| Err(BridgeError::Settings(m));
+        match mode {
+            "online" => {
+                if !plan.is_empty() || !trace.is_empty() {
+                    return bad(format!(
+                        "mode \"online\" takes no plan or trace file (got plan={plan:?}, \
+                         trace={trace:?}); use mode \"trace\" to record one"
+                    ));
+                }
+                Ok(Settings {
+                    mode: Mode::Online,
+                    trace_path: None,
+                })
+            }
+            "trace" => {
+                if trace.is_empty() {
+                    return bad("mode \"trace\" needs a trace file path".into());
+                }
+                if !plan.is_empty() {
+                    return bad(format!(
+                        "mode \"trace\" records a trace and serves online; it takes no plan \
+                         (got {plan:?})"
+                    ));
+                }
+                Ok(Settings {
+                    mode: Mode::Trace,
+                    trace_path: Some(PathBuf::from(trace)),
+                })
+            }
+            "plan" | "auto" => Err(BridgeError::Unsupported(format!(
+                "mode \"{mode}\" needs the engine's plan mode, which this build does not have \
+                 yet; use \"online\" or \"trace\" (then `stweaver plan TRACE -o PLAN` offline)"
+            ))),
+            other => bad(format!(
+                "unknown mode {other:?}: expected \"online\", \"trace\", \"plan\" or \"auto\""
+            )),
+        }
+    }
+
+    /// The trace file of device `d`.
+    pub fn trace_path_for(&self, d: i32) -> Option<PathBuf> {
+        let p = self.trace_path.as_ref()?;
+        if d == 0 {
+            return Some(p.clone());
+        }
+        let stem = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let name = match p.extension() {
+            Some(ext) => format!("{stem}.cuda{d}.{}", ext.to_string_lossy()),
+            None => format!("{stem}.cuda{d}"),
+        };
+        Some(p.with_file_name(name))
+    }
+}
+
+/// A private pool: its engine and how many users hold it.
+struct PrivatePool {
+    engine: Engine<Tracked>,
+    use_count: i32,
+}
+
+/// Device-level stats bookkeeping across engines.
+#[derive(Default)]
+struct Agg {
+    /// Highest sums seen (only `peak` of each stat is used).
+    peaks: DeviceStats,
+    /// Accumulated counters of dropped engines (only `allocated`, `freed` and counters).
+    retired: DeviceStats,
+}
+
+struct DeviceSlot {
+    ordinal: i32,
+    open_mu: Mutex<()>,
+    mem: OnceLock<Arc<dyn BridgeDevice>>,
+    default: OnceLock<Engine<Tracked>>,
+    private: RwLock<BTreeMap<PoolId, PrivatePool>>,
+    fraction: Mutex<f64>,
+    agg: Mutex<Agg>,
+}
+
+/// A free whose completion has not been reported to the history yet.
+#[derive(Debug, Clone, Copy)]
+struct PendingFree {
+    owner: Owner,
+    ptr: u64,
+    size: u64,
+    stream: usize,
+}
+
+thread_local! {
+    /// The last out-of-memory error of this thread (for `oom_info`, called right after).
+    static LAST_OOM: RefCell<Option<(i32, EngineError)>> = const { RefCell::new(None) };
+}
+
+/// The process's allocator state. See the module documentation.
+pub struct Core {
+    settings: Settings,
+    factory: DeviceFactory,
+    shared: Arc<Shared>,
+    devices: OnceLock<Vec<DeviceSlot>>,
+    /// Private pools alive on all devices.
+    private_pools: AtomicUsize,
+    /// Devices whose default engine exists, and the last one opened.
+    opened: AtomicUsize,
+    last_opened: AtomicI32,
+    iterations: AtomicU64,
+    pending: Mutex<Vec<PendingFree>>,
+    has_pending: AtomicBool,
+    trace_flushed: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every value behind these locks is updated in single assignments.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The 29 `Stat`s of a `DeviceStats`, in a fixed order.
+fn stats_of(s: &DeviceStats) -> [Stat; 29] {
+    let mut out = [Stat::default(); 29];
+    let arrays = [
+        &s.allocation,
+        &s.segment,
+        &s.active,
+        &s.inactive_split,
+        &s.allocated_bytes,
+        &s.reserved_bytes,
+        &s.active_bytes,
+        &s.inactive_split_bytes,
+        &s.requested_bytes,
+    ];
+    for (k, arr) in arrays.iter().enumerate() {
+        out[3 * k..3 * k + 3].copy_from_slice(&arr[..]);
+    }
+    out[27] = s.oversize_allocations;
+    out[28] = s.oversize_segments;
+    out
+}
+
+fn stats_of_mut(s: &mut DeviceStats) -> [&mut Stat; 29] {
+    let DeviceStats {
+        allocation: [a0, a1, a2],
+        segment: [b0, b1, b2],
+        active: [c0, c1, c2],
+        inactive_split: [d0, d1, d2],
+        allocated_bytes: [e0, e1, e2],
+        reserved_bytes: [f0, f1, f2],
+        active_bytes: [g0, g1, g2],
+        inactive_split_bytes: [h0, h1, h2],
+        requested_bytes: [i0, i1, i2],
+        oversize_allocations: o1,
+        oversize_segments: o2,
+        ..
+    } = s;
+    [
+        a0, a1, a2, b0, b1, b2, c0, c1, c2, d0, d1, d2, e0, e1, e2, f0, f1, f2, g0, g1, g2, h0, h1,
+        h2, i0, i1, i2, o1, o2,
+    ]
+}
+
+/// Combines engine stats into device stats (see the module documentation).
+fn combine(engines: &[DeviceStats], agg: &Agg) -> DeviceStats {
+    let mut out = DeviceStats::default();
+    let flats: Vec<[Stat; 29]> = engines.iter().map(stats_of).collect();
+    let peaks = stats_of(&agg.peaks);
+    let retired = stats_of(&agg.retired);
+    for (k, o) in stats_of_mut(&mut out).into_iter().enumerate() {
+        let current: i64 = flats.iter().map(|f| f[k].current).sum();
+        let own_peak = flats.iter().map(|f| f[k].peak).max().unwrap_or(0);
+        o.current = current;
+        o.peak = peaks[k].peak.max(current).max(own_peak);
+        o.allocated = flats.iter().map(|f| f[k].allocated).sum::<i64>() + retired[k].allocated;
+        o.freed = flats.iter().map(|f| f[k].freed).sum::<i64>() + retired[k].freed;
+    }
+    let r = &agg.retired;
+    out.num_alloc_retries =
+        engines.iter().map(|s| s.num_alloc_retries).sum::<i64>() + r.num_alloc_retries;
+    out.num_ooms = engines.iter().map(|s| s.num_ooms).sum::<i64>() + r.num_ooms;
+    out.num_sync_all_streams =
+        engines.iter().map(|s| s.num_sync_all_streams).sum::<i64>() + r.num_sync_all_streams;
+    out.num_device_alloc =
+        engines.iter().map(|s| s.num_device_alloc).sum::<i64>() + r.num_device_alloc;
+    out.num_device_free =
+        engines.iter().map(|s| s.num_device_free).sum::<i64>() + r.num_device_free;
+    out.max_split_size = engines.first().map_or(-1, |s| s.max_split_size);
+    out
+}
+
+fn to_ffi_stat(s: Stat) -> ffi::Stat {
+    ffi::Stat {
+        current: s.current,
+        peak: s.peak,
+        allocated: s.allocated,
+        freed: s.freed,
+    }
+}
+
+fn to_ffi_array(a: &[Stat; 3]) -> ffi::StatArray {
+    ffi::StatArray {
+        all: to_ffi_stat(a[0]),
+        small_pool: to_ffi_stat(a[1]),
+        large_pool: to_ffi_stat(a[2]),
+    }
+}
+
+/// `DeviceStats` as the bridge struct.
+pub fn to_ffi_stats(s: &DeviceStats) -> ffi::DeviceStats {
+    ffi::DeviceStats {
+        allocation: to_ffi_array(&s.allocation),
+        segment: to_ffi_array(&s.segment),
+        active: to_ffi_array(&s.active),
+        inactive_split: to_ffi_array(&s.inactive_split),
+        allocated_bytes: to_ffi_array(&s.allocated_bytes),
+        reserved_bytes: to_ffi_array(&s.reserved_bytes),
+        active_bytes: to_ffi_array(&s.active_bytes),
+        inactive_split_bytes: to_ffi_array(&s.inactive_split_bytes),
+        requested_bytes: to_ffi_array(&s.requested_bytes),
+        num_alloc_retries: s.num_alloc_retries,
+        num_ooms: s.num_ooms,
+        oversize_allocations: to_ffi_stat(s.oversize_allocations),
+        oversize_segments: to_ffi_stat(s.oversize_segments),
+        num_sync_all_streams: s.num_sync_all_streams,
+        num_device_alloc: s.num_device_alloc,
+        num_device_free: s.num_device_free,
+        max_split_size: s.max_split_size,
+    }
+}
+
+fn limit_of(fraction: f64) -> MemoryLimit {
+    if fraction <= 0.0 {
+        MemoryLimit::Bytes(Bytes::ZERO)
+    } else {
+        MemoryLimit::Fraction(fraction)
+    }
+}
+
+/// Splits one arena into PyTorch segments: each maximal run of mapped blocks.
+fn arena_segments(device: i32, pool: PoolId, arena: &SegmentInfo, snap: &mut ffi::Snapshot) {
+    let mut i = 0;
+    let blocks = &arena.blocks;
+    while i < blocks.len() {
+        if !blocks[i].state.is_mapped() {
+            i += 1;
+            continue;
+        }
+        let first_block = snap.blocks.len();
+        let mut seg = ffi::SnapshotSegment {
+            device,
+            address: blocks[i].addr.get(),
+            stream: arena.stream.0 as usize,
+            is_large: arena.pool == PoolKind::Large,
+            is_expandable: true,
+            pool,
+            first_block,
+            ..Default::default()
+        };
+        while i < blocks.len() && blocks[i].state.is_mapped() {
+            let b = &blocks[i];
+            let allocated = b.state == BlockState::Allocated;
+            let active = allocated || b.state == BlockState::PendingFree;
+            seg.total_size += b.size.get();
+            if allocated {
+                seg.allocated_size += b.size.get();
+            }
+            if active {
+                seg.active_size += b.size.get();
+                seg.requested_size += b.requested.get();
+            }
+            snap.blocks.push(ffi::SnapshotBlock {
+                address: b.addr.get(),
+                size: b.size.get(),
+                requested_size: b.requested.get(),
+                allocated,
+                active,
+            });
+            i += 1;
+        }
+        seg.num_blocks = snap.blocks.len() - first_block;
+        snap.segments.push(seg);
+    }
+}
+
+impl Core {
+    /// A runtime with `settings`, opening devices with `factory`.
+    pub fn new(settings: Settings, factory: DeviceFactory) -> Core {
+        Core {
+            settings,
+            factory,
+            shared: Arc::new(Shared::default()),
+            devices: OnceLock::new(),
+            private_pools: AtomicUsize::new(0),
+            opened: AtomicUsize::new(0),
+            last_opened: AtomicI32::new(-1),
+            iterations: AtomicU64::new(0),
+            pending: Mutex::new(Vec::new()),
+            has_pending: AtomicBool::new(false),
+            trace_flushed: AtomicBool::new(false),
+        }
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    // ------------------------------------------------------------------ devices
+
+    pub fn init(&self, device_count: i32) -> Result<()> {
+        let n = device_count.max(0);
+        let slots = (0..n)
+            .map(|ordinal| DeviceSlot {
+                ordinal,
+                open_mu: Mutex::new(()),
+                mem: OnceLock::new(),
+                default: OnceLock::new(),
+                private: RwLock::new(BTreeMap::new()),
+                fraction: Mutex::new(1.0),
+                agg: Mutex::new(Agg::default()),
+            })
+            .collect();
+        if self.devices.set(slots).is_err() {
+            let first = self.devices.get().map_or(0, Vec::len) as i32;
+            if first != n {
+                return Err(BridgeError::Reinit { first, got: n });
+            }
+        }
+        Ok(())
+    }
+
+    fn slots(&self) -> Result<&[DeviceSlot]> {
+        self.devices
+            .get()
+            .map(Vec::as_slice)
+            .ok_or(BridgeError::NotInitialised)
+    }
+
+    fn slot(&self, device: i32) -> Result<&DeviceSlot> {
+        let slots = self.slots()?;
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| slots.get(d))
+            .ok_or(BridgeError::BadDevice {
+                device,
+                count: slots.len(),
+            })
+    }
+
+    fn device_memory(&self, slot: &DeviceSlot) -> Result<Arc<dyn BridgeDevice>> {
+        if let Some(m) = slot.mem.get() {
+            return Ok(m.clone());
+        }
+        let _g = lock(&slot.open_mu);
+        if let Some(m) = slot.mem.get() {
+            return Ok(m.clone());
+        }
+        let m = (self.factory)(slot.ordinal).map_err(|e| BridgeError::OpenDevice {
+            device: slot.ordinal,
+            error: e.to_string(),
+        })?;
+        let _ = slot.mem.set(m.clone());
+        Ok(m)
+    }
+
+    fn new_engine(&self, slot: &DeviceSlot, pool: PoolId) -> Result<Engine<Tracked>> {
+        let mem = self.device_memory(slot)?;
+        let owner = Owner {
+            device: slot.ordinal,
+            pool,
+        };
+        let config = EngineConfig {
+            device: DeviceId(slot.ordinal),
+            limit: limit_of(*lock(&slot.fraction)),
+            arena_size: None,
+            record_trace: self.settings.mode == Mode::Trace && is_default(pool),
+        };
+        Ok(Engine::new(
+            Tracked::new(mem, owner, self.shared.clone()),
+            config,
+        )?)
+    }
+
+    fn default_engine<'a>(&self, slot: &'a DeviceSlot) -> Result<&'a Engine<Tracked>> {
+        if let Some(e) = slot.default.get() {
+            return Ok(e);
+        }
+        let engine = self.new_engine(slot, DEFAULT_POOL)?;
+        let _g = lock(&slot.open_mu);
+        if slot.default.get().is_none() {
+            let _ = slot.default.set(engine);
+            self.opened.fetch_add(1, Ordering::AcqRel);
+            self.last_opened.store(slot.ordinal, Ordering::Release);
+        }
+        slot.default.get().ok_or(BridgeError::NotInitialised)
+    }
+
+    /// Runs `f` on the engine of `owner`.
+    fn with_engine<T>(
+        &self,
+        owner: Owner,
+        f: impl FnOnce(&Engine<Tracked>) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.slot(owner.device)?;
+        if is_default(owner.pool) {
+            return f(self.default_engine(slot)?);
+        }
+        let pools = read(&slot.private);
+        let p = pools.get(&owner.pool).ok_or(BridgeError::UnknownPool {
+            device: owner.device,
+            pool: owner.pool,
+        })?;
+        f(&p.engine)
+    }
+
+    /// The engine that handed out `ptr`.
+    fn owner_of(&self, ptr: usize) -> Result<Owner> {
+        if self.private_pools.load(Ordering::Acquire) == 0
+            && self.opened.load(Ordering::Acquire) == 1
+        {
+            return Ok(Owner {
+                device: self.last_opened.load(Ordering::Acquire),
+                pool: DEFAULT_POOL,
+            });
+        }
+        self.shared
+            .owner_of(ptr as u64)
+            .ok_or(BridgeError::UnknownPointer(ptr))
+    }
+
+    // ------------------------------------------------------------------ serving
+
+    /// Allocates; `Ok(0)` on out-of-memory (details for [`Core::oom_info`]).
+    pub fn malloc(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
+        let slot = self.slot(device)?;
+        let owner = Owner { device, pool };
+        let result = self.with_engine(owner, |e| {
+            Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
+        })?;
+        let ptr = match result {
+            Ok(p) => p,
+            Err(e @ EngineError::OutOfMemory { .. }) => {
+                LAST_OOM.with(|c| *c.borrow_mut() = Some((device, e)));
+                self.after_op(slot)?;
+                return Ok(0);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if self.shared.history_on() {
+            self.resolve_pending();
+            self.shared.push(HistoryEvent {
+                action: HistoryAction::Alloc,
+                device,
+                addr: ptr.get(),
+                size: size as u64,
+                stream,
+                pool,
+            });
+        }
+        self.after_op(slot)?;
+        Ok(ptr.get() as usize)
+    }
+
+    /// Frees `ptr` (deferred behind other streams' use).
+    pub fn free(&self, ptr: usize) -> Result<()> {
+        let owner = self.owner_of(ptr)?;
+        let history = self.shared.history_on();
+        let dptr = DevicePtr(ptr as u64);
+        self.with_engine(owner, |e| {
+            let info = if history {
+                Some(e.block_info(dptr)?)
+            } else {
+                None
+            };
+            e.free(dptr)?;
+            if let Some(info) = info {
+                let ev = |action| HistoryEvent {
+                    action,
+                    device: owner.device,
+                    addr: dptr.get(),
+                    size: info.requested.get(),
+                    stream: info.stream.0 as usize,
+                    pool: owner.pool,
+                };
+                self.shared.push(ev(HistoryAction::FreeRequested));
+                match e.block_info(dptr) {
+                    Ok(b) if b.state == BlockState::PendingFree => {
+                        lock(&self.pending).push(PendingFree {
+                            owner,
+                            ptr: dptr.get(),
+                            size: info.requested.get(),
+                            stream: info.stream.0 as usize,
+                        });
+                        self.has_pending.store(true, Ordering::Release);
+                    }
+                    _ => self.shared.push(ev(HistoryAction::FreeCompleted)),
+                }
+            }
+            Ok(())
+        })?;
+        let slot = self.slot(owner.device)?;
+        if !is_default(owner.pool) {
+            self.maybe_retire(slot, owner.pool)?;
+        }
+        self.after_op(slot)
+    }
+
+    pub fn record_stream(&self, ptr: usize, stream: usize) -> Result<()> {
+        let owner = self.owner_of(ptr)?;
+        self.with_engine(owner, |e| {
+            Ok(e.record_stream(DevicePtr(ptr as u64), StreamId(stream as u64))?)
+        })
+    }
+
+    /// Reports the completion of deferred frees (history only).
+    fn resolve_pending(&self) {
+        if !self.has_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let mut pending = lock(&self.pending);
+        pending.retain(|p| {
+            let still = self
+                .with_engine(p.owner, |e| {
+                    Ok(matches!(
+                        e.block_info(DevicePtr(p.ptr)),
+                        Ok(b) if b.state == BlockState::PendingFree
+                    ))
+                })
+                .unwrap_or(false);
+            if !still {
+                self.shared.push(HistoryEvent {
+                    action: HistoryAction::FreeCompleted,
+                    device: p.owner.device,
+                    addr: p.ptr,
+                    size: p.size,
+                    stream: p.stream,
+                    pool: p.owner.pool,
+                });
+            }
+            still
+        });
+        self.has_pending
+            .store(!pending.is_empty(), Ordering::Release);
+    }
+
+    /// After every operation on `slot`: keep device-level peaks exact while private pools
+    /// exist.
+    fn after_op(&self, slot: &DeviceSlot) -> Result<()> {
+        if self.private_pools.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        let all = self.engine_stats(slot)?;
+        let mut agg = lock(&slot.agg);
+        let sums = combine(&all, &Agg::default());
+        let sum_flat = stats_of(&sums);
+        for (k, p) in stats_of_mut(&mut agg.peaks).into_iter().enumerate() {
+            p.peak = p.peak.max(sum_flat[k].current);
+        }
+        Ok(())
+    }
+
+    fn engine_stats(&self, slot: &DeviceSlot) -> Result<Vec<DeviceStats>> {
+        let mut all = Vec::new();
+        if let Some(e) = slot.default.get() {
+            all.push(e.stats()?);
+        }
+        for p in read(&slot.private).values() {
+            all.push(p.engine.stats()?);
+        }
+        Ok(all)
+    }
+
+    // ------------------------------------------------------------------ caching, limits
+
+    fn for_devices(&self, device: i32) -> Result<Vec<&DeviceSlot>> {
+        if device < 0 {
+            Ok(self.slots()?.iter().collect())
+        } else {
+            Ok(vec![self.slot(device)?])
+        }
+    }
+
+    pub fn empty_cache(&self, device: i32, pool: PoolId) -> Result<()> {
+        for slot in self.for_devices(device)? {
+            if is_default(pool) {
+                if let Some(e) = slot.default.get() {
+                    e.empty_cache()?;
+                }
+                let released: Vec<PoolId> = read(&slot.private)
+                    .iter()
+                    .filter(|(_, p)| p.use_count == 0)
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in released {
+                    if let Some(p) = read(&slot.private).get(&id) {
+                        p.engine.empty_cache()?;
+                    }
+                    self.maybe_retire(slot, id)?;
+                }
+            } else if let Some(p) = read(&slot.private).get(&pool) {
+                p.engine.empty_cache()?;
+            }
+            if !is_default(pool) {
+                self.maybe_retire(slot, pool)?;
+            }
+            self.after_op(slot)?;
+        }
+        self.resolve_pending();
+        Ok(())
+    }
+
+    pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(BridgeError::BadFraction(fraction));
+        }
+        let slot = self.slot(device)?;
+        *lock(&slot.fraction) = fraction;
+        let limit = limit_of(fraction);
+        if let Some(e) = slot.default.get() {
+            e.set_memory_limit(limit)?;
+        }
+        for p in read(&slot.private).values() {
+            p.engine.set_memory_limit(limit)?;
+        }
+        Ok(())
+    }
+
+    pub fn memory_fraction(&self, device: i32) -> Result<f64> {
+        Ok(*lock(&self.slot(device)?.fraction))
+    }
+
+    pub fn oom_info(&self, device: i32, size: usize) -> Result<ffi::OomInfo> {
+        let slot = self.slot(device)?;
+        let mem = self.device_memory(slot)?;
+        let total = DeviceMemory::total_memory(&*mem).get();
+        let last = LAST_OOM.with(|c| c.borrow_mut().take());
+        let pool_note = |free_reserved: u64, rounded: u64| {
+            if free_reserved >= rounded {
+                format!(
+                    "stweaver holds {} free inside its arenas, but no free block of {} fits \
+                     on this stream (fragmentation; empty_cache cannot help).",
+                    Bytes(free_reserved),
+                    Bytes(rounded)
+                )
+            } else {
+                String::new()
+            }
+        };
+        if let Some((
+            d,
+            EngineError::OutOfMemory {
+                rounded,
+                allocated,
+                reserved,
+                free_reserved,
+                limit,
+                device_free,
+                ..
+            },
+        )) = last
+            && d == device
+        {
+            return Ok(ffi::OomInfo {
+                rounded: rounded.get(),
+                allocated: allocated.get(),
+                reserved: reserved.get(),
+                limit: limit.get().min(total),
+                device_free: device_free.get(),
+                device_total: total,
+                detail: pool_note(free_reserved.get(), rounded.get()),
+            });
+        }
+        let s = self.device_stats_raw(slot)?;
+        let rounded = (size as u64).div_ceil(512) * 512;
+        let fraction = *lock(&slot.fraction);
+        Ok(ffi::OomInfo {
+            rounded,
+            allocated: s.allocated_bytes[0].current.max(0) as u64,
+            reserved: s.reserved_bytes[0].current.max(0) as u64,
+            limit: ((fraction * total as f64) as u64).min(total),
+            device_free: DeviceMemory::free_memory(&*mem).map_or(0, Bytes::get),
+            device_total: total,
+            detail: String::new(),
+        })
+    }
+
+    pub fn largest_free_block(&self, device: i32) -> Result<u64> {
+        let slot = self.slot(device)?;
+        let Some(e) = slot.default.get() else {
+            return Ok(0);
+        };
+        Ok(e.snapshot()?
+            .iter()
+            .flat_map(|s| s.blocks.iter())
+            .filter(|b| b.state == BlockState::Free)
+            .map(|b| b.size.get())
+            .max()
+            .unwrap_or(0))
+    }
+
+    pub fn base_allocation(&self, ptr: usize) -> Result<ffi::Range> {
+        let owner = self
+            .shared
+            .owner_of(ptr as u64)
+            .ok_or(BridgeError::UnknownPointer(ptr))?;
+        let mut snap = ffi::Snapshot::default();
+        self.with_engine(owner, |e| {
+            for arena in e.snapshot()? {
+                arena_segments(owner.device, owner.pool, &arena, &mut snap);
+            }
+            Ok(())
+        })?;
+        let p = ptr as u64;
+        snap.segments
+            .iter()
+            .find(|s| p >= s.address && p - s.address < s.total_size)
+            .map(|s| ffi::Range {
+                base: s.address,
+                size: s.total_size,
+            })
+            .ok_or(BridgeError::UnknownPointer(ptr))
+    }
+
+    // ------------------------------------------------------------------ stats, snapshot
+
+    fn device_stats_raw(&self, slot: &DeviceSlot) -> Result<DeviceStats> {
+        let all = self.engine_stats(slot)?;
+        let agg = lock(&slot.agg);
+        if all.is_empty() {
+            return Ok(combine(&[DeviceStats::default()], &agg));
+        }
+        Ok(combine(&all, &agg))
+    }
+
+    pub fn device_stats(&self, device: i32) -> Result<DeviceStats> {
+        self.device_stats_raw(self.slot(device)?)
+    }
+
+    pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
+        let slot = self.slot(device)?;
+        if let Some(e) = slot.default.get() {
+            e.reset_peak_stats()?;
+        }
+        for p in read(&slot.private).values() {
+            p.engine.reset_peak_stats()?;
+        }
+        let all = self.engine_stats(slot)?;
+        let sums = stats_of(&combine(&all, &Agg::default()));
+        let mut agg = lock(&slot.agg);
+        for (k, p) in stats_of_mut(&mut agg.peaks).into_iter().enumerate() {
+            p.peak = sums[k].current;
+        }
+        Ok(())
+    }
+
+    pub fn reset_accumulated_stats(&self, device: i32) -> Result<()> {
+        let slot = self.slot(device)?;
+        if let Some(e) = slot.default.get() {
+            e.reset_accumulated_stats()?;
+        }
+        for p in read(&slot.private).values() {
+            p.engine.reset_accumulated_stats()?;
+        }
+        lock(&slot.agg).retired = DeviceStats::default();
+        Ok(())
+    }
+
+    pub fn snapshot(&self, pool: PoolId, all_pools: bool) -> Result<ffi::Snapshot> {
+        let mut snap = ffi::Snapshot::default();
+        for slot in self.slots()? {
+            if (all_pools || is_default(pool))
+                && let Some(e) = slot.default.get()
+            {
+                for arena in e.snapshot()? {
+                    arena_segments(slot.ordinal, DEFAULT_POOL, &arena, &mut snap);
+                }
+            }
+            for (&id, p) in read(&slot.private).iter() {
+                if all_pools || id == pool {
+                    for arena in p.engine.snapshot()? {
+                        arena_segments(slot.ordinal, id, &arena, &mut snap);
+                    }
+                }
+            }
+        }
+        // Sorted by (device, address), blocks renumbered to follow.
+        let mut order: Vec<usize> = (0..snap.segments.len()).collect();
+        order.sort_by_key(|&i| (snap.segments[i].device, snap.segments[i].address));
+        let mut out = ffi::Snapshot::default();
+        for i in order {
+            let mut seg = snap.segments[i];
+            let blocks = &snap.blocks[seg.first_block..seg.first_block + seg.num_blocks];
+            seg.first_block = out.blocks.len();
+            out.blocks.extend_from_slice(blocks);
+            out.segments.push(seg);
+        }
+        Ok(out)
+    }
+
+    // ------------------------------------------------------------------ private pools
+
+    pub fn pool_incref(&self, device: i32, pool: PoolId) -> Result<()> {
+        if is_default(pool) {
+            return Err(BridgeError::DefaultPoolIsNotPrivate);
+        }
+        let slot = self.slot(device)?;
+        if let Some(p) = slot
+            .private
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&pool)
+        {
+            p.use_count += 1;
+            return Ok(());
+        }
+        // Before the first private pool, fold the default engine's peaks into the device
+        // peaks: from now on peaks are tracked across engines.
+        if let Some(e) = slot.default.get() {
+            let s = stats_of(&e.stats()?);
+            let mut agg = lock(&slot.agg);
+            for (k, p) in stats_of_mut(&mut agg.peaks).into_iter().enumerate() {
+                p.peak = p.peak.max(s[k].peak);
+            }
+        }
+        let engine = self.new_engine(slot, pool)?;
+        let mut pools = slot.private.write().unwrap_or_else(|e| e.into_inner());
+        match pools.get_mut(&pool) {
+            Some(p) => p.use_count += 1, // another thread made it meanwhile; ours drops
+            None => {
+                pools.insert(
+                    pool,
+                    PrivatePool {
+                        engine,
+                        use_count: 1,
+                    },
+                );
+                self.private_pools.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn pool_release(&self, device: i32, pool: PoolId) -> Result<()> {
+        let slot = self.slot(device)?;
+        {
+            let mut pools = slot.private.write().unwrap_or_else(|e| e.into_inner());
+            let p = pools
+                .get_mut(&pool)
+                .ok_or(BridgeError::UnknownPool { device, pool })?;
+            if p.use_count <= 0 {
+                return Err(BridgeError::PoolOverReleased { device, pool });
+            }
+            p.use_count -= 1;
+            if p.use_count > 0 {
+                return Ok(());
+            }
+        }
+        // Nobody will allocate from it again: give its cache back now.
+        if let Some(p) = read(&slot.private).get(&pool) {
+            p.engine.empty_cache()?;
+        }
+        self.maybe_retire(slot, pool)
+    }
+
+    pub fn pool_use_count(&self, device: i32, pool: PoolId) -> Result<i32> {
+        let slot = self.slot(device)?;
+        Ok(read(&slot.private).get(&pool).map_or(0, |p| p.use_count))
+    }
+
+    pub fn pool_live_allocations(&self, device: i32, pool: PoolId) -> Result<Vec<usize>> {
+        let owner = Owner { device, pool };
+        self.with_engine(owner, |e| {
+            Ok(e.snapshot()?
+                .iter()
+                .flat_map(|s| s.blocks.iter())
+                .filter(|b| b.state == BlockState::Allocated)
+                .map(|b| b.addr.get() as usize)
+                .collect())
+        })
+    }
+
+    /// Drops a released private pool once nothing in it is active.
+    fn maybe_retire(&self, slot: &DeviceSlot, pool: PoolId) -> Result<()> {
+        let removable = match read(&slot.private).get(&pool) {
+            Some(p) => p.use_count == 0 && p.engine.stats()?.active[0].current == 0,
+            None => false,
+        };
+        if !removable {
+            return Ok(());
+        }
+        let removed = {
+            let mut pools = slot.private.write().unwrap_or_else(|e| e.into_inner());
+            match pools.get(&pool) {
+                Some(p) if p.use_count == 0 => pools.remove(&pool),
+                _ => None,
+            }
+        };
+        let Some(p) = removed else {
+            return Ok(());
+        };
+        p.engine.empty_cache()?;
+        let s = p.engine.stats()?;
+        {
+            // Keep the device's peaks and accumulated counters across the drop.
+            let mut agg = lock(&slot.agg);
+            let own = stats_of(&s);
+            for (k, r) in stats_of_mut(&mut agg.retired).into_iter().enumerate() {
+                r.allocated += own[k].allocated;
+                r.freed += own[k].freed;
+            }
+            let r = &mut agg.retired;
+            r.num_alloc_retries += s.num_alloc_retries;
+            r.num_ooms += s.num_ooms;
+            r.num_sync_all_streams += s.num_sync_all_streams;
+            r.num_device_alloc += s.num_device_alloc;
+            r.num_device_free += s.num_device_free;
+        }
+        drop(p); // unmaps and releases whatever is left
+        self.private_pools.fetch_sub(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ history, peers
+
+    pub fn set_history(&self, enabled: bool) {
+        self.shared.set_history(enabled);
+        if !enabled {
+            lock(&self.pending).clear();
+            self.has_pending.store(false, Ordering::Release);
+        }
+    }
+
+    pub fn drain_history(&self) -> Vec<HistoryEvent> {
+        self.resolve_pending();
+        self.shared.drain()
+    }
+
+    pub fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()> {
+        let slot = self.slot(device)?;
+        self.slot(peer)?;
+        self.device_memory(slot)?.enable_peer_access(peer)
+    }
+
+    // ------------------------------------------------------------------ iterations, trace
+
+    fn opened_engines(&self) -> Result<Vec<&Engine<Tracked>>> {
+        Ok(self
+            .slots()?
+            .iter()
+            .filter_map(|s| s.default.get())
+            .collect())
+    }
+
+    pub fn step(&self) -> Result<()> {
+        self.iterations.fetch_add(1, Ordering::AcqRel);
+        for e in self.opened_engines()? {
+            e.mark_iteration()?;
+        }
+        Ok(())
+    }
+
+    pub fn mark(&self, label: &str, begin: bool) -> Result<()> {
+        if label.is_empty() {
+            return Err(BridgeError::Settings(
+                "a phase label must not be empty".into(),
+            ));
+        }
+        let kind = if begin {
+            MarkerKind::PhaseBegin
+        } else {
+            MarkerKind::PhaseEnd
+        };
+        for e in self.opened_engines()? {
+            e.mark(kind, Some(label))?;
+        }
+        Ok(())
+    }
+
+    pub fn mode(&self) -> String {
+        match self.settings.mode {
+            Mode::Online => "online".into(),
+            Mode::Trace if self.trace_flushed.load(Ordering::Acquire) => "trace (written)".into(),
+            Mode::Trace => "trace".into(),
+        }
+    }
+
+    /// Stops recording and writes every device's trace; returns the files written.
+    pub fn flush_trace(&self) -> Result<Vec<String>> {
+        if self.settings.mode != Mode::Trace {
+            return Err(BridgeError::Settings(format!(
+                "flush_trace: not recording a trace (mode is {})",
+                self.mode()
+            )));
+        }
+        let mut written = Vec::new();
+        for slot in self.slots()? {
+            let Some(e) = slot.default.get() else {
+                continue;
+            };
+            let Some(trace) = e.take_trace()? else {
+                continue;
+            };
+            let path = self
+                .settings
+                .trace_path_for(slot.ordinal)
+                .ok_or_else(|| BridgeError::Settings("trace mode without a path".into()))?;
+            write_trace_file(Path::new(&path), &trace)?;
+            written.push(path.display().to_string());
+        }
+        self.trace_flushed.store(true, Ordering::Release);
+        Ok(written)
+    }
+
+    /// The runtime's state as JSON (for `stweaver.stats()`).
+    pub fn info_json(&self) -> Result<String> {
+        let mut devices = Vec::new();
+        if let Some(slots) = self.devices.get() {
+            for slot in slots {
+                let opened = slot.default.get().is_some();
+                let s = if opened {
+                    Some(self.device_stats_raw(slot)?)
+                } else {
+                    None
+                };
+                let tracing = match slot.default.get() {
+                    Some(e) => e.is_tracing()?,
+                    None => false,
+                };
+                devices.push(serde_json::json!({
+                    "device": slot.ordinal,
+                    "opened": opened,
+                    "private_pools": read(&slot.private).len(),
+                    "memory_fraction": *lock(&slot.fraction),
+                    "tracing": tracing,
+                    "allocated_bytes": s.map_or(0, |s| s.allocated_bytes[0].current),
+                    "reserved_bytes": s.map_or(0, |s| s.reserved_bytes[0].current),
+                    "peak_allocated_bytes": s.map_or(0, |s| s.allocated_bytes[0].peak),
+                    "peak_reserved_bytes": s.map_or(0, |s| s.reserved_bytes[0].peak),
+                    "num_device_alloc": s.map_or(0, |s| s.num_device_alloc),
+                    "num_device_free": s.map_or(0, |s| s.num_device_free),
+                    "num_ooms": s.map_or(0, |s| s.num_ooms),
+                }));
+            }
+        }
+        let v = serde_json::json!({
+            "mode": self.mode(),
+            "initialized": self.devices.get().is_some(),
+            "iterations": self.iterations.load(Ordering::Acquire),
+            "trace_path": self.settings.trace_path.as_ref().map(|p| p.display().to_string()),
+            "devices": devices,
+        });
+        Ok(v.to_string())
+    }
+}

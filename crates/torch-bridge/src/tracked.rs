@@ -1,0 +1,200 @@
+//! The device each engine gets: a [`BridgeDevice`] shared by all engines (pools) of one
+//! CUDA device, wrapped so that the runtime learns what the engine does with it.
+//!
+//! [`Tracked`] forwards every [`DeviceMemory`] call and, on the side,
+//! - records which reservation belongs to which (device, pool), so a free or a
+//!   `record_stream` finds its engine from the pointer alone ([`Shared::owner_of`]);
+//! - emits `segment_map` / `segment_unmap` history events for PyTorch's memory history.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostMemory};
+use stweaver_core::units::{Bytes, StreamId};
+use stweaver_cuda::CudaMemory;
+
+use crate::error::{BridgeError, Result};
+use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
+
+/// A [`DeviceMemory`] the bridge can also give peer access to.
+pub trait BridgeDevice: DeviceMemory {
+    /// Lets device `peer` access all memory mapped now and later.
+    fn enable_peer_access(&self, peer: i32) -> Result<()>;
+}
+
+impl BridgeDevice for CudaMemory {
+    fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        CudaMemory::enable_peer_access(self, peer).map_err(BridgeError::from)
+    }
+}
+
+impl BridgeDevice for HostMemory {
+    /// Host memory is accessible from everywhere.
+    fn enable_peer_access(&self, _peer: i32) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Which engine a reservation belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub device: i32,
+    pub pool: PoolId,
+}
+
+/// State shared by the runtime and every [`Tracked`] device.
+#[derive(Debug, Default)]
+pub struct Shared {
+    history_on: AtomicBool,
+    history: Mutex<Vec<HistoryEvent>>,
+    /// Reservation base → (length, owner).
+    owners: RwLock<BTreeMap<u64, (u64, Owner)>>,
+}
+
+impl Shared {
+    /// Whether history events are being collected.
+    #[inline]
+    pub fn history_on(&self) -> bool {
+        self.history_on.load(Ordering::Acquire)
+    }
+
+    pub fn set_history(&self, on: bool) {
+        self.history_on.store(on, Ordering::Release);
+        if !on {
+            lock(&self.history).clear();
+        }
+    }
+
+    /// Appends an event if history is on.
+    pub fn push(&self, e: HistoryEvent) {
+        if self.history_on() {
+            lock(&self.history).push(e);
+        }
+    }
+
+    /// Takes every collected event, oldest first.
+    pub fn drain(&self) -> Vec<HistoryEvent> {
+        std::mem::take(&mut *lock(&self.history))
+    }
+
+    /// The engine whose reservation holds `ptr`.
+    pub fn owner_of(&self, ptr: u64) -> Option<Owner> {
+        let owners = self.owners.read().unwrap_or_else(|e| e.into_inner());
+        match owners.range(..=ptr).next_back() {
+            Some((&base, &(len, owner))) if ptr - base < len => Some(owner),
+            _ => None,
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Plain event buffers: a panic elsewhere cannot leave them half-updated.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One engine's view of its device. See the module documentation.
+pub struct Tracked {
+    inner: Arc<dyn BridgeDevice>,
+    owner: Owner,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Tracked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracked")
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+impl Tracked {
+    pub fn new(inner: Arc<dyn BridgeDevice>, owner: Owner, shared: Arc<Shared>) -> Tracked {
+        Tracked {
+            inner,
+            owner,
+            shared,
+        }
+    }
+
+    fn event(&self, action: HistoryAction, addr: DevicePtr, size: Bytes) {
+        self.shared.push(HistoryEvent {
+            action,
+            device: self.owner.device,
+            addr: addr.get(),
+            size: size.get(),
+            stream: 0,
+            pool: self.owner.pool,
+        });
+    }
+}
+
+impl DeviceMemory for Tracked {
+    fn granularity(&self) -> Bytes {
+        self.inner.granularity()
+    }
+
+    fn total_memory(&self) -> Bytes {
+        self.inner.total_memory()
+    }
+
+    fn free_memory(&self) -> Result<Bytes, DeviceError> {
+        self.inner.free_memory()
+    }
+
+    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
+        let base = self.inner.reserve(size)?;
+        self.shared
+            .owners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(base.get(), (size.get(), self.owner));
+        Ok(base)
+    }
+
+    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        self.inner.release(base, size)?;
+        self.shared
+            .owners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&base.get());
+        Ok(())
+    }
+
+    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        self.inner.map(addr, size)?;
+        self.event(HistoryAction::SegmentMap, addr, size);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        self.inner.unmap(addr, size)?;
+        self.event(HistoryAction::SegmentUnmap, addr, size);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.inner.synchronize()
+    }
+
+    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
+        self.inner.create_event()
+    }
+
+    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
+        self.inner.record_event(event, stream)
+    }
+
+    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+        self.inner.query_event(event)
+    }
+
+    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.inner.synchronize_event(event)
+    }
+
+    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.inner.destroy_event(event)
+    }
+}

@@ -1,0 +1,457 @@
+//! The bridge runtime over host memory: everything C++ relies on, without a GPU.
+
+use std::sync::Arc;
+
+use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostMemory};
+use stweaver_core::trace_file::read_trace_file;
+use stweaver_core::units::{Bytes, StreamId};
+use stweaver_torch::ffi::bridge::{HistoryAction, PoolId};
+use stweaver_torch::tracked::BridgeDevice;
+use stweaver_torch::{BridgeError, Core, Runtime, Settings};
+
+const MIB: u64 = 1 << 20;
+const S0: usize = 0x10;
+const S1: usize = 0x20;
+const DEFAULT: PoolId = PoolId {
+    first: 0,
+    second: 0,
+};
+const GRAPH: PoolId = PoolId {
+    first: 1,
+    second: 0,
+};
+
+/// A runtime over `n` host devices of `cap_mib` MiB each (2 MiB granules); returns the
+/// devices too, so tests can drive their fake events.
+fn runtime(mode: &str, trace: &str, n: i32, cap_mib: u64) -> (Runtime, Vec<Arc<HostMemory>>) {
+    let devs: Vec<Arc<HostMemory>> = (0..n)
+        .map(|_| Arc::new(HostMemory::new(Bytes(cap_mib * MIB), Bytes(2 * MIB))))
+        .collect();
+    let for_factory = devs.clone();
+    let factory =
+        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let core = Core::new(Settings::parse(mode, "", trace).unwrap(), factory);
+    let rt = Runtime::with_core(core);
+    rt.init(n).unwrap();
+    (rt, devs)
+}
+
+#[test]
+fn settings_are_validated() {
+    assert!(Settings::parse("online", "", "").is_ok());
+    assert!(Settings::parse("trace", "", "t.stwt").is_ok());
+    for (m, p, t) in [
+        ("online", "p", ""),
+        ("online", "", "t"),
+        ("trace", "", ""),
+        ("trace", "p", "t"),
+        ("bogus", "", ""),
+    ] {
+        let e = Settings::parse(m, p, t).unwrap_err();
+        assert!(matches!(e, BridgeError::Settings(_)), "{m} {p} {t}: {e}");
+    }
+    let e = Settings::parse("plan", "x.stwp", "").unwrap_err();
+    assert!(e.to_string().contains("plan mode"), "{e}");
+    let s = Settings::parse("trace", "", "/tmp/run.stwt").unwrap();
+    assert_eq!(s.trace_path_for(0).unwrap().to_str(), Some("/tmp/run.stwt"));
+    assert_eq!(
+        s.trace_path_for(2).unwrap().to_str(),
+        Some("/tmp/run.cuda2.stwt")
+    );
+}
+
+#[test]
+fn use_before_init_and_bad_devices_are_errors() {
+    let factory = Box::new(
+        |_d: i32| -> stweaver_torch::error::Result<Arc<dyn BridgeDevice>> {
+            Err(BridgeError::Settings("no device here".into()))
+        },
+    );
+    let rt = Runtime::with_core(Core::new(
+        Settings::parse("online", "", "").unwrap(),
+        factory,
+    ));
+    assert!(matches!(
+        rt.malloc(0, 512, S0, DEFAULT),
+        Err(BridgeError::NotInitialised)
+    ));
+    rt.init(1).unwrap();
+    assert!(matches!(
+        rt.malloc(3, 512, S0, DEFAULT),
+        Err(BridgeError::BadDevice { device: 3, .. })
+    ));
+    // A device that cannot be opened is a clean error naming the device.
+    let e = rt.malloc(0, 512, S0, DEFAULT).unwrap_err();
+    assert!(e.to_string().contains("cannot open CUDA device 0"), "{e}");
+    assert!(matches!(rt.init(2), Err(BridgeError::Reinit { .. })));
+    rt.init(1).unwrap();
+}
+
+#[test]
+fn stats_follow_allocations_exactly() {
+    let (rt, _) = runtime("online", "", 1, 64);
+    let a = rt.malloc(0, 1000, S0, DEFAULT).unwrap();
+    let b = rt.malloc(0, 3 * MIB as usize, S0, DEFAULT).unwrap();
+    assert!(a != 0 && b != 0 && a != b);
+    let s = rt.device_stats(0).unwrap();
+    // 1000 -> 1024 (512-B rounding), 3 MiB stays.
+    assert_eq!(s.allocated_bytes.all.current, 1024 + 3 * MIB as i64);
+    assert_eq!(s.allocated_bytes.small_pool.current, 1024);
+    assert_eq!(s.allocated_bytes.large_pool.current, 3 * MIB as i64);
+    assert_eq!(s.requested_bytes.all.current, 1000 + 3 * MIB as i64);
+    assert_eq!(s.allocation.all.current, 2);
+    assert!(s.reserved_bytes.all.current >= s.allocated_bytes.all.current);
+    rt.free(b).unwrap();
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.allocated_bytes.all.current, 1024);
+    assert_eq!(s.allocated_bytes.all.peak, 1024 + 3 * MIB as i64);
+    rt.reset_peak_stats(0).unwrap();
+    assert_eq!(rt.device_stats(0).unwrap().allocated_bytes.all.peak, 1024);
+    rt.reset_accumulated_stats(0).unwrap();
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(
+        (s.allocated_bytes.all.allocated, s.allocated_bytes.all.freed),
+        (0, 0)
+    );
+    // empty_cache gives back everything but the granule holding `a`.
+    rt.empty_cache(-1, DEFAULT).unwrap();
+    assert_eq!(
+        rt.device_stats(0).unwrap().reserved_bytes.all.current,
+        2 * MIB as i64
+    );
+    rt.free(a).unwrap();
+    rt.empty_cache(0, DEFAULT).unwrap();
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.reserved_bytes.all.current, 0);
+    assert_eq!(s.max_split_size, -1);
+}
+
+#[test]
+fn bad_frees_are_errors_not_crashes() {
+    let (rt, _) = runtime("online", "", 1, 16);
+    let a = rt.malloc(0, 4096, S0, DEFAULT).unwrap();
+    assert!(rt.free(a + 512).is_err());
+    rt.free(a).unwrap();
+    assert!(rt.free(a).is_err(), "double free must be refused");
+    assert!(rt.record_stream(a, S1).is_err());
+    assert!(rt.base_allocation(0x1234).is_err());
+}
+
+#[test]
+fn out_of_memory_returns_zero_with_a_report_and_serving_continues() {
+    let (rt, devs) = runtime("online", "", 1, 16);
+    let a = rt.malloc(0, 10 * MIB as usize, S0, DEFAULT).unwrap();
+    assert_eq!(rt.malloc(0, 10 * MIB as usize, S0, DEFAULT).unwrap(), 0);
+    let info = rt.oom_info(0, 10 * MIB as usize).unwrap();
+    assert_eq!(info.rounded, 10 * MIB);
+    assert_eq!(info.allocated, 10 * MIB);
+    assert_eq!(info.device_total, 16 * MIB);
+    assert_eq!(info.device_free, devs[0].free_memory().unwrap().get());
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.num_ooms, 1);
+    assert_eq!(s.num_alloc_retries, 1);
+    // Free and retry: serving goes on.
+    rt.free(a).unwrap();
+    let b = rt.malloc(0, 10 * MIB as usize, S0, DEFAULT).unwrap();
+    assert_ne!(b, 0);
+    // A memory fraction is a limit too.
+    rt.set_memory_fraction(0, 0.5).unwrap();
+    assert_eq!(rt.memory_fraction(0).unwrap(), 0.5);
+    assert_eq!(rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap(), 0);
+    let info = rt.oom_info(0, 4 * MIB as usize).unwrap();
+    assert_eq!(info.limit, 8 * MIB);
+    assert!(matches!(
+        rt.set_memory_fraction(0, 1.5),
+        Err(BridgeError::BadFraction(_))
+    ));
+}
+
+#[test]
+fn record_stream_defers_reuse_until_the_other_stream_passes() {
+    let (rt, devs) = runtime("online", "", 1, 16);
+    rt.set_history(true).unwrap();
+    let a = rt.malloc(0, 1 << 20, S0, DEFAULT).unwrap();
+    rt.record_stream(a, S1).unwrap();
+    rt.free(a).unwrap();
+    // Still active: the next allocation on S0 must not get `a`.
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.active_bytes.all.current, 1 << 20);
+    assert_eq!(s.allocated_bytes.all.current, 0);
+    let b = rt.malloc(0, 1 << 20, S0, DEFAULT).unwrap();
+    assert_ne!(a, b, "reused memory another stream may still use");
+    let ev = rt.drain_history().unwrap();
+    let actions: Vec<HistoryAction> = ev.iter().map(|e| e.action).collect();
+    assert!(actions.contains(&HistoryAction::FreeRequested));
+    assert!(
+        !ev.iter()
+            .any(|e| e.action == HistoryAction::FreeCompleted && e.addr == a as u64),
+        "free completed before the stream passed: {ev:?}"
+    );
+    // The other stream passes the event: the free completes, reported once.
+    devs[0].events().pass_all(StreamId(S1 as u64));
+    rt.free(b).unwrap();
+    let c = rt.malloc(0, 1 << 20, S0, DEFAULT).unwrap();
+    let ev = rt.drain_history().unwrap();
+    let done: Vec<_> = ev
+        .iter()
+        .filter(|e| e.action == HistoryAction::FreeCompleted && e.addr == a as u64)
+        .collect();
+    assert_eq!(done.len(), 1, "{ev:?}");
+    assert_eq!(done[0].size, 1 << 20);
+    assert_eq!(
+        rt.device_stats(0).unwrap().active_bytes.all.current,
+        1 << 20
+    );
+    rt.free(c).unwrap();
+}
+
+#[test]
+fn history_reports_allocs_frees_and_mappings_in_order() {
+    let (rt, _) = runtime("online", "", 1, 16);
+    assert!(rt.drain_history().unwrap().is_empty());
+    rt.set_history(true).unwrap();
+    let a = rt.malloc(0, 3000, S0, DEFAULT).unwrap();
+    rt.free(a).unwrap();
+    rt.empty_cache(-1, DEFAULT).unwrap();
+    let ev = rt.drain_history().unwrap();
+    let kinds: Vec<HistoryAction> = ev.iter().map(|e| e.action).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            HistoryAction::SegmentMap,
+            HistoryAction::Alloc,
+            HistoryAction::FreeRequested,
+            HistoryAction::FreeCompleted,
+            HistoryAction::SegmentUnmap,
+        ]
+    );
+    assert_eq!(ev[1].size, 3000, "alloc entries carry the requested size");
+    assert_eq!(ev[1].stream, S0);
+    assert_eq!(ev[0].size, 2 * MIB);
+    rt.set_history(false).unwrap();
+    let b = rt.malloc(0, 3000, S0, DEFAULT).unwrap();
+    rt.free(b).unwrap();
+    assert!(rt.drain_history().unwrap().is_empty());
+}
+
+#[test]
+fn snapshot_segments_tile_their_blocks() {
+    let (rt, _) = runtime("online", "", 1, 64);
+    let a = rt.malloc(0, 5000, S0, DEFAULT).unwrap();
+    let b = rt.malloc(0, 3 * MIB as usize, S0, DEFAULT).unwrap();
+    let c = rt.malloc(0, 7 * MIB as usize, S1, DEFAULT).unwrap();
+    rt.free(b).unwrap();
+    let snap = rt.snapshot(DEFAULT, true).unwrap();
+    assert!(!snap.segments.is_empty());
+    let s = rt.device_stats(0).unwrap();
+    let mut total = 0;
+    let mut allocated = 0;
+    let mut prev = 0;
+    for seg in &snap.segments {
+        assert!(seg.address >= prev, "segments sorted by address");
+        prev = seg.address;
+        let blocks = &snap.blocks[seg.first_block..seg.first_block + seg.num_blocks];
+        let mut at = seg.address;
+        for blk in blocks {
+            assert_eq!(blk.address, at, "blocks tile the segment");
+            at += blk.size;
+        }
+        assert_eq!(at - seg.address, seg.total_size);
+        assert!(seg.is_expandable);
+        total += seg.total_size;
+        allocated += seg.allocated_size;
+    }
+    assert_eq!(total as i64, s.reserved_bytes.all.current);
+    assert_eq!(allocated as i64, s.allocated_bytes.all.current);
+    let seg_c = snap
+        .segments
+        .iter()
+        .find(|g| g.address <= c as u64 && (c as u64) < g.address + g.total_size)
+        .unwrap();
+    assert_eq!(seg_c.stream, S1);
+    assert!(seg_c.is_large);
+    let r = rt.base_allocation(c + 4096).unwrap();
+    assert_eq!((r.base, r.size), (seg_c.address, seg_c.total_size));
+    assert!(rt.largest_free_block(0).unwrap() >= 3 * MIB);
+    rt.free(a).unwrap();
+    rt.free(c).unwrap();
+}
+
+#[test]
+fn private_pools_isolate_memory_and_go_away_when_released() {
+    let (rt, _) = runtime("online", "", 1, 64);
+    let d = rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap();
+    rt.pool_incref(0, GRAPH).unwrap();
+    assert_eq!(rt.pool_use_count(0, GRAPH).unwrap(), 1);
+    let g1 = rt.malloc(0, 4 * MIB as usize, S0, GRAPH).unwrap();
+    let g2 = rt.malloc(0, 2 * MIB as usize, S0, GRAPH).unwrap();
+    rt.free(g2).unwrap();
+    // Freed pool memory is not handed to the default pool.
+    let d2 = rt.malloc(0, 2 * MIB as usize, S0, DEFAULT).unwrap();
+    assert_ne!(d2, g2);
+    let live = rt.pool_live_allocations(0, GRAPH).unwrap();
+    assert_eq!(live, vec![g1]);
+    // Device stats add up the pools; peaks stay exact.
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.allocated_bytes.all.current, 10 * MIB as i64);
+    assert_eq!(s.allocated_bytes.all.peak, 10 * MIB as i64);
+    // Snapshots carry the pool id; a pool's snapshot holds only its segments.
+    let snap = rt.snapshot(GRAPH, false).unwrap();
+    assert!(!snap.segments.is_empty());
+    assert!(snap.segments.iter().all(|s| s.pool == GRAPH));
+    // Released while g1 is live (a graph output): the pool stays until g1 is freed.
+    rt.pool_release(0, GRAPH).unwrap();
+    assert_eq!(rt.pool_use_count(0, GRAPH).unwrap(), 0);
+    assert!(rt.snapshot(GRAPH, false).unwrap().segments.len() == 1);
+    rt.free(g1).unwrap();
+    assert!(rt.snapshot(GRAPH, false).unwrap().segments.is_empty());
+    assert!(rt.pool_live_allocations(0, GRAPH).is_err(), "pool is gone");
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.allocated_bytes.all.current, 6 * MIB as i64);
+    assert_eq!(
+        s.allocated_bytes.all.peak,
+        10 * MIB as i64,
+        "peak survives the pool"
+    );
+    assert_eq!(
+        s.allocated_bytes.all.allocated,
+        (4 + 4 + 2 + 2) * MIB as i64,
+        "accumulated counters survive the pool"
+    );
+    assert!(matches!(
+        rt.pool_release(0, GRAPH),
+        Err(BridgeError::UnknownPool { .. })
+    ));
+    assert!(matches!(
+        rt.pool_incref(0, DEFAULT),
+        Err(BridgeError::DefaultPoolIsNotPrivate)
+    ));
+    rt.free(d).unwrap();
+    rt.free(d2).unwrap();
+}
+
+/// Host memory seen at a per-device address offset: real CUDA devices share one
+/// (unified) virtual address space, so their reservations never overlap.
+struct Shifted {
+    inner: HostMemory,
+    off: u64,
+}
+
+impl DeviceMemory for Shifted {
+    fn granularity(&self) -> Bytes {
+        self.inner.granularity()
+    }
+    fn total_memory(&self) -> Bytes {
+        self.inner.total_memory()
+    }
+    fn free_memory(&self) -> Result<Bytes, DeviceError> {
+        self.inner.free_memory()
+    }
+    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
+        Ok(DevicePtr(self.inner.reserve(size)?.get() + self.off))
+    }
+    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        self.inner.release(DevicePtr(base.get() - self.off), size)
+    }
+    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        self.inner.map(DevicePtr(addr.get() - self.off), size)
+    }
+    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
+        self.inner.unmap(DevicePtr(addr.get() - self.off), size)
+    }
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.inner.synchronize()
+    }
+    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
+        self.inner.create_event()
+    }
+    fn record_event(&self, e: DeviceEvent, s: StreamId) -> Result<(), DeviceError> {
+        self.inner.record_event(e, s)
+    }
+    fn query_event(&self, e: DeviceEvent) -> Result<bool, DeviceError> {
+        self.inner.query_event(e)
+    }
+    fn synchronize_event(&self, e: DeviceEvent) -> Result<(), DeviceError> {
+        self.inner.synchronize_event(e)
+    }
+    fn destroy_event(&self, e: DeviceEvent) -> Result<(), DeviceError> {
+        self.inner.destroy_event(e)
+    }
+}
+
+impl BridgeDevice for Shifted {
+    fn enable_peer_access(&self, _peer: i32) -> stweaver_torch::error::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn devices_are_independent() {
+    let devs: Vec<Arc<Shifted>> = (0..2u64)
+        .map(|d| {
+            Arc::new(Shifted {
+                inner: HostMemory::new(Bytes(32 * MIB), Bytes(2 * MIB)),
+                off: d << 40,
+            })
+        })
+        .collect();
+    let for_factory = devs.clone();
+    let factory =
+        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let rt = Runtime::with_core(Core::new(
+        Settings::parse("online", "", "").unwrap(),
+        factory,
+    ));
+    rt.init(2).unwrap();
+    let a = rt.malloc(0, 1 << 20, S0, DEFAULT).unwrap();
+    let b = rt.malloc(1, 3 << 20, S0, DEFAULT).unwrap();
+    assert_eq!(
+        rt.device_stats(0).unwrap().allocated_bytes.all.current,
+        1 << 20
+    );
+    assert_eq!(
+        rt.device_stats(1).unwrap().allocated_bytes.all.current,
+        3 << 20
+    );
+    assert!(devs[1].inner.mapped_bytes().get() >= 3 << 20);
+    // Frees find their device from the pointer alone.
+    rt.free(b).unwrap();
+    rt.free(a).unwrap();
+    assert_eq!(rt.device_stats(1).unwrap().allocated_bytes.all.current, 0);
+    assert_eq!(rt.device_stats(0).unwrap().allocated_bytes.all.current, 0);
+    rt.enable_peer_access(0, 1).unwrap();
+    assert!(rt.enable_peer_access(0, 5).is_err());
+}
+
+#[test]
+fn trace_mode_writes_a_valid_trace_with_markers() {
+    let dir = std::env::temp_dir().join(format!("stweaver-bridge-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.stwt");
+    let (rt, _) = runtime("trace", path.to_str().unwrap(), 1, 32);
+    for _ in 0..3 {
+        rt.step().unwrap();
+        rt.mark("forward", true).unwrap();
+        let a = rt.malloc(0, 1 << 20, S0, DEFAULT).unwrap();
+        let b = rt.malloc(0, 4096, S0, DEFAULT).unwrap();
+        rt.mark("forward", false).unwrap();
+        rt.free(a).unwrap();
+        rt.free(b).unwrap();
+    }
+    assert_eq!(rt.mode().unwrap(), "trace");
+    let written = rt.flush_trace().unwrap();
+    assert_eq!(written, vec![path.display().to_string()]);
+    let trace = read_trace_file(&path).unwrap();
+    assert_eq!(trace.allocations.len(), 6);
+    assert_eq!(trace.allocations[0].size, Bytes(1 << 20));
+    assert!(trace.labels.iter().any(|l| l == "forward"));
+    assert_eq!(rt.mode().unwrap(), "trace (written)");
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    assert_eq!(info["iterations"], 3);
+    assert_eq!(info["devices"][0]["opened"], true);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let (online, _) = runtime("online", "", 1, 8);
+    assert!(online.flush_trace().is_err());
+    assert!(online.mark("", true).is_err());
+}
