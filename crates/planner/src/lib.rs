@@ -5,7 +5,9 @@
 //! `stweaver` binary (`src/bin/stweaver`) is a thin CLI over this library.
 //! This crate links neither CUDA nor torch.
 
+pub mod input;
 pub mod iteration;
 pub mod replay;
 pub mod report;
 pub mod snapshot;
+pub mod summary;

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod compare;
+mod inspect;
 
 #[derive(Parser)]
 #[command(
@@ -17,6 +18,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// What a snapshot or trace holds: events, allocations, sizes, streams, the lower
+    /// bound and when it is reached, the iteration period.
+    Inspect(inspect::InspectArgs),
     /// Lower bound, PyTorch native, expandable segments and stweaver, side by side
     /// (default input: a bundled real GPT-2 XL snapshot).
     Compare(compare::CompareArgs),
@@ -25,6 +29,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result: anyhow::Result<()> = match cli.command {
+        Command::Inspect(args) => inspect::run(args),
         Command::Compare(args) => compare::run(args),
     };
     match result {

@@ -1,0 +1,126 @@
+//! `stweaver inspect`, run as the built binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn data(name: &str) -> PathBuf {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data")).join(name)
+}
+
+fn shared(name: &str) -> PathBuf {
+    Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/traces"
+    ))
+    .join(name)
+}
+
+fn stweaver(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_stweaver"))
+        .args(args)
+        .output()
+        .expect("run stweaver")
+}
+
+fn inspect_json(path: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args: Vec<&std::ffi::OsStr> = vec!["inspect".as_ref(), "--json".as_ref()];
+    args.extend(extra.iter().map(|s| std::ffi::OsStr::new(*s)));
+    args.push(path.as_os_str());
+    let out = stweaver(&args);
+    assert!(
+        out.status.success(),
+        "stweaver failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON object on stdout")
+}
+
+#[test]
+fn json_of_a_real_snapshot() {
+    let v = inspect_json(&shared("snap_gpt2xl_rcp.pickle.gz"), &[]);
+    assert_eq!(v["format"], "pytorch_snapshot");
+    let d = &v["devices"][0];
+    assert_eq!(d["device"], 0);
+    assert_eq!(d["lower_bound"]["bytes"], 9_445_508_616u64);
+    assert_eq!(d["lower_bound"]["human"], "8.80 GiB");
+    assert_eq!(d["events"]["alloc"], 21_504);
+    assert_eq!(d["distinct_sizes"], 37);
+    assert_eq!(d["period"]["allocs_per_iteration"], 5156);
+    assert_eq!(d["period"]["repetitions"], 3);
+    assert_eq!(d["snapshot_entries"]["segment_alloc"], 172);
+    assert_eq!(v["annotations"], 16);
+    // The event of the peak is an alloc, with its number and time.
+    assert!(d["lower_bound"]["event"].is_u64());
+    assert!(d["lower_bound"]["alloc_number"].is_u64());
+    assert!(d["lower_bound"]["time_us"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn text_output_and_device_filter() {
+    let path = data("multi_device.pickle");
+    let out = stweaver(&["inspect".as_ref(), path.as_os_str()]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("device cuda:0") && text.contains("device cuda:1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("lower bound         11535336 B (11.00 MiB)"),
+        "{text}"
+    );
+    assert!(text.contains("iteration period    none"), "{text}");
+
+    let v = inspect_json(&path, &["--device", "1"]);
+    assert_eq!(v["devices"].as_array().unwrap().len(), 1);
+    assert_eq!(v["devices"][0]["device"], 1);
+    assert_eq!(v["devices"][0]["streams"].as_array().unwrap().len(), 2);
+
+    let out = stweaver(&[
+        "inspect".as_ref(),
+        "--device".as_ref(),
+        "7".as_ref(),
+        path.as_os_str(),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("device 7 has no allocation history (devices with one: 0, 1)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_inputs_fail_with_the_file_and_the_problem() {
+    for (name, problem) in [
+        ("truncated.pickle.gz", "corrupt or truncated gzip data"),
+        ("not_a_pickle.pickle", "unrecognised file"),
+        (
+            "wrong_shape.pickle",
+            "device_traces[0][1]: missing key 'addr'",
+        ),
+        ("empty_trace.pickle", "the snapshot has no alloc events"),
+        ("does_not_exist.pickle", "cannot read the file"),
+    ] {
+        let path = data(name);
+        let out = stweaver(&["inspect".as_ref(), "--json".as_ref(), path.as_os_str()]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(out.stdout.is_empty(), "{name}: nothing on stdout");
+        assert!(err.contains(name) && err.contains(problem), "{name}: {err}");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+}
+
+/// `inspect --json` with the machine-specific file path replaced by the file name.
+fn portable_json(name: &str) -> String {
+    let mut v = inspect_json(&data(name), &[]);
+    v["file"] = name.into();
+    serde_json::to_string_pretty(&v).unwrap()
+}
+
+#[test]
+fn inspect_json_snapshots() {
+    insta::assert_snapshot!("inspect_periodic", portable_json("periodic.pickle.gz"));
+    insta::assert_snapshot!("inspect_multi_device", portable_json("multi_device.pickle"));
+}
