@@ -112,6 +112,28 @@ fn bad_inputs_fail_with_the_file_and_the_problem() {
     }
 }
 
+#[test]
+fn inspects_stweaver_trace_files_too() {
+    let snap =
+        stweaver_planner::snapshot::load_snapshot(&data("periodic.pickle.gz")).expect("fixture");
+    let dir = tempfile::tempdir().unwrap();
+    // Named like a snapshot: the format is sniffed from the content.
+    let path = dir.path().join("trace.pickle");
+    stweaver_core::trace_file::write_trace_file(&path, &snap.traces[0]).expect("write .stwt");
+    let v = inspect_json(&path, &[]);
+    assert_eq!(v["format"], "stweaver_trace");
+    assert!(v.get("settings").is_none() && v.get("segments").is_none());
+    let d = &v["devices"][0];
+    assert_eq!(
+        d["lower_bound"]["bytes"],
+        snap.traces[0].lower_bound().bytes.get()
+    );
+    assert_eq!(d["period"]["allocs_per_iteration"], 5);
+    assert!(d.get("snapshot_entries").is_none());
+    let traces = stweaver_planner::input::load_traces(&path).unwrap();
+    assert_eq!(traces, snap.traces);
+}
+
 /// `inspect --json` with the machine-specific file path replaced by the file name.
 fn portable_json(name: &str) -> String {
     let mut v = inspect_json(&data(name), &[]);

@@ -6,8 +6,8 @@
 //! 2.0.0-alpha9, which handles sharing, took 0.91 s and 226 MB to decode
 //! `snap_qwenmoe_eager_rcp` (323 k entries) into typed structs on the 2-core dev box,
 //! and its serde errors do not say *where* in the document a field is missing. This VM
-//! decodes the same file in a fraction of that (see `BENCHMARKS.md` / the module docs
-//! of [`super`]), never recurses, and reports every problem with its byte offset.
+//! decodes the same file in a fraction of that (figures in `BENCHMARKS.md`), never
+//! recurses, and reports every problem with its byte offset.
 //!
 //! Design: one pass over the bytes, O(opcodes) time. Values are 16-byte `Copy` handles:
 //! scalars inline, strings and bytes as ranges into the input (zero copy), containers
