@@ -247,3 +247,46 @@ fn semantic_errors_are_located() {
         }
     ));
 }
+
+mod arbitrary_pickles {
+    use proptest::prelude::*;
+    use stweaver_planner::snapshot::load_snapshot_from_bytes;
+
+    /// Opcodes the VM implements (and a few it refuses), each followed by 0–8 random
+    /// argument bytes: mostly structurally plausible pickles, which reach far deeper
+    /// into the VM and the snapshot builder than uniformly random bytes.
+    const OPCODES: &[u8] =
+        b"(.012NJKM}]u\x8c\x94hjqr\x85\x86\x87\x88\x89\x8a\x8bGaestlXBC)\x8f\x90\x91\x95cR";
+
+    fn pickle() -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(
+            (
+                prop::sample::select(OPCODES),
+                prop::collection::vec(any::<u8>(), 0..9),
+            ),
+            0..64,
+        )
+        .prop_map(|ops| {
+            let mut b = vec![0x80, 4];
+            for (op, args) in ops {
+                b.push(op);
+                b.extend(args);
+            }
+            b
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn never_panic(bytes in pickle()) {
+            if let Err(e) = load_snapshot_from_bytes(&bytes) {
+                prop_assert!(e.to_string().starts_with("<in-memory buffer>: "));
+            }
+        }
+
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = load_snapshot_from_bytes(&bytes);
+        }
+    }
+}

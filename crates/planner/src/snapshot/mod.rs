@@ -360,7 +360,9 @@ fn gunzip(
         .and_then(|t| <[u8; 4]>::try_from(t).ok())
         .map_or(0, |t| u32::from_le_bytes(t) as usize)
         .min(bytes.len().saturating_mul(1032));
-    let mut out = Vec::with_capacity(hint);
+    let mut out = Vec::new();
+    // Only a hint: if the reservation fails, the vector grows as it is filled.
+    let _ = out.try_reserve(hint);
     let reader = CountingSlice {
         rest: bytes,
         consumed: 0,

@@ -14,9 +14,10 @@
 //! as indices into arenas (`lists`, `dicts`). A memo entry is such a handle, so a
 //! shared frame dict is stored once and referenced many times, and a container that is
 //! memoised before it is filled (`EMPTY_DICT MEMOIZE MARK ... SETITEMS`) is filled in
-//! place. Memory is O(input): every memo index, container and item is backed by at
-//! least one input byte, and every length read from the input is checked against the
-//! bytes that remain before anything is allocated.
+//! place. Memory is O(input): every memo entry, container and item is backed by at
+//! least one input byte (memo indices beyond the dense range go to a hash map), and
+//! every length read from the input is checked against the bytes that remain before
+//! anything is allocated.
 //!
 //! Unsupported on purpose: `GLOBAL`/`STACK_GLOBAL`/`REDUCE`/`BUILD`/`NEWOBJ` (a snapshot
 //! holds builtin types only, and executing constructors is how pickles run code),
@@ -24,6 +25,8 @@
 //! protocols 0–1. Each is reported as an error naming the opcode.
 
 use std::fmt;
+
+use rustc_hash::FxHashMap;
 
 /// A decoded value. Strings, bytes and big integers point into the input; containers
 /// index the arenas of the [`Pickle`] that produced them.
@@ -99,8 +102,6 @@ pub enum PickleErrorKind {
     NoMark(&'static str),
     #[error("memo entry {0} is read before it is written")]
     BadMemo(u64),
-    #[error("memo index {0} is out of range")]
-    MemoIndexTooLarge(u64),
     #[error("{opcode} applied to a {found}")]
     WrongTarget {
         opcode: &'static str,
@@ -265,6 +266,8 @@ pub(crate) fn parse<'a>(
         stack: Vec::with_capacity(64),
         marks: Vec::with_capacity(16),
         memo: Vec::new(),
+        sparse_memo: FxHashMap::default(),
+        memo_count: 0,
         lists: Vec::new(),
         dicts: Vec::new(),
     }
@@ -277,7 +280,14 @@ struct Vm<'a> {
     stack: Vec<Value>,
     /// Stack heights at each MARK.
     marks: Vec<usize>,
+    /// Memo entries 0..n (what `MEMOIZE` and sequential `PUT`s produce).
     memo: Vec<Option<Value>>,
+    /// Memo entries at indices beyond the dense part (hand-written pickles only); kept
+    /// apart so that one large index cannot make us allocate a huge vector.
+    sparse_memo: FxHashMap<u64, Value>,
+    /// Distinct memo indices written: `MEMOIZE` writes at this index, like CPython's
+    /// `len(memo)`.
+    memo_count: u64,
     lists: Vec<Vec<Value>>,
     dicts: Vec<Vec<(Value, Value)>>,
 }
@@ -449,12 +459,15 @@ impl<'a> Vm<'a> {
     }
 
     fn memo_get(&mut self, idx: u64, at: usize) -> Result<(), PickleError> {
-        match usize::try_from(idx).ok().and_then(|i| self.memo.get(i)) {
-            Some(Some(v)) => {
-                self.stack.push(*v);
+        let dense = usize::try_from(idx)
+            .ok()
+            .and_then(|i| self.memo.get(i).copied().flatten());
+        match dense.or_else(|| self.sparse_memo.get(&idx).copied()) {
+            Some(v) => {
+                self.stack.push(v);
                 Ok(())
             }
-            _ => Err(self.err(at, PickleErrorKind::BadMemo(idx))),
+            None => Err(self.err(at, PickleErrorKind::BadMemo(idx))),
         }
     }
 
@@ -463,15 +476,16 @@ impl<'a> Vm<'a> {
             .stack
             .last()
             .ok_or_else(|| self.err(at, PickleErrorKind::StackUnderflow(name)))?;
-        // A valid pickle has fewer memo entries than bytes; this bounds the memo's size.
-        let i = usize::try_from(idx)
-            .ok()
-            .filter(|&i| i <= self.data.len())
-            .ok_or_else(|| self.err(at, PickleErrorKind::MemoIndexTooLarge(idx)))?;
-        if i >= self.memo.len() {
-            self.memo.resize(i + 1, None);
-        }
-        self.memo[i] = Some(top);
+        let dense_len = self.memo.len() as u64;
+        let new = if idx < dense_len {
+            self.memo[idx as usize].replace(top).is_none()
+        } else if idx == dense_len {
+            self.memo.push(Some(top));
+            self.sparse_memo.remove(&idx).is_none()
+        } else {
+            self.sparse_memo.insert(idx, top).is_none()
+        };
+        self.memo_count += u64::from(new);
         Ok(())
     }
 
@@ -778,8 +792,7 @@ impl<'a> Vm<'a> {
                     self.memo_put(u64::from(i), at, "LONG_BINPUT")?;
                 }
                 op::MEMOIZE => {
-                    let i = self.memo.len() as u64;
-                    self.memo_put(i, at, "MEMOIZE")?;
+                    self.memo_put(self.memo_count, at, "MEMOIZE")?;
                 }
                 other => {
                     let kind = match unsupported_name(other) {
@@ -885,11 +898,9 @@ mod tests {
         assert_eq!(e.kind, PickleErrorKind::Unsupported("GLOBAL"));
         let e = parse_err(b"\x80\x04r\xff\xff\xff\xff.");
         assert_eq!(e.kind, PickleErrorKind::StackUnderflow("LONG_BINPUT"));
-        let e = parse_err(b"\x80\x04Nr\xff\xff\xff\xff.");
-        assert_eq!(
-            e.kind,
-            PickleErrorKind::MemoIndexTooLarge(u64::from(u32::MAX))
-        );
+        // A huge memo index is legal (and stored sparsely, not in a 2^32-entry vector).
+        let p = parse_ok(b"\x80\x04Nr\xff\xff\xff\xff0j\xff\xff\xff\xff.");
+        assert_eq!(p.root, Value::None);
     }
 
     #[test]
