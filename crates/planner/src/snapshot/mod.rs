@@ -21,10 +21,11 @@
 //!   events by `time_us` (stable: after entries of the same microsecond); labels are
 //!   deduplicated per trace. An annotation with a negative device goes to every device.
 //!
-//! Cost: one pass to gunzip, one pass of the pickle VM ([`pickle`], O(bytes)), one pass
+//! Cost: one pass to gunzip, one pass of the pickle VM (`pickle.rs`, O(bytes)), one pass
 //! over the entries with a hash map from address to live allocation (O(entries)
 //! expected), and one sort of the annotations. On `snap_qwenmoe_eager_rcp` (23 MB of
-//! pickle, 323 k entries) the whole import takes well under a second in release.
+//! pickle, 323 k entries) a whole `stweaver inspect` takes 0.2–0.3 s of CPU in release
+//! (figures and commands in `BENCHMARKS.md`).
 //!
 //! Every malformed input is a [`SnapshotError`] naming the file and the problem, with
 //! the path inside the document for shape errors (`device_traces[0][17]: missing key
