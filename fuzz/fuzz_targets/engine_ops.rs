@@ -1,0 +1,230 @@
+//! Arbitrary programs of engine operations (talc's `fuzz_talc` style): malloc, free,
+//! bad frees, record_stream, streams passing events, process_events, empty_cache,
+//! markers, trace start/take, stat resets, limit changes and injected map failures, on
+//! a host-memory device with small granules.
+//!
+//! After every operation: the engine's own consistency check passes; no live or pending
+//! block overlaps another; every pending block's sentinel bytes are intact (nobody was
+//! handed memory other streams may still use); allocated / active / requested bytes and
+//! the allocation count equal what the harness holds. Every block's sentinel is checked
+//! when it is freed. At the end, after freeing everything and `empty_cache`, nothing is
+//! allocated, active, reserved or mapped, and a recorded trace validates.
+#![no_main]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use libfuzzer_sys::arbitrary::{Result, Unstructured};
+use libfuzzer_sys::fuzz_target;
+use stweaver_core::engine::{
+    BlockState, DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit,
+};
+use stweaver_core::{Bytes, StreamId};
+
+const G: u64 = 4096;
+
+#[derive(Clone, Copy)]
+struct Held {
+    len: u64,
+    requested: u64,
+    byte: u8,
+    freed: bool,
+}
+
+fn run(u: &mut Unstructured<'_>) -> Result<()> {
+    let host = Arc::new(HostMemory::new(Bytes(256 << 20), Bytes(G)));
+    let limit = u.int_in_range(1u64..=64)? << 18;
+    let engine = Engine::new(
+        host.clone(),
+        EngineConfig {
+            limit: MemoryLimit::Bytes(Bytes(limit)),
+            arena_size: Some(Bytes(u.int_in_range(1u64..=16)? << 20)),
+            record_trace: u.arbitrary()?,
+            ..EngineConfig::default()
+        },
+    )
+    .expect("engine");
+    let mut held: BTreeMap<u64, Held> = BTreeMap::new();
+    let mut live: Vec<u64> = Vec::new();
+    let mut tag = 0u8;
+    let stream =
+        |u: &mut Unstructured<'_>| -> Result<StreamId> { Ok(StreamId(u.int_in_range(0u64..=3)?)) };
+
+    // Decoding stops at the first error; the final checks always run.
+    let _ = (|| -> Result<()> {
+        for _ in 0..400 {
+            if u.is_empty() {
+                break;
+            }
+            match u.int_in_range(0u8..=15)? {
+                0..=4 => {
+                    let size = match u.int_in_range(0u8..=9)? {
+                        0..=5 => u.int_in_range(1u64..=4096)?,
+                        6..=8 => u.int_in_range(4096u64..=(256 << 10))?,
+                        _ => u.int_in_range((256u64 << 10)..=(3 << 20))?,
+                    };
+                    let s = stream(u)?;
+                    match engine.malloc(Bytes(size), s) {
+                        Ok(p) => {
+                            let (p, len) = (p.get(), size.div_ceil(512) * 512);
+                            assert_eq!(p % 512, 0);
+                            // Drop pending blocks whose frees completed (before the new
+                            // block may reuse their memory).
+                            held.retain(|&q, h| {
+                                !h.freed
+                                    || engine
+                                        .block_info(DevicePtr(q))
+                                        .is_ok_and(|i| i.state == BlockState::PendingFree)
+                            });
+                            if let Some((&q, h)) = held.range(..p + len).next_back() {
+                                assert!(
+                                    q + h.len <= p,
+                                    "{p:#x}+{len:#x} overlaps {q:#x}+{:#x}",
+                                    h.len
+                                );
+                            }
+                            tag = tag.wrapping_add(1).max(1);
+                            host.fill(DevicePtr(p), Bytes(len), tag).unwrap();
+                            held.insert(
+                                p,
+                                Held {
+                                    len,
+                                    requested: size,
+                                    byte: tag,
+                                    freed: false,
+                                },
+                            );
+                            live.push(p);
+                        }
+                        Err(EngineError::OutOfMemory { requested, .. }) => {
+                            assert_eq!(requested, Bytes(size))
+                        }
+                        Err(e) => panic!("malloc: {e}"),
+                    }
+                }
+                5..=7 if !live.is_empty() => {
+                    let i = u.choose_index(live.len())?;
+                    let p = live.swap_remove(i);
+                    let h = held.get_mut(&p).unwrap();
+                    assert!(
+                        host.check(DevicePtr(p), Bytes(h.len), h.byte).unwrap(),
+                        "sentinel at {p:#x}"
+                    );
+                    engine.free(DevicePtr(p)).unwrap();
+                    h.freed = true;
+                    assert!(matches!(
+                        engine.free(DevicePtr(p)),
+                        Err(EngineError::AlreadyFreed(_) | EngineError::UnknownPointer(_))
+                    ));
+                }
+                8 if !live.is_empty() => {
+                    let p = live[u.choose_index(live.len())?];
+                    engine.record_stream(DevicePtr(p), stream(u)?).unwrap();
+                }
+                5..=8 => {
+                    let p = DevicePtr(u.arbitrary()?);
+                    if !held.contains_key(&p.get()) {
+                        assert_eq!(engine.free(p), Err(EngineError::UnknownPointer(p)));
+                        assert!(engine.record_stream(p, StreamId(1)).is_err());
+                    }
+                }
+                9 => {
+                    let s = stream(u)?;
+                    if u.arbitrary()? {
+                        host.events().pass_next(s);
+                    } else {
+                        host.events().pass_all(s);
+                    }
+                }
+                10 => engine.process_events().unwrap(),
+                11 => engine.empty_cache().unwrap(),
+                12 => match u.int_in_range(0u8..=3)? {
+                    0 => engine.mark_iteration().unwrap(),
+                    1 => engine.start_trace().unwrap(),
+                    2 => {
+                        if let Some(t) = engine.take_trace().unwrap() {
+                            if !t.events.is_empty() {
+                                t.validate().expect("recorded trace is valid");
+                            }
+                        }
+                    }
+                    _ => engine.reset_peak_stats().unwrap(),
+                },
+                13 => engine.reset_accumulated_stats().unwrap(),
+                14 => engine
+                    .set_memory_limit(MemoryLimit::Bytes(Bytes(u.int_in_range(1u64..=64)? << 18)))
+                    .unwrap(),
+                _ => host.fail_map_in(u.int_in_range(1u32..=3)?),
+            }
+            check(&engine, &host, &mut held);
+        }
+        Ok(())
+    })();
+
+    for p in live.drain(..) {
+        engine.free(DevicePtr(p)).unwrap();
+    }
+    engine.empty_cache().unwrap();
+    held.retain(|&q, _| engine.block_info(DevicePtr(q)).is_ok());
+    assert!(held.is_empty(), "frees never completed");
+    engine.check_invariants().unwrap();
+    let s = engine.stats().unwrap();
+    for arr in [
+        s.allocated_bytes,
+        s.active_bytes,
+        s.requested_bytes,
+        s.reserved_bytes,
+        s.segment,
+    ] {
+        assert_eq!(arr[0].current, 0);
+    }
+    assert_eq!(host.mapped_bytes(), Bytes(0));
+    if let Some(t) = engine.take_trace().unwrap() {
+        if !t.events.is_empty() {
+            t.validate().expect("recorded trace is valid");
+        }
+    }
+    Ok(())
+}
+
+fn check(engine: &Engine<Arc<HostMemory>>, host: &HostMemory, held: &mut BTreeMap<u64, Held>) {
+    engine.check_invariants().unwrap();
+    let (mut allocated, mut count, mut active, mut requested) = (0, 0, 0, 0);
+    let mut end = 0;
+    held.retain(|&p, h| {
+        if !h.freed {
+            return true;
+        }
+        match engine.block_info(DevicePtr(p)) {
+            Ok(info) => {
+                assert_eq!(info.state, BlockState::PendingFree);
+                assert!(
+                    host.check(DevicePtr(p), Bytes(h.len), h.byte).unwrap(),
+                    "pending {p:#x} reused"
+                );
+                true
+            }
+            Err(_) => false,
+        }
+    });
+    for (&p, h) in held.iter() {
+        assert!(p >= end, "held blocks overlap at {p:#x}");
+        end = p + h.len;
+        active += h.len;
+        requested += h.requested;
+        if !h.freed {
+            allocated += h.len;
+            count += 1;
+        }
+    }
+    let s = engine.stats().unwrap();
+    assert_eq!(s.allocated_bytes[0].current as u64, allocated);
+    assert_eq!(s.allocation[0].current as u64, count);
+    assert_eq!(s.active_bytes[0].current as u64, active);
+    assert_eq!(s.requested_bytes[0].current as u64, requested);
+    assert!(s.reserved_bytes[0].current as u64 >= active);
+}
+
+fuzz_target!(|data: &[u8]| {
+    let _ = run(&mut Unstructured::new(data));
+});
