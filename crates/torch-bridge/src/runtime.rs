@@ -1024,17 +1024,17 @@ impl Core {
 
     // ------------------------------------------------------------------ iterations, trace
 
-    fn opened_engines(&self) -> Result<Vec<&Engine<Tracked>>> {
-        Ok(self
-            .slots()?
-            .iter()
-            .filter_map(|s| s.default.get())
-            .collect())
+    /// Default engines of the devices opened so far (none before CUDA's lazy init).
+    fn opened_engines(&self) -> Vec<&Engine<Tracked>> {
+        self.devices
+            .get()
+            .map(|slots| slots.iter().filter_map(|s| s.default.get()).collect())
+            .unwrap_or_default()
     }
 
     pub fn step(&self) -> Result<()> {
         self.iterations.fetch_add(1, Ordering::AcqRel);
-        for e in self.opened_engines()? {
+        for e in self.opened_engines() {
             e.mark_iteration()?;
         }
         Ok(())
@@ -1051,7 +1051,7 @@ impl Core {
         } else {
             MarkerKind::PhaseEnd
         };
-        for e in self.opened_engines()? {
+        for e in self.opened_engines() {
             e.mark(kind, Some(label))?;
         }
         Ok(())

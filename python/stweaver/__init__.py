@@ -1,0 +1,175 @@
+"""stweaver: a planning CUDA memory allocator for PyTorch training.
+
+    import stweaver
+    stweaver.install()            # before the first CUDA tensor
+    ...
+    for batch in data:
+        loss = model(batch).sum(); loss.backward(); opt.step()
+        stweaver.step()           # or install(hook_optimizer=True)
+
+or, with no code change, ``python -m stweaver run train.py``. Every ``torch.cuda`` memory API
+keeps working: stweaver is a full ``CUDAAllocator`` (the logic is Rust behind a C++ shim).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import threading
+import weakref
+from typing import Iterator, List, Optional
+
+from ._settings import DEFAULT_MODE, MODES, Settings, SettingsError, resolve
+
+__all__ = [
+    "DEFAULT_MODE",
+    "MODES",
+    "Settings",
+    "SettingsError",
+    "flush_trace",
+    "install",
+    "is_installed",
+    "mark",
+    "mode",
+    "phase",
+    "stats",
+    "step",
+]
+
+_lock = threading.Lock()
+_ext = None
+_settings: Optional[Settings] = None
+_hook_handle = None
+
+
+def _extension():
+    global _ext
+    if _ext is None:
+        from ._build import load_extension
+
+        _ext = load_extension()
+    return _ext
+
+
+def install(
+    mode: Optional[str] = None,
+    plan=None,
+    trace=None,
+    *,
+    hook_optimizer: Optional[bool] = None,
+) -> Settings:
+    """Makes stweaver the CUDA allocator of this process.
+
+    Must run before CUDA is initialised (the first CUDA tensor, ``torch.cuda.init()``,
+    ``torch.cuda.current_device()``...). Arguments default to ``STWEAVER_MODE``,
+    ``STWEAVER_PLAN``, ``STWEAVER_TRACE`` and ``STWEAVER_HOOK_OPTIMIZER``. Calling it again
+    with the same settings does nothing; with different ones it raises.
+    """
+    global _settings, _hook_handle
+    settings = resolve(mode, plan, trace, hook_optimizer)
+    with _lock:
+        if _settings is not None:
+            if settings != _settings:
+                raise RuntimeError(
+                    f"stweaver is already installed with {_settings}; cannot reinstall with {settings}"
+                )
+            return _settings
+        import torch
+
+        if torch.cuda.is_initialized():
+            raise RuntimeError(
+                "stweaver.install() must run before CUDA is initialised: this process already "
+                "used CUDA with PyTorch's own allocator. Call it first thing (or use "
+                "`python -m stweaver run script.py`)."
+            )
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        ext = _extension()
+        ext.install(settings.mode, settings.plan or "", settings.trace or "")
+        if settings.hook_optimizer:
+            _hook_handle = register_optimizer_step_post_hook(_optimizer_hook())
+        if settings.mode == "trace":
+            atexit.register(_flush_at_exit)
+        _settings = settings
+        return settings
+
+
+def is_installed() -> bool:
+    """Whether stweaver serves this process's CUDA allocations."""
+    return _settings is not None
+
+
+def _require():
+    if _settings is None:
+        raise RuntimeError("stweaver is not installed (call stweaver.install() first)")
+    return _extension()
+
+
+def step() -> None:
+    """Marks an iteration boundary (call once per training step, e.g. after ``opt.step()``)."""
+    _require().step()
+
+
+def mark(label: str, begin: bool = True) -> None:
+    """Opens (``begin=True``) or closes a named phase, e.g. ``"eval"``."""
+    if not isinstance(label, str) or not label:
+        raise ValueError("a phase label must be a non-empty string")
+    _require().mark(label, begin)
+
+
+@contextlib.contextmanager
+def phase(label: str) -> Iterator[None]:
+    """``with stweaver.phase("eval"): ...`` marks the phase's begin and end."""
+    mark(label, True)
+    try:
+        yield
+    finally:
+        mark(label, False)
+
+
+def mode() -> str:
+    """The serving mode now."""
+    return _require().mode()
+
+
+def stats() -> dict:
+    """The runtime's state: mode, iterations, and per device allocated/reserved bytes and peaks."""
+    ext = _require()
+    info = json.loads(ext.info_json())
+    info["failed_frees"] = int(ext.failed_frees())
+    info["settings"] = {
+        "mode": _settings.mode,
+        "plan": _settings.plan,
+        "trace": _settings.trace,
+        "hook_optimizer": _settings.hook_optimizer,
+    }
+    return info
+
+
+def flush_trace() -> List[str]:
+    """Trace mode: stops recording and writes the trace file(s) now; returns their paths."""
+    return list(_require().flush_trace())
+
+
+def _flush_at_exit() -> None:
+    try:
+        if _settings is not None and _ext is not None and _ext.mode() == "trace":
+            for path in _ext.flush_trace():
+                print(f"stweaver: trace written to {path}")
+    except Exception as e:  # atexit: report, never raise
+        print(f"stweaver: writing the trace at exit failed: {e}")
+
+
+def _optimizer_hook():
+    """A hook marking an iteration after each step of the first optimizer that steps (others
+    are ignored, so several optimizers in one loop still give one boundary per iteration)."""
+    first: List[weakref.ref] = []
+
+    def hook(optimizer, args, kwargs):
+        if not first:
+            first.append(weakref.ref(optimizer))
+        if first[0]() is optimizer:
+            step()
+
+    return hook

@@ -1,0 +1,123 @@
+"""Install settings: arguments and environment variables, validated without importing torch.
+
+Environment variables (for ``python -m stweaver run`` and code that calls ``install()``
+with no arguments):
+
+=========================  ==========================================================
+``STWEAVER_MODE``          ``online`` | ``trace`` | ``plan`` | ``auto``
+``STWEAVER_PLAN``          plan file to serve (implies ``plan`` when no mode is given)
+``STWEAVER_TRACE``         trace file to write (implies ``trace`` when no mode is given)
+``STWEAVER_HOOK_OPTIMIZER`` ``1``/``0``: mark an iteration after every optimizer step
+=========================  ==========================================================
+
+Explicit arguments win over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+MODES = ("online", "trace", "plan", "auto")
+# The default when nothing says otherwise. "auto" (record, plan, switch) becomes the default
+# once the engine serves plans; until then the runtime refuses "plan" and "auto" clearly.
+DEFAULT_MODE = "online"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class SettingsError(ValueError):
+    """Invalid install arguments or environment variables."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str
+    plan: Optional[str]
+    trace: Optional[str]
+    hook_optimizer: bool
+
+
+def _path(value: object, what: str) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        s = os.fspath(value)
+        if not isinstance(s, str):
+            raise SettingsError(f"{what} must be a text path, got bytes {s!r}")
+        if s == "":
+            return None
+        return s
+    raise SettingsError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}")
+
+
+def parse_bool(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise SettingsError(f"{name}={value!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def resolve(
+    mode: Optional[str] = None,
+    plan: Optional[PathLike] = None,
+    trace: Optional[PathLike] = None,
+    hook_optimizer: Optional[bool] = None,
+    env: Optional[Mapping[str, str]] = None,
+    check_files: bool = True,
+) -> Settings:
+    """Combines arguments and environment into validated :class:`Settings`."""
+    env = os.environ if env is None else env
+    if mode is None:
+        mode = env.get("STWEAVER_MODE") or None
+        mode_src = "STWEAVER_MODE"
+    else:
+        mode_src = "mode"
+    plan_s = _path(plan, "plan") if plan is not None else _path(env.get("STWEAVER_PLAN"), "STWEAVER_PLAN")
+    trace_s = (
+        _path(trace, "trace") if trace is not None else _path(env.get("STWEAVER_TRACE"), "STWEAVER_TRACE")
+    )
+    if mode is not None and not isinstance(mode, str):
+        raise SettingsError(f"mode must be a string, got {type(mode).__name__}")
+    if mode is None:
+        if plan_s is not None and trace_s is not None:
+            mode = "auto"
+        elif plan_s is not None:
+            mode = "plan"
+        elif trace_s is not None:
+            mode = "trace"
+        else:
+            mode = DEFAULT_MODE
+    mode = mode.strip().lower()
+    if mode not in MODES:
+        raise SettingsError(f"{mode_src}={mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "online" and (plan_s or trace_s):
+        raise SettingsError(
+            f"mode 'online' takes no plan or trace (got plan={plan_s!r}, trace={trace_s!r})"
+        )
+    if mode == "trace":
+        if trace_s is None:
+            raise SettingsError("mode 'trace' needs a trace path (trace=... or STWEAVER_TRACE)")
+        if plan_s is not None:
+            raise SettingsError("mode 'trace' takes no plan")
+    if mode == "plan" and plan_s is None:
+        raise SettingsError("mode 'plan' needs a plan file (plan=... or STWEAVER_PLAN)")
+    if check_files:
+        if plan_s is not None and not os.path.isfile(plan_s):
+            raise SettingsError(f"plan file {plan_s!r} does not exist")
+        if trace_s is not None:
+            parent = os.path.dirname(os.path.abspath(trace_s))
+            if not os.path.isdir(parent):
+                raise SettingsError(f"trace file {trace_s!r}: folder {parent!r} does not exist")
+    if hook_optimizer is None:
+        raw = env.get("STWEAVER_HOOK_OPTIMIZER")
+        hook_optimizer = parse_bool(raw, "STWEAVER_HOOK_OPTIMIZER") if raw is not None else False
+    elif not isinstance(hook_optimizer, bool):
+        raise SettingsError(f"hook_optimizer must be a bool, got {type(hook_optimizer).__name__}")
+    return Settings(mode=mode, plan=plan_s, trace=trace_s, hook_optimizer=hook_optimizer)

@@ -1,0 +1,67 @@
+"""Argument and environment validation: pure Python, no torch, no GPU."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from stweaver._settings import DEFAULT_MODE, SettingsError, parse_bool, resolve  # noqa: E402
+
+
+def test_defaults_to_the_default_mode():
+    s = resolve(env={})
+    assert (s.mode, s.plan, s.trace, s.hook_optimizer) == (DEFAULT_MODE, None, None, False)
+
+
+def test_environment_is_read(tmp_path):
+    plan = tmp_path / "p.stwp"
+    plan.write_bytes(b"x")
+    s = resolve(env={"STWEAVER_MODE": "Plan", "STWEAVER_PLAN": str(plan), "STWEAVER_HOOK_OPTIMIZER": "yes"})
+    assert (s.mode, s.plan, s.hook_optimizer) == ("plan", str(plan), True)
+    s = resolve(env={"STWEAVER_TRACE": str(tmp_path / "t.stwt")})
+    assert s.mode == "trace", "a trace path alone implies trace mode"
+    s = resolve(env={"STWEAVER_PLAN": str(plan)})
+    assert s.mode == "plan", "a plan path alone implies plan mode"
+
+
+def test_arguments_win_over_environment(tmp_path):
+    env = {"STWEAVER_MODE": "trace", "STWEAVER_TRACE": str(tmp_path / "t.stwt")}
+    s = resolve("online", trace="", env=env)
+    assert s.mode == "online" and s.trace is None
+    s = resolve(hook_optimizer=False, env={**env, "STWEAVER_HOOK_OPTIMIZER": "1"})
+    assert s.hook_optimizer is False
+
+
+def test_path_like_arguments(tmp_path):
+    s = resolve(trace=tmp_path / "t.stwt", env={})
+    assert s.trace == str(tmp_path / "t.stwt")
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, message",
+    [
+        ({"mode": "fast"}, {}, "expected one of"),
+        ({}, {"STWEAVER_MODE": "fast"}, "STWEAVER_MODE"),
+        ({"mode": 3}, {}, "must be a string"),
+        ({"mode": "trace"}, {}, "needs a trace path"),
+        ({"mode": "plan"}, {}, "needs a plan file"),
+        ({"mode": "online", "trace": "t.stwt"}, {}, "takes no plan or trace"),
+        ({"plan": 5}, {}, "must be a path"),
+        ({"hook_optimizer": "yes"}, {}, "must be a bool"),
+        ({}, {"STWEAVER_HOOK_OPTIMIZER": "maybe"}, "not a boolean"),
+        ({"mode": "plan", "plan": "/nonexistent/p.stwp"}, {}, "does not exist"),
+        ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
+    ],
+)
+def test_bad_settings_are_clear_errors(kwargs, env, message):
+    with pytest.raises(SettingsError, match=message):
+        resolve(env=env, **kwargs)
+
+
+def test_parse_bool():
+    assert parse_bool(" ON ", "X") is True
+    assert parse_bool("0", "X") is False
+    with pytest.raises(SettingsError):
+        parse_bool("2", "X")
