@@ -7,6 +7,7 @@
 pub mod engine;
 pub mod file_format;
 pub mod plan;
+pub mod plan_file;
 pub mod trace;
 pub mod trace_file;
 pub mod units;

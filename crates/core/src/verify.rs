@@ -5,7 +5,9 @@
 //! 1. **alignment**: the alignment is a power of two and every offset is a multiple of it;
 //! 2. **bounds**: `offset + size <= pool_size` (no overflow) for every request;
 //! 3. **lifetimes**: `start < end`, `start` inside its section, iteration requests freed
-//!    eventually (a never-freed request cannot repeat forever at one offset);
+//!    eventually (a never-freed request cannot repeat forever at one offset) and within
+//!    one iteration's length (`end - start <= L`: a longer one overlaps its own next
+//!    instance, which lives at the same offset);
 //! 4. **no overlap in address × time**: on the unrolled timeline (the prologue on
 //!    `[0, P)`, iteration `k` on `[P + k·L, P + (k+1)·L)`), no two live requests share a
 //!    byte.
@@ -16,16 +18,21 @@
 //! ## How the overlap check works, and what it costs
 //!
 //! A request of iteration `k` lives on `[P + k·L + start, P + k·L + end)`. Let `m` be the
-//! largest number of iterations any iteration request spans (`ceil((end - start) / L)`)
-//! and `q` the number of iterations a finite prologue request reaches into. Every pair
-//! of requests that can ever be live together appears, shifted by a whole number of
-//! iterations, among iterations `0 .. q + 2m + 2`, because the pattern repeats exactly
-//! after the prologue; never-freed prologue requests are live throughout, so they meet
-//! every iteration request already in those iterations. The verifier unrolls that many
-//! iterations and sweeps time in order (frees before allocs at the same tick, since
-//! lifetimes are half-open) with an ordered map of live address ranges: inserting a
-//! range checks only its two neighbours. Cost: O(N log N) time and O(N) memory for
-//! N = prologue + (q + 2m + 2) · iteration requests.
+//! largest number of iterations any iteration request spans (`ceil((end - start) / L)`,
+//! at most 1 once check 3 passed). Two iteration instances can be live together only
+//! when their iterations differ by at most `m`, and whether they overlap depends only on
+//! that difference, so iterations `0 .. 2m + 2` hold every such pair. A prologue request
+//! `R` (it starts before `P`) and instance `k` of an iteration request `i` are live
+//! together iff `P + k·L + start_i < end_R`, which is weakest at `k = 0`: iteration 0
+//! already shows every prologue–iteration clash, however long `R` lives (never-freed
+//! ones included), so a long-lived prologue request adds no iterations. The peak of
+//! live bytes is reached in the prologue or iterations `0 ..= m` (later iterations
+//! repeat the iteration part while the prologue part only shrinks), so the reported
+//! peak is exact. The verifier unrolls `2m + 2` iterations and sweeps time in order
+//! (frees before allocs at the same tick, since lifetimes are half-open) with an ordered
+//! map of live address ranges: inserting a range checks only its two neighbours. Cost:
+//! O(N log N) time and O(N) memory for N = prologue + (2m + 2) · iteration requests
+//! ≤ prologue + 4 · iteration requests, whatever the lifetimes in the file say.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -84,6 +91,15 @@ pub enum PlanViolation {
     },
     #[error("{at}: an iteration request that is never freed cannot repeat at one offset")]
     IterationNeverFreed { at: RequestRef },
+    #[error(
+        "{at}: lifetime [{start}, {end}) is longer than one iteration ({len} ticks), so it overlaps its own next instance"
+    )]
+    OutlivesIteration {
+        at: RequestRef,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
     #[error("an iteration section has {count} requests but length 0")]
     EmptyIterationClock { count: usize },
     #[error(
@@ -100,6 +116,14 @@ pub enum PlanViolation {
     },
     #[error("the unrolled timeline would need {0} entries, more than the verifier accepts")]
     TooLarge(u128),
+    #[error(
+        "the unrolled timeline runs past the last plan-clock tick (2^64 - 1): prologue length {prologue_len}, iteration length {iteration_len}, {iterations} iterations unrolled"
+    )]
+    ClockOverflow {
+        prologue_len: u64,
+        iteration_len: u64,
+        iterations: u64,
+    },
 }
 
 /// All violations found (at most [`MAX_REPORTED`]), in the order found.
@@ -195,6 +219,13 @@ pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
         check_static(at, r, plan.iteration_len, &mut errs);
         if r.end == NEVER_FREED {
             errs.push(PlanViolation::IterationNeverFreed { at });
+        } else if r.start < r.end && r.end - r.start > plan.iteration_len {
+            errs.push(PlanViolation::OutlivesIteration {
+                at,
+                start: r.start,
+                end: r.end,
+                len: plan.iteration_len,
+            });
         }
     }
     if !errs.is_empty() {
@@ -205,27 +236,39 @@ pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
     // How many iterations to unroll (module docs).
     let p = plan.prologue_len;
     let l = plan.iteration_len;
-    let iterations = if plan.iteration.is_empty() {
+    let iterations: u128 = if plan.iteration.is_empty() {
         0
     } else {
+        // At most 1: every iteration request lives at most `l` ticks (checked above).
         let m = plan
             .iteration
             .iter()
             .map(|r| (r.end - r.start).div_ceil(l))
             .max()
             .unwrap_or(1);
-        let q = plan
-            .prologue
-            .iter()
-            .filter(|r| r.end != NEVER_FREED && r.end > p)
-            .map(|r| (r.end - p).div_ceil(l))
-            .max()
-            .unwrap_or(0);
-        q + 2 * m + 2
+        2 * m as u128 + 2
     };
-    let total = plan.prologue.len() as u128 + iterations as u128 * plan.iteration.len() as u128;
+    let total = (plan.prologue.len() as u128)
+        .saturating_add(iterations.saturating_mul(plan.iteration.len() as u128));
     if total > MAX_UNROLLED {
         return Err(PlanViolations(vec![PlanViolation::TooLarge(total)]));
+    }
+    // Now `iterations <= total <= MAX_UNROLLED`. Every tick of the unrolled timeline
+    // (at most `p + iterations·l + end` for an iteration request; finite prologue ends
+    // are stored ticks) must fit the u64 clock.
+    let iterations = iterations as u64;
+    let last_tick = plan
+        .iteration
+        .iter()
+        .map(|r| r.end as u128)
+        .max()
+        .map_or(0, |end| p as u128 + iterations as u128 * l as u128 + end);
+    if last_tick > u64::MAX as u128 {
+        return Err(PlanViolations(vec![PlanViolation::ClockOverflow {
+            prologue_len: p,
+            iteration_len: l,
+            iterations,
+        }]));
     }
 
     // Timeline entries: (tick, is_alloc, request). Frees sort before allocs at a tick.
@@ -416,6 +459,38 @@ mod tests {
             verify_plan(&p).unwrap_err().0,
             vec![PlanViolation::BadAlignment(Bytes(3))]
         );
+    }
+
+    #[test]
+    fn corrupt_clock_values_are_violations_not_panics() {
+        // Near-2^64 clock lengths and lifetimes, as a corrupted plan file can hold.
+        let p = plan(vec![], u64::MAX - 8, vec![req(512, 0, 0, 2)], 4);
+        assert!(matches!(
+            verify_plan(&p).unwrap_err().0[0],
+            PlanViolation::ClockOverflow { .. }
+        ));
+        let p = plan(vec![], 0, vec![req(512, 0, 0, u64::MAX - 1)], 1);
+        assert!(matches!(
+            verify_plan(&p).unwrap_err().0[0],
+            PlanViolation::OutlivesIteration { .. }
+        ));
+    }
+
+    #[test]
+    fn a_long_lived_prologue_request_costs_no_extra_iterations() {
+        // Freed 2^40 ticks into the steady state: checked against iteration 0 only.
+        let p = plan(
+            vec![req(512, 0, 0, 1 << 40)],
+            1,
+            vec![req(512, 512, 0, 1)],
+            1,
+        );
+        assert_eq!(verify_plan(&p).expect("valid").iterations_unrolled, 4);
+        let clash = plan(vec![req(512, 0, 0, 1 << 40)], 1, vec![req(512, 0, 0, 1)], 1);
+        assert!(matches!(
+            verify_plan(&clash).unwrap_err().0[0],
+            PlanViolation::Overlap { .. }
+        ));
     }
 
     #[test]

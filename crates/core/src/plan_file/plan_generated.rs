@@ -162,7 +162,7 @@ pub mod stweaver {
                 }
             }
 
-            /// Offset in the pool (a multiple of `PlanFile.alignment`).
+            /// Offset in the pool (a multiple of `PlanFile.align_bytes`).
             pub fn offset(&self) -> u64 {
                 let mut mem = core::mem::MaybeUninit::<<u64 as EndianScalar>::Scalar>::uninit();
                 // Safety:
@@ -541,7 +541,7 @@ pub mod stweaver {
             pub const VT_FORMAT_VERSION: flatbuffers::VOffsetT = 4;
             pub const VT_PRODUCER: flatbuffers::VOffsetT = 6;
             pub const VT_DEVICE: flatbuffers::VOffsetT = 8;
-            pub const VT_ALIGNMENT_: flatbuffers::VOffsetT = 10;
+            pub const VT_ALIGN_BYTES: flatbuffers::VOffsetT = 10;
             pub const VT_POOL_SIZE: flatbuffers::VOffsetT = 12;
             pub const VT_LOWER_BOUND: flatbuffers::VOffsetT = 14;
             pub const VT_TRACE_DIGEST: flatbuffers::VOffsetT = 16;
@@ -566,7 +566,7 @@ pub mod stweaver {
                 builder.add_trace_digest(args.trace_digest);
                 builder.add_lower_bound(args.lower_bound);
                 builder.add_pool_size(args.pool_size);
-                builder.add_alignment_(args.alignment_);
+                builder.add_align_bytes(args.align_bytes);
                 if let Some(x) = args.dynamic {
                     builder.add_dynamic(x);
                 }
@@ -615,14 +615,15 @@ pub mod stweaver {
                 unsafe { self._tab.get::<i32>(PlanFile::VT_DEVICE, Some(0)).unwrap() }
             }
             /// Every offset and the pool size are multiples of this (a power of two).
+            /// (Not called `alignment`: flatc renames that to `alignment_`.)
             #[inline]
-            pub fn alignment_(&self) -> u64 {
+            pub fn align_bytes(&self) -> u64 {
                 // Safety:
                 // Created from valid Table for this object
                 // which contains a valid value in this slot
                 unsafe {
                     self._tab
-                        .get::<u64>(PlanFile::VT_ALIGNMENT_, Some(0))
+                        .get::<u64>(PlanFile::VT_ALIGN_BYTES, Some(0))
                         .unwrap()
                 }
             }
@@ -739,7 +740,7 @@ pub mod stweaver {
      .visit_field::<u32>("format_version", Self::VT_FORMAT_VERSION, false)?
      .visit_field::<flatbuffers::ForwardsUOffset<Producer>>("producer", Self::VT_PRODUCER, false)?
      .visit_field::<i32>("device", Self::VT_DEVICE, false)?
-     .visit_field::<u64>("alignment_", Self::VT_ALIGNMENT_, false)?
+     .visit_field::<u64>("align_bytes", Self::VT_ALIGN_BYTES, false)?
      .visit_field::<u64>("pool_size", Self::VT_POOL_SIZE, false)?
      .visit_field::<u64>("lower_bound", Self::VT_LOWER_BOUND, false)?
      .visit_field::<u64>("trace_digest", Self::VT_TRACE_DIGEST, false)?
@@ -756,7 +757,7 @@ pub mod stweaver {
             pub format_version: u32,
             pub producer: Option<flatbuffers::WIPOffset<Producer<'a>>>,
             pub device: i32,
-            pub alignment_: u64,
+            pub align_bytes: u64,
             pub pool_size: u64,
             pub lower_bound: u64,
             pub trace_digest: u64,
@@ -773,7 +774,7 @@ pub mod stweaver {
                     format_version: 0,
                     producer: None,
                     device: 0,
-                    alignment_: 0,
+                    align_bytes: 0,
                     pool_size: 0,
                     lower_bound: 0,
                     trace_digest: 0,
@@ -809,9 +810,9 @@ pub mod stweaver {
                 self.fbb_.push_slot::<i32>(PlanFile::VT_DEVICE, device, 0);
             }
             #[inline]
-            pub fn add_alignment_(&mut self, alignment_: u64) {
+            pub fn add_align_bytes(&mut self, align_bytes: u64) {
                 self.fbb_
-                    .push_slot::<u64>(PlanFile::VT_ALIGNMENT_, alignment_, 0);
+                    .push_slot::<u64>(PlanFile::VT_ALIGN_BYTES, align_bytes, 0);
             }
             #[inline]
             pub fn add_pool_size(&mut self, pool_size: u64) {
@@ -886,7 +887,7 @@ pub mod stweaver {
                 ds.field("format_version", &self.format_version());
                 ds.field("producer", &self.producer());
                 ds.field("device", &self.device());
-                ds.field("alignment_", &self.alignment_());
+                ds.field("align_bytes", &self.align_bytes());
                 ds.field("pool_size", &self.pool_size());
                 ds.field("lower_bound", &self.lower_bound());
                 ds.field("trace_digest", &self.trace_digest());
