@@ -130,6 +130,11 @@ pub(crate) struct Arena {
     root: Idx,
     /// `Unmapped` blocks by address.
     unmapped: BTreeMap<u64, Idx>,
+    /// `Free` blocks by address, kept only for placement arenas (see
+    /// [`Heap::add_placement_arena`]).
+    free_by_addr: Option<BTreeMap<u64, Idx>>,
+    /// Never unmapped or released by [`Heap::carve_releasable`] / [`Heap::remove_arena`].
+    pub pinned: bool,
 }
 
 /// Why [`Heap::carve_growth`] could not carve.
@@ -343,6 +348,31 @@ impl Heap {
         base: u64,
         len: u64,
     ) -> Result<ArenaId, SlabFull> {
+        self.add_arena_with(stream, kind, base, len, false)
+    }
+
+    /// Adds a **placement** arena over `[base, base + len)`, all unmapped: blocks are
+    /// placed at given addresses ([`Heap::alloc_at`]) rather than by best fit, and the
+    /// arena is pinned (never unmapped by a release). Its free blocks are also indexed
+    /// by address, O(log n) per insert and remove.
+    pub fn add_placement_arena(
+        &mut self,
+        stream: StreamId,
+        kind: PoolKind,
+        base: u64,
+        len: u64,
+    ) -> Result<ArenaId, SlabFull> {
+        self.add_arena_with(stream, kind, base, len, true)
+    }
+
+    fn add_arena_with(
+        &mut self,
+        stream: StreamId,
+        kind: PoolKind,
+        base: u64,
+        len: u64,
+        placement: bool,
+    ) -> Result<ArenaId, SlabFull> {
         let id = match self.arenas.iter().position(Option::is_none) {
             Some(i) => i as ArenaId,
             None => {
@@ -361,15 +391,18 @@ impl Heap {
             head,
             root: NIL,
             unmapped,
+            free_by_addr: placement.then(BTreeMap::new),
+            pinned: placement,
         });
         Ok(id)
     }
 
-    /// Whether arena `a` has nothing mapped and nothing in flight (one unmapped block).
+    /// Whether arena `a` has nothing mapped and nothing in flight (one unmapped block)
+    /// and is not pinned.
     pub fn arena_is_empty(&self, a: ArenaId) -> bool {
         self.arena(a).is_some_and(|x| {
             let h = self.block(x.head);
-            h.state == BlockState::Unmapped && h.next == NIL
+            !x.pinned && h.state == BlockState::Unmapped && h.next == NIL
         })
     }
 
@@ -487,6 +520,10 @@ impl Heap {
         self.inactive_count[pool_index(kind)] += u64::from(nr > 0);
         self.blocks[n as usize].left = NIL;
         self.blocks[n as usize].right = NIL;
+        let addr = self.blocks[n as usize].addr;
+        if let Some(m) = self.arena_mut(a).free_by_addr.as_mut() {
+            m.insert(addr, n);
+        }
         let root = self.arena_mut(a).root;
         let root = self.insert_rec(root, n);
         self.arena_mut(a).root = root;
@@ -502,6 +539,9 @@ impl Heap {
         self.inactive_count[pool_index(kind)] -= u64::from(nr > 0);
         let root = self.arena_mut(a).root;
         let key = self.key(n);
+        if let Some(m) = self.arena_mut(a).free_by_addr.as_mut() {
+            m.remove(&key.1);
+        }
         let root = self.remove_rec(root, key);
         self.arena_mut(a).root = root;
     }
@@ -580,6 +620,76 @@ impl Heap {
         let i = self.coalesce_free(i);
         self.tree_insert(i);
         i
+    }
+
+    /// Places a block of `size` bytes at exactly `addr` in placement arena `a`, if the
+    /// whole range `[addr, addr + size)` is free. Since free neighbours are always
+    /// coalesced, "inside one free block" is exactly "nothing allocated, pending, being
+    /// mapped or unmapped, or unmapped there": this is the check that a planned offset is
+    /// unoccupied. `Ok(None)` when it is not (or `a` is not a placement arena).
+    /// O(log n).
+    pub fn alloc_at(
+        &mut self,
+        a: ArenaId,
+        addr: u64,
+        size: u64,
+        requested: u64,
+    ) -> Result<Option<Idx>, SlabFull> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT) && addr.is_multiple_of(ALIGNMENT));
+        let Some(map) = self.arena(a).and_then(|x| x.free_by_addr.as_ref()) else {
+            return Ok(None);
+        };
+        let Some((_, &b)) = map.range(..=addr).next_back() else {
+            return Ok(None);
+        };
+        let (baddr, bsize) = (self.blocks[b as usize].addr, self.blocks[b as usize].size);
+        let Some(end) = addr.checked_add(size) else {
+            return Ok(None);
+        };
+        if end > baddr + bsize {
+            return Ok(None);
+        }
+        let (head, tail) = (addr - baddr, baddr + bsize - end);
+        // Slots first, so a full slab changes nothing.
+        let x = if head > 0 {
+            Some(self.new_block(addr, size, BlockState::Allocated, a)?)
+        } else {
+            None
+        };
+        let t = if tail > 0 {
+            match self.new_block(end, tail, BlockState::Free, a) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    if let Some(x) = x {
+                        self.drop_block(x);
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        self.tree_remove(b);
+        let x = match x {
+            // `b` stays the free head `[baddr, addr)`; the block goes right after it.
+            Some(x) => {
+                self.blocks[b as usize].size = head;
+                self.link_after(b, x);
+                self.tree_insert(b);
+                x
+            }
+            None => {
+                self.blocks[b as usize].size = size;
+                self.blocks[b as usize].state = BlockState::Allocated;
+                b
+            }
+        };
+        self.blocks[x as usize].requested = requested;
+        if let Some(t) = t {
+            self.link_after(x, t);
+            self.tree_insert(t);
+        }
+        Ok(Some(x))
     }
 
     /// Merges free block `i` (not in the tree) with free neighbours (which are), and
@@ -751,7 +861,10 @@ impl Heap {
     pub fn carve_releasable(&mut self, a: ArenaId) -> Result<Vec<Idx>, SlabFull> {
         let g = self.granule;
         let mut out = Vec::new();
-        let mut b = self.arena(a).map_or(NIL, |x| x.head);
+        let mut b = match self.arena(a) {
+            Some(x) if !x.pinned => x.head,
+            _ => NIL,
+        };
         while b != NIL {
             let blk = &self.blocks[b as usize];
             let next = blk.next;
@@ -906,6 +1019,15 @@ impl Heap {
             }
             if at != arena.base + arena.len {
                 return Err(format!("arena {a} blocks end at {at:#x}, not at its end"));
+            }
+            if let Some(m) = &arena.free_by_addr
+                && (m.len() != free_blocks
+                    || m.iter().any(|(&addr, &i)| {
+                        let b = self.block(i);
+                        b.addr != addr || b.state != BlockState::Free || b.arena != a
+                    }))
+            {
+                return Err(format!("arena {a} by-address free index is stale"));
             }
             if unmapped_blocks != arena.unmapped.len() {
                 return Err(format!("arena {a} unmapped index has stale entries"));
@@ -1091,6 +1213,67 @@ mod tests {
             Err(GrowthFailure::NoRoom)
         );
         h.check().unwrap();
+    }
+
+    fn placement_arena(len: u64) -> (Heap, ArenaId) {
+        let mut h = Heap::new(G);
+        let a = h
+            .add_placement_arena(StreamId(0), PoolKind::Large, BASE, len)
+            .unwrap();
+        assert_eq!(grow(&mut h, a, len), len);
+        (h, a)
+    }
+
+    #[test]
+    fn alloc_at_places_exactly_and_refuses_occupied_ranges() {
+        let (mut h, a) = placement_arena(16 * G);
+        let x = h.alloc_at(a, BASE + G, 512, 500).unwrap().unwrap();
+        assert_eq!((h.block(x).addr, h.block(x).size), (BASE + G, 512));
+        assert_eq!(h.alloc_at(a, BASE + G, 512, 1).unwrap(), None);
+        assert_eq!(h.alloc_at(a, BASE + G - 512, 1024, 1).unwrap(), None);
+        assert_eq!(h.alloc_at(a, BASE + 16 * G - 512, 1024, 1).unwrap(), None);
+        let y = h.alloc_at(a, BASE, 512, 1).unwrap().unwrap(); // no free head
+        let z = h.alloc_at(a, BASE + 16 * G - 512, 512, 1).unwrap().unwrap(); // no tail
+        h.check().unwrap();
+        assert!(h.carve_releasable(a).unwrap().is_empty(), "pinned");
+        for i in [x, y, z] {
+            h.free(i);
+        }
+        h.check().unwrap();
+        let t = h.check().unwrap();
+        assert_eq!((t[1].mapped, t[1].allocated), (16 * G, 0));
+        assert!(!h.arena_is_empty(a) && h.remove_arena(a).is_none());
+        // Not a placement arena: never places.
+        let (mut h2, b) = heap_with_arena(4 * G);
+        grow(&mut h2, b, 4 * G);
+        assert_eq!(h2.alloc_at(b, BASE, 512, 1).unwrap(), None);
+    }
+
+    proptest! {
+        /// `alloc_at` succeeds exactly when the range overlaps no live block.
+        #[test]
+        fn alloc_at_matches_an_interval_model(
+            ops in proptest::collection::vec((0u64..64, 1u64..=8, any::<bool>()), 1..200)
+        ) {
+            let (mut h, a) = placement_arena(8 * G);
+            let mut live: Vec<(u64, u64, Idx)> = Vec::new();
+            for (slot, len, free) in ops {
+                if free && !live.is_empty() {
+                    let (_, _, i) = live.swap_remove(slot as usize % live.len());
+                    h.free(i);
+                } else {
+                    let (off, size) = (slot * 512, len * 512);
+                    let fits = off + size <= 8 * G
+                        && live.iter().all(|&(o, l, _)| off + size <= o || o + l <= off);
+                    let got = h.alloc_at(a, BASE + off, size, size).unwrap();
+                    prop_assert_eq!(got.is_some(), fits);
+                    if let Some(i) = got {
+                        live.push((off, size, i));
+                    }
+                }
+                h.check().map_err(TestCaseError::fail)?;
+            }
+        }
     }
 
     #[derive(Debug, Clone)]

@@ -45,14 +45,27 @@
 //! `inactive_split_bytes` are brought to their new values at the end of every step that
 //! changes free memory, with one increase or decrease.
 //!
-//! # Room for plan mode
+//! # Plan mode (first version)
 //!
-//! The plan-backed pool will be one more reserved range beside the arenas, served by a
-//! cursor over the plan's requests; pointer lookup (`live`) already goes through one map
-//! for every block the engine owns, the stats and the trace are kept per engine, not
-//! per arena, and a plan miss falls through to exactly the `malloc` path here.
+//! [`Engine::load_plan`] maps a verified plan's pool as one more arena beside the
+//! online ones: a *placement* arena (blocks go at given offsets, not by best fit;
+//! pinned, so `empty_cache` leaves it mapped). Each request on the plan's stream is
+//! first offered to the plan's cursor ([`cursor`](self::cursor): look-ahead matching,
+//! resynchronisation at `mark_iteration`); a planned offset is handed out only if its
+//! whole range lies inside one free block of the pool — since free blocks are always
+//! coalesced, that is exactly "nothing live occupies it" (invariant 1). A request the
+//! plan does not cover, or whose planned range is occupied (a tensor freed later than
+//! planned), is served online as before. Frees, stream-deferred frees, stats and the
+//! trace treat plan blocks like any other: the pointer map, the slab and the stats are
+//! shared. [`PlanStats`] counts hits, conflicts, unplanned and skipped requests.
+//!
+//! Not yet: plans spanning several streams (rejected at load: reusing pool memory
+//! across streams needs events), placing dynamic requests in the pool's holes (they go
+//! to the online arenas), and switching from trace mode to a plan at an iteration
+//! boundary (the caller loads the plan when it likes).
 
 pub mod arena;
+mod cursor;
 pub mod device;
 pub mod host;
 mod record;
@@ -63,11 +76,14 @@ use std::sync::{Mutex, MutexGuard};
 
 use rustc_hash::FxHashMap;
 
+use crate::plan::Plan;
 use crate::trace::{MarkerKind, Trace};
 use crate::units::{Bytes, DeviceId, StreamId};
 
 pub use self::arena::BlockState;
 use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, SlabFull};
+use self::cursor::Cursor;
+pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
 use self::record::Recorder;
@@ -143,6 +159,8 @@ pub enum EngineError {
     TraceOverflow(usize),
     #[error("the engine holds 2^32 blocks, its index limit")]
     TooManyBlocks,
+    #[error("plan rejected: {0}")]
+    PlanRejected(String),
     #[error("engine state poisoned by an earlier panic")]
     Poisoned,
     #[error("engine state inconsistent: {0}")]
@@ -184,6 +202,29 @@ pub struct SegmentInfo {
     pub blocks: Vec<BlockInfo>,
 }
 
+/// How a plan is served ([`Engine::load_plan`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// How many expected requests a request is matched against (see
+    /// [`PlanStats`] and the cursor's resynchronisation rules).
+    pub window: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { window: 64 }
+    }
+}
+
+/// A plan being served: its cursor and the placement arena of its pool.
+#[derive(Debug)]
+struct PlanServing {
+    cursor: Cursor,
+    arena: ArenaId,
+    base: u64,
+    stream: StreamId,
+}
+
 /// Everything behind the lock.
 #[derive(Debug)]
 struct State {
@@ -197,6 +238,7 @@ struct State {
     mapping: u64,
     events: EventQueue,
     recorder: Option<Recorder>,
+    plan: Option<PlanServing>,
 }
 
 /// The online engine. See the module documentation.
@@ -235,6 +277,51 @@ impl State {
     fn stream_of(&self, i: Idx) -> StreamId {
         let a = self.heap.block(i).arena;
         self.heap.arena(a).map_or(StreamId(0), |x| x.stream)
+    }
+
+    /// Accounts for block `i`, just allocated for `size` requested bytes on `stream`.
+    fn register(&mut self, i: Idx, size: Bytes, stream: StreamId) -> DevicePtr {
+        let kind = self.kind_of(i);
+        let (addr, rounded) = (self.heap.block(i).addr, self.heap.block(i).size);
+        self.live.insert(addr, i);
+        let s = &mut self.stats;
+        stats::increase(&mut s.allocation, kind, 1);
+        stats::increase(&mut s.allocated_bytes, kind, rounded);
+        stats::increase(&mut s.active, kind, 1);
+        stats::increase(&mut s.active_bytes, kind, rounded);
+        stats::increase(&mut s.requested_bytes, kind, size.get());
+        if let Some(r) = self.recorder.as_mut() {
+            let id = r.alloc(size, stream, addr);
+            self.heap.block_mut(i).trace_id = id;
+        }
+        self.settle_inactive();
+        DevicePtr(addr)
+    }
+
+    /// The planned place for a request, if the plan has one and nothing occupies it.
+    fn alloc_planned(
+        &mut self,
+        size: Bytes,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<Option<Idx>, SlabFull> {
+        let Some(p) = self.plan.as_mut() else {
+            return Ok(None);
+        };
+        if p.stream != stream {
+            return Ok(None);
+        }
+        let Some(offset) = p.cursor.next(size.get(), stream) else {
+            return Ok(None);
+        };
+        let (arena, addr) = (p.arena, p.base + offset.get());
+        let placed = self.heap.alloc_at(arena, addr, rounded, size.get())?;
+        if placed.is_none()
+            && let Some(p) = self.plan.as_mut()
+        {
+            p.cursor.conflict();
+        }
+        Ok(placed)
     }
 
     /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals.
@@ -312,6 +399,7 @@ impl<D: DeviceMemory> Engine<D> {
             mapping: 0,
             events: EventQueue::default(),
             recorder: config.record_trace.then(|| Recorder::new(config.device)),
+            plan: None,
         };
         Ok(Engine {
             dev,
@@ -354,6 +442,9 @@ impl<D: DeviceMemory> Engine<D> {
         if !st.events.is_empty() {
             st = self.process_events_locked(st)?;
         }
+        if let Some(i) = st.alloc_planned(size, rounded, stream)? {
+            return Ok(st.register(i, size, stream));
+        }
         let mut retried = false;
         loop {
             let Some(&a) = st.arena_of.get(&(stream, kind)) else {
@@ -361,20 +452,7 @@ impl<D: DeviceMemory> Engine<D> {
                 continue;
             };
             if let Some(i) = st.heap.alloc(a, rounded, size.get())? {
-                let addr = st.heap.block(i).addr;
-                st.live.insert(addr, i);
-                let s = &mut st.stats;
-                stats::increase(&mut s.allocation, kind, 1);
-                stats::increase(&mut s.allocated_bytes, kind, rounded);
-                stats::increase(&mut s.active, kind, 1);
-                stats::increase(&mut s.active_bytes, kind, rounded);
-                stats::increase(&mut s.requested_bytes, kind, size.get());
-                if let Some(r) = st.recorder.as_mut() {
-                    let id = r.alloc(size, stream, addr);
-                    st.heap.block_mut(i).trace_id = id;
-                }
-                st.settle_inactive();
-                return Ok(DevicePtr(addr));
+                return Ok(st.register(i, size, stream));
             }
             let (grown, guard) = self.grow(st, a, kind, rounded)?;
             st = guard;
@@ -876,6 +954,123 @@ impl<D: DeviceMemory> Engine<D> {
         Ok(())
     }
 
+    // ------------------------------------------------------------------ plan mode
+
+    /// Starts serving `plan`: verifies it ([`crate::verify::verify_plan`]), reserves and
+    /// maps its pool (one large-pool segment, pinned: `empty_cache` leaves it mapped), and
+    /// from then on offers every request on the plan's stream to the plan's cursor
+    /// first. A planned offset is used only if nothing live occupies its range;
+    /// everything else is served online, as before.
+    ///
+    /// This first version serves plans whose requests are all on one stream (the pool
+    /// is then reused in that stream's order, which makes reuse safe without events);
+    /// a plan spanning several streams is rejected, as is one for another device, a
+    /// second plan, or a pool beyond the memory limit.
+    pub fn load_plan(&self, plan: &Plan, options: PlanOptions) -> Result<(), EngineError> {
+        let reject = |m: String| Err(EngineError::PlanRejected(m));
+        if let Err(v) = crate::verify::verify_plan(plan) {
+            return reject(v.to_string());
+        }
+        if plan.device != self.device {
+            return reject(format!("made for {}, serving {}", plan.device, self.device));
+        }
+        if plan.alignment.get() < ALIGNMENT {
+            return reject(format!("alignment {} below 512 B", plan.alignment));
+        }
+        let mut streams = plan
+            .prologue
+            .iter()
+            .chain(&plan.iteration)
+            .map(|r| r.stream);
+        let Some(stream) = streams.next() else {
+            return reject("no requests".into());
+        };
+        if let Some(other) = streams.find(|&s| s != stream) {
+            return reject(format!("requests on several streams ({stream}, {other})"));
+        }
+        let len = plan
+            .pool_size
+            .get()
+            .max(ALIGNMENT)
+            .div_ceil(self.granule)
+            .saturating_mul(self.granule);
+        {
+            let mut st = self.lock()?;
+            if st.plan.is_some() {
+                return reject("a plan is already being served".into());
+            }
+            let reserved = st.stats.reserved_bytes[0].current as u64;
+            if reserved + st.mapping + len > st.limit {
+                return reject(format!(
+                    "pool of {} does not fit the memory limit {} ({} reserved)",
+                    Bytes(len),
+                    Bytes(st.limit),
+                    Bytes(reserved)
+                ));
+            }
+            st.mapping += len;
+        }
+        let mapped =
+            self.dev
+                .reserve(Bytes(len))
+                .and_then(|base| match self.dev.map(base, Bytes(len)) {
+                    Ok(()) => Ok(base),
+                    Err(e) => {
+                        let _ = self.dev.release(base, Bytes(len));
+                        Err(e)
+                    }
+                });
+        let mut st = self.lock()?;
+        st.mapping -= len;
+        let base = mapped?;
+        let arena = st
+            .heap
+            .add_placement_arena(stream, PoolKind::Large, base.get(), len)
+            .map_err(EngineError::from)
+            .and_then(|a| match st.heap.carve_growth(a, len, u64::MAX)? {
+                // The arena is exactly the pool: one block covers it.
+                Ok(carved) => {
+                    for i in carved {
+                        st.heap.finish_mapping(i, true);
+                    }
+                    Ok(a)
+                }
+                Err(f) => Err(EngineError::Inconsistent(format!(
+                    "fresh plan pool cannot be carved: {f:?}"
+                ))),
+            });
+        let arena = match arena {
+            Ok(a) => a,
+            Err(e) => {
+                drop(st);
+                let _ = self.dev.unmap(base, Bytes(len));
+                let _ = self.dev.release(base, Bytes(len));
+                return Err(e);
+            }
+        };
+        stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
+        stats::increase(&mut st.stats.reserved_bytes, PoolKind::Large, len);
+        st.stats.num_device_alloc += 1;
+        st.settle_inactive();
+        st.plan = Some(PlanServing {
+            cursor: Cursor::new(plan, options.window),
+            arena,
+            base: base.get(),
+            stream,
+        });
+        Ok(())
+    }
+
+    /// What plan serving has done so far (`None` when no plan is served).
+    pub fn plan_stats(&self) -> Result<Option<PlanStats>, EngineError> {
+        Ok(self.lock()?.plan.as_ref().map(|p| p.cursor.stats))
+    }
+
+    /// Where the plan's cursor is: section and index of the next expected request.
+    pub fn plan_position(&self) -> Result<Option<(PlanSection, usize)>, EngineError> {
+        Ok(self.lock()?.plan.as_ref().map(|p| p.cursor.position()))
+    }
+
     // ------------------------------------------------------------------ trace mode
 
     /// Starts recording a trace (a no-op if one is being recorded). Live blocks become
@@ -913,9 +1108,18 @@ impl<D: DeviceMemory> Engine<D> {
         }
     }
 
-    /// Records an iteration boundary (an `IterationBegin` marker) in the trace.
+    /// An iteration boundary: recorded as an `IterationBegin` marker in the trace, and
+    /// the plan's cursor (if a plan is served) resynchronises to the start of the
+    /// iteration section.
     pub fn mark_iteration(&self) -> Result<(), EngineError> {
-        self.mark(MarkerKind::IterationBegin, None)
+        let mut st = self.lock()?;
+        if let Some(p) = st.plan.as_mut() {
+            p.cursor.mark_iteration();
+        }
+        if let Some(r) = st.recorder.as_mut() {
+            r.marker(MarkerKind::IterationBegin, None);
+        }
+        Ok(())
     }
 
     /// Records a marker in the trace (a no-op when not tracing).

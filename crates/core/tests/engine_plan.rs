@@ -1,0 +1,353 @@
+//! Plan mode: serving a training loop from a plan, and staying safe when the run
+//! departs from it.
+//!
+//! The workload is a small training loop: parameters allocated once (never freed),
+//! then iterations of forward (activations kept, temporaries freed at once) and
+//! backward (gradients, activations freed in reverse), with `mark_iteration` at each
+//! iteration start. The test plans it with a naive greedy placement (parameters first,
+//! then each iteration request at the lowest offset free over its lifetime), checks the
+//! plan with the verifier, and serves runs of the workload from it:
+//!
+//! - the exact workload: every request hits its planned offset, nothing is served
+//!   online, reserved memory is the plan's pool;
+//! - with an extra request per iteration and a missing one: the cursor resynchronises,
+//!   the extra request is served online, every other request still hits;
+//! - with an activation kept alive past its planned free: the next request planned on
+//!   its range is a conflict, served online, and nothing ever overlaps (sentinels);
+//! - bad plans (another device, several streams, too big, a second plan) are rejected
+//!   and the engine keeps serving online.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use stweaver_core::engine::{
+    DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit, PlanOptions, PlanSection,
+};
+use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
+use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
+use stweaver_core::verify::verify_plan;
+
+const G: u64 = 64 << 10;
+const S: StreamId = StreamId(7);
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Step {
+    Alloc(usize, u64),
+    Free(usize),
+}
+
+fn params() -> Vec<u64> {
+    vec![3 << 20, 1000, 512 << 10, 7777]
+}
+
+/// One iteration; ids are local to the iteration.
+fn iteration() -> Vec<Step> {
+    let mut v = Vec::new();
+    let layers = 6;
+    for l in 0..layers {
+        v.push(Step::Alloc(l, (l as u64 + 1) * 100_000 + 123)); // activation
+        v.push(Step::Alloc(100 + l, 40_000 + l as u64 * 512)); // temporary
+        v.push(Step::Free(100 + l));
+    }
+    for l in (0..layers).rev() {
+        v.push(Step::Alloc(200 + l, (l as u64 + 1) * 90_000)); // gradient
+        v.push(Step::Free(l));
+        v.push(Step::Free(200 + l));
+    }
+    v
+}
+
+fn round(n: u64) -> u64 {
+    n.div_ceil(512) * 512
+}
+
+/// Greedy plan: parameters at the bottom, iteration requests at the lowest offset
+/// free over their lifetime (in the iteration's plan clock).
+fn make_plan() -> Plan {
+    let mut prologue = Vec::new();
+    let mut top = 0;
+    for (t, &size) in params().iter().enumerate() {
+        prologue.push(PlannedRequest {
+            size: Bytes(size),
+            stream: S,
+            offset: Offset(top),
+            start: t as u64,
+            end: NEVER_FREED,
+        });
+        top += round(size);
+    }
+    let steps = iteration();
+    let mut start: HashMap<usize, (u64, u64)> = HashMap::new();
+    let mut reqs: Vec<(u64, u64, u64)> = Vec::new(); // (size, start, end)
+    let mut index: HashMap<usize, usize> = HashMap::new();
+    for (t, s) in steps.iter().enumerate() {
+        match *s {
+            Step::Alloc(id, size) => {
+                start.insert(id, (size, t as u64));
+                index.insert(id, reqs.len());
+                reqs.push((size, t as u64, 0));
+            }
+            Step::Free(id) => reqs[index[&id]].2 = t as u64,
+        }
+    }
+    let mut placed: Vec<(u64, u64, u64, u64)> = Vec::new(); // (off, len, start, end)
+    let mut iteration = Vec::new();
+    for &(size, s, e) in &reqs {
+        let len = round(size);
+        let mut off = top;
+        loop {
+            let clash = placed
+                .iter()
+                .find(|&&(o, l, ps, pe)| s < pe && ps < e && off < o + l && o < off + len);
+            match clash {
+                Some(&(o, l, _, _)) => off = o + l,
+                None => break,
+            }
+        }
+        placed.push((off, len, s, e));
+        iteration.push(PlannedRequest {
+            size: Bytes(size),
+            stream: S,
+            offset: Offset(off),
+            start: s,
+            end: e,
+        });
+    }
+    let pool = placed
+        .iter()
+        .map(|&(o, l, _, _)| o + l)
+        .max()
+        .unwrap_or(top);
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(pool),
+        lower_bound: Bytes(0),
+        trace_digest: 0,
+        prologue_len: params().len() as u64,
+        prologue,
+        iteration_len: steps.len() as u64,
+        iteration,
+        dynamic: Default::default(),
+    };
+    verify_plan(&plan).expect("the test's plan is valid");
+    plan
+}
+
+struct Run {
+    host: Arc<HostMemory>,
+    engine: Engine<Arc<HostMemory>>,
+    /// Live blocks: ptr -> (len, byte).
+    live: HashMap<u64, (u64, u8)>,
+    tag: u8,
+}
+
+impl Run {
+    fn new() -> Run {
+        let host = Arc::new(HostMemory::new(Bytes(1 << 30), Bytes(G)));
+        let engine = Engine::new(
+            host.clone(),
+            EngineConfig {
+                arena_size: Some(Bytes(256 << 20)),
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        Run {
+            host,
+            engine,
+            live: HashMap::new(),
+            tag: 0,
+        }
+    }
+
+    fn alloc(&mut self, size: u64) -> DevicePtr {
+        let p = self.engine.malloc(Bytes(size), S).unwrap();
+        let len = round(size);
+        for (&q, &(l, _)) in &self.live {
+            assert!(
+                q + l <= p.get() || p.get() + len <= q,
+                "{p} overlaps {q:#x}"
+            );
+        }
+        self.tag = self.tag.wrapping_add(1).max(1);
+        self.host.fill(p, Bytes(len), self.tag).unwrap();
+        self.live.insert(p.get(), (len, self.tag));
+        p
+    }
+
+    fn free(&mut self, p: DevicePtr) {
+        let (len, byte) = self.live.remove(&p.get()).unwrap();
+        assert!(
+            self.host.check(p, Bytes(len), byte).unwrap(),
+            "sentinel at {p}"
+        );
+        self.engine.free(p).unwrap();
+    }
+
+    /// Runs one iteration; `extra` allocates and frees an unplanned buffer after the
+    /// third step, `skip` leaves out the allocation (and free) of that id, `leak` keeps
+    /// that id alive past the iteration (returned).
+    fn iteration(
+        &mut self,
+        extra: bool,
+        skip: Option<usize>,
+        leak: Option<usize>,
+    ) -> Vec<DevicePtr> {
+        self.engine.mark_iteration().unwrap();
+        let mut ptrs: HashMap<usize, DevicePtr> = HashMap::new();
+        let mut kept = Vec::new();
+        for (t, s) in iteration().into_iter().enumerate() {
+            match s {
+                Step::Alloc(id, _) | Step::Free(id) if Some(id) == skip => {}
+                Step::Alloc(id, size) => {
+                    ptrs.insert(id, self.alloc(size));
+                }
+                Step::Free(id) if Some(id) == leak => kept.push(ptrs[&id]),
+                Step::Free(id) => {
+                    let p = ptrs[&id];
+                    self.free(p);
+                }
+            }
+            if extra && t == 3 {
+                let p = self.alloc(12_345);
+                self.free(p);
+            }
+        }
+        kept
+    }
+
+    fn prologue(&mut self) -> Vec<DevicePtr> {
+        params().into_iter().map(|s| self.alloc(s)).collect()
+    }
+}
+
+#[test]
+fn the_planned_workload_is_served_entirely_from_the_plan() {
+    let plan = make_plan();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let pool = plan.pool_size.get().div_ceil(G) * G;
+    let base = r.engine.snapshot().unwrap()[0].base.get();
+    let ps = r.prologue();
+    for (p, req) in ps.iter().zip(&plan.prologue) {
+        assert_eq!(p.get(), base + req.offset.get());
+    }
+    for _ in 0..5 {
+        r.iteration(false, None, None);
+    }
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    let n = (plan.prologue.len() + 5 * plan.iteration.len()) as u64;
+    assert_eq!(
+        (st.hits, st.unplanned, st.conflicts, st.skipped),
+        (n, 0, 0, 0)
+    );
+    assert_eq!(st.iterations, 5);
+    let s = r.engine.stats().unwrap();
+    assert_eq!(
+        s.reserved_bytes[0].peak as u64, pool,
+        "nothing grown online"
+    );
+    assert_eq!(s.segment[0].current, 1);
+    r.engine.check_invariants().unwrap();
+    // The plan pool stays mapped through empty_cache.
+    r.engine.empty_cache().unwrap();
+    assert_eq!(
+        r.engine.stats().unwrap().reserved_bytes[0].current as u64,
+        pool
+    );
+    for p in ps {
+        r.free(p);
+    }
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn extra_and_missing_requests_do_not_derail_the_plan() {
+    let plan = make_plan();
+    let mut r = Run::new();
+    r.engine
+        .load_plan(&plan, PlanOptions { window: 8 })
+        .unwrap();
+    let ps = r.prologue();
+    r.iteration(false, None, None);
+    r.iteration(true, None, None); // one unplanned request
+    r.iteration(false, Some(2), None); // layer 2's activation never comes
+    r.iteration(true, Some(104), None);
+    r.iteration(false, None, None);
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    let per = plan.iteration.len() as u64;
+    assert_eq!(st.unplanned, 2);
+    assert_eq!(st.conflicts, 0);
+    assert_eq!(st.skipped, 2);
+    assert_eq!(st.hits, plan.prologue.len() as u64 + 5 * per - 2);
+    assert_eq!(
+        r.engine.plan_position().unwrap(),
+        Some((PlanSection::Iteration, per as usize))
+    );
+    for p in ps {
+        r.free(p);
+    }
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn a_late_free_makes_a_conflict_never_an_overlap() {
+    let plan = make_plan();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let ps = r.prologue();
+    // Keep layer 5's activation (planned to die mid-iteration) alive into the next
+    // iterations: requests planned on its range must go online instead.
+    let kept = r.iteration(false, None, Some(5));
+    r.iteration(false, None, None);
+    r.iteration(false, None, None);
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert!(st.conflicts > 0, "{st:?}");
+    r.engine.check_invariants().unwrap();
+    for p in kept.into_iter().chain(ps) {
+        r.free(p);
+    }
+    r.iteration(false, None, None);
+    r.engine.check_invariants().unwrap();
+    assert_eq!(r.engine.stats().unwrap().allocated_bytes[0].current, 0);
+}
+
+#[test]
+fn bad_plans_are_rejected_and_serving_goes_on() {
+    let plan = make_plan();
+    let r = Run::new();
+    let mut other_device = plan.clone();
+    other_device.device = DeviceId(3);
+    let mut two_streams = plan.clone();
+    two_streams.iteration[1].stream = StreamId(8);
+    let mut broken = plan.clone();
+    broken.iteration[1].offset = broken.iteration[0].offset; // overlaps in time
+    for bad in [&other_device, &two_streams, &broken] {
+        assert!(matches!(
+            r.engine.load_plan(bad, PlanOptions::default()),
+            Err(EngineError::PlanRejected(_))
+        ));
+    }
+    r.engine
+        .set_memory_limit(MemoryLimit::Bytes(Bytes(G)))
+        .unwrap();
+    assert!(matches!(
+        r.engine.load_plan(&plan, PlanOptions::default()),
+        Err(EngineError::PlanRejected(m)) if m.contains("memory limit")
+    ));
+    r.engine
+        .set_memory_limit(MemoryLimit::Fraction(1.0))
+        .unwrap();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    assert!(r.engine.load_plan(&plan, PlanOptions::default()).is_err());
+    // Requests on other streams are served online.
+    let p = r.engine.malloc(Bytes(4096), StreamId(1)).unwrap();
+    r.engine.free(p).unwrap();
+    assert_eq!(r.engine.plan_stats().unwrap().unwrap().hits, 0);
+    r.engine.check_invariants().unwrap();
+    let host = r.host.clone();
+    drop(r);
+    assert_eq!(host.mapped_bytes(), Bytes(0));
+    assert_eq!(host.reservations(), 0);
+}
