@@ -29,7 +29,9 @@
 //! markers when the trace has them, else from the periodicity of the request sequence,
 //! aligned to the end of an `Optimizer.step` annotation): the prologue is the first `P`
 //! ticks, steady iteration `k` the ticks `[P + k·L, P + (k+1)·L)` for `k < repetitions`,
-//! and what follows is an incomplete *tail*. The first steady iteration is the
+//! and what follows is an incomplete *tail*. (When the steady state starts at the very
+//! first request of a trace with preexisting allocations, its first iteration becomes
+//! the prologue instead, so that those allocations have a section to start in.) The first steady iteration is the
 //! representative: each of its allocations is a *slot*, keyed by its tick relative to
 //! the iteration start, with its relative lifetime `[s, e)`. A slot is dynamic for all
 //! its copies when the representative is never freed (a tensor allocated every
@@ -256,10 +258,9 @@ pub fn classify(trace: &Trace) -> Classification {
 pub fn classify_with(trace: &Trace, opts: &ClassifyOptions) -> Classification {
     let (ticks, total) = plan_clock(trace);
     let life = tick_lifetimes(trace, &ticks);
-    let mut c = match detect_period_with(trace, &opts.detect) {
-        Some(period) => periodic(trace, &ticks, total, &life, period),
-        None => aperiodic(trace, total, &life),
-    };
+    let mut c = detect_period_with(trace, &opts.detect)
+        .and_then(|period| periodic(trace, &ticks, total, &life, period))
+        .unwrap_or_else(|| aperiodic(trace, total, &life));
     c.counts = count(&c.classes);
     c
 }
@@ -286,13 +287,22 @@ fn periodic(
     total: u64,
     life: &[(u64, Option<u64>)],
     period: Period,
-) -> Classification {
-    let p = ticks
+) -> Option<Classification> {
+    let mut p = ticks
         .get(period.first_steady_event.index())
         .copied()
         .unwrap_or(total);
     let l = period.requests_per_iteration as u64;
-    let reps = period.repetitions as u64;
+    let mut reps = period.repetitions as u64;
+    if p == 0 && trace.allocations.iter().any(|a| a.preexisting) {
+        // Preexisting allocations need a prologue to live in (a request starts inside
+        // its section): the first steady iteration becomes the prologue.
+        if reps < 2 {
+            return None;
+        }
+        p = l;
+        reps -= 1;
+    }
     let n = trace.allocations.len();
     let mut classes = vec![AllocClass::Dynamic(DynamicReason::Irregular); n];
 
@@ -395,7 +405,7 @@ fn periodic(
             None => AllocClass::Dynamic(DynamicReason::Irregular),
         };
     }
-    Classification {
+    Some(Classification {
         classes,
         slots,
         prologue_len: p,
@@ -404,7 +414,7 @@ fn periodic(
         total_ticks: total,
         steady: Steady::Periodic(period),
         counts: ClassCounts::default(),
-    }
+    })
 }
 
 /// Event indices where iteration windows begin (module docs), ascending, deduplicated.
