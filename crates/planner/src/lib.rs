@@ -8,8 +8,8 @@
 pub mod classify;
 pub mod input;
 pub mod iteration;
-pub mod planning;
 pub mod replay;
 pub mod report;
 pub mod snapshot;
 pub mod summary;
+pub mod viz;
