@@ -8,6 +8,7 @@
 pub mod classify;
 pub mod input;
 pub mod iteration;
+pub mod planning;
 pub mod replay;
 pub mod report;
 pub mod snapshot;
