@@ -1,7 +1,9 @@
 //! Arbitrary programs of engine operations (talc's `fuzz_talc` style): malloc, free,
 //! bad frees, record_stream, streams passing events, process_events, empty_cache,
-//! markers, trace start/take, stat resets, limit changes and injected map failures, on
-//! a host-memory device with small granules.
+//! markers, trace start/take, stat resets, limit changes, injected map failures and
+//! loading a plan (random requests, kept when the verifier accepts them), on a
+//! host-memory device with small granules. Requests that do not follow the plan make
+//! the engine's occupancy check and cursor do their work.
 //!
 //! After every operation: the engine's own consistency check passes; no live or pending
 //! block overlaps another; every pending block's sentinel bytes are intact (nobody was
@@ -17,9 +19,10 @@ use std::sync::Arc;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use stweaver_core::engine::{
-    BlockState, DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit,
+    BlockState, DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit, PlanOptions,
 };
-use stweaver_core::{Bytes, StreamId};
+use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
+use stweaver_core::{Bytes, DeviceId, Offset, StreamId};
 
 const G: u64 = 4096;
 
@@ -150,6 +153,16 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                     }
                     _ => engine.reset_peak_stats().unwrap(),
                 },
+                13 if u.arbitrary()? => {
+                    let plan = random_plan(u)?;
+                    let window = u.int_in_range(1usize..=16)?;
+                    if let Err(e) = engine.load_plan(&plan, PlanOptions { window }) {
+                        assert!(
+                            matches!(e, EngineError::PlanRejected(_) | EngineError::Device(_)),
+                            "{e}"
+                        );
+                    }
+                }
                 13 => engine.reset_accumulated_stats().unwrap(),
                 14 => engine
                     .set_memory_limit(MemoryLimit::Bytes(Bytes(u.int_in_range(1u64..=64)? << 18)))
@@ -168,23 +181,73 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     held.retain(|&q, _| engine.block_info(DevicePtr(q)).is_ok());
     assert!(held.is_empty(), "frees never completed");
     engine.check_invariants().unwrap();
+    // What stays: a loaded plan's pool (pinned), wholly free.
+    let snap = engine.snapshot().unwrap();
+    let plan_loaded = engine.plan_stats().unwrap().is_some();
+    assert!(
+        snap.len() <= usize::from(plan_loaded),
+        "arenas left after empty_cache"
+    );
+    assert!(
+        snap.iter()
+            .all(|seg| seg.blocks.iter().all(|b| b.state == BlockState::Free))
+    );
+    let pool: u64 = snap.iter().map(|seg| seg.mapped.get()).sum();
     let s = engine.stats().unwrap();
-    for arr in [
-        s.allocated_bytes,
-        s.active_bytes,
-        s.requested_bytes,
-        s.reserved_bytes,
-        s.segment,
-    ] {
+    for arr in [s.allocated_bytes, s.active_bytes, s.requested_bytes] {
         assert_eq!(arr[0].current, 0);
     }
-    assert_eq!(host.mapped_bytes(), Bytes(0));
+    assert_eq!(s.reserved_bytes[0].current as u64, pool);
+    assert_eq!(s.segment[0].current as usize, snap.len());
+    if std::env::var_os("ENGINE_OPS_STATS").is_some() {
+        eprintln!("plan stats: {:?}", engine.plan_stats().unwrap());
+    }
+    assert_eq!(host.mapped_bytes(), Bytes(pool));
     if let Some(t) = engine.take_trace().unwrap() {
         if !t.events.is_empty() {
             t.validate().expect("recorded trace is valid");
         }
     }
     Ok(())
+}
+
+/// Requests of sizes the program also asks for, at random 512-B offsets in a small
+/// pool, with random lifetimes; often invalid (overlapping), which the engine rejects.
+fn random_plan(u: &mut Unstructured<'_>) -> Result<Plan> {
+    let pool = u.int_in_range(1u64..=64)? << 13;
+    let section = |u: &mut Unstructured<'_>, n: usize, len: u64| -> Result<Vec<PlannedRequest>> {
+        let mut v = Vec::new();
+        for t in 0..n as u64 {
+            let size = u.int_in_range(1u64..=8192)?;
+            let offset = u.int_in_range(0..=(pool - size.min(pool)) / 512)? * 512;
+            let end = if u.int_in_range(0u8..=7)? == 0 {
+                NEVER_FREED
+            } else {
+                (t + u.int_in_range(1u64..=4)?).min(len)
+            };
+            v.push(PlannedRequest {
+                size: Bytes(size),
+                stream: StreamId(u.int_in_range(0u64..=4)? / 4),
+                offset: Offset(offset),
+                start: t,
+                end: end.max(t + 1),
+            });
+        }
+        Ok(v)
+    };
+    let (np, ni) = (u.int_in_range(0usize..=6)?, u.int_in_range(1usize..=12)?);
+    let prologue = section(u, np, np as u64 + 4)?;
+    let iteration = section(u, ni, ni as u64)?;
+    Ok(Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(pool),
+        prologue_len: np as u64 + 4,
+        prologue,
+        iteration_len: ni as u64,
+        iteration,
+        ..Plan::default()
+    })
 }
 
 fn check(engine: &Engine<Arc<HostMemory>>, host: &HostMemory, held: &mut BTreeMap<u64, Held>) {
