@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod compare;
+mod convert;
 mod inspect;
 
 #[derive(Parser)]
@@ -21,6 +22,8 @@ enum Command {
     /// What a snapshot or trace holds: events, allocations, sizes, streams, the lower
     /// bound and when it is reached, the iteration period.
     Inspect(inspect::InspectArgs),
+    /// Write one device's trace of a snapshot (or trace) as a stweaver trace file (.stwt).
+    Convert(convert::ConvertArgs),
     /// Lower bound, PyTorch native, expandable segments and stweaver, side by side
     /// (default input: a bundled real GPT-2 XL snapshot).
     Compare(compare::CompareArgs),
@@ -30,6 +33,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result: anyhow::Result<()> = match cli.command {
         Command::Inspect(args) => inspect::run(args),
+        Command::Convert(args) => convert::run(args),
         Command::Compare(args) => compare::run(args),
     };
     match result {
