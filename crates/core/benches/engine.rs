@@ -7,6 +7,8 @@
 //! - `engine/contended_2t/<size>`: two threads hammering one engine (same stream, so
 //!   the same arena); the time is per pair, per thread, from a common start to the last
 //!   thread's finish.
+//! - `engine/plan_pair/<size>`: plan mode, every request a plan hit (cursor match,
+//!   occupancy-checked placement, free back into the plan pool).
 //!
 //! The device is [`HostMemory`]; in steady state the hot path makes no device call, so
 //! what is measured is the engine itself (PyTorch's native allocator takes ~1.5–1.7 µs
@@ -18,8 +20,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use stweaver_core::engine::{Engine, EngineConfig, HostMemory};
-use stweaver_core::{Bytes, StreamId};
+use stweaver_core::engine::{Engine, EngineConfig, HostMemory, PlanOptions};
+use stweaver_core::plan::{Plan, PlannedRequest};
+use stweaver_core::{Bytes, Offset, StreamId};
 
 const SIZES: [(u64, &str); 3] = [(512, "512B"), (256 << 10, "256KiB"), (8 << 20, "8MiB")];
 
@@ -105,5 +108,35 @@ fn contended(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, single, contended);
+fn plan(c: &mut Criterion) {
+    let mut g = c.benchmark_group("engine");
+    for (size, name) in SIZES {
+        let e = engine();
+        let plan = Plan {
+            alignment: Bytes(512),
+            pool_size: Bytes(size),
+            iteration: vec![PlannedRequest {
+                size: Bytes(size),
+                stream: StreamId(0),
+                offset: Offset(0),
+                start: 0,
+                end: 1,
+            }],
+            iteration_len: 2,
+            ..Plan::default()
+        };
+        e.load_plan(&plan, PlanOptions::default()).unwrap();
+        g.bench_function(BenchmarkId::new("plan_pair", name), |b| {
+            b.iter(|| {
+                let p = e.malloc(black_box(Bytes(size)), StreamId(0)).unwrap();
+                e.free(black_box(p)).unwrap();
+            })
+        });
+        let st = e.plan_stats().unwrap().unwrap();
+        assert_eq!((st.conflicts, st.unplanned), (0, 0), "every request a hit");
+    }
+    g.finish();
+}
+
+criterion_group!(benches, single, contended, plan);
 criterion_main!(benches);
