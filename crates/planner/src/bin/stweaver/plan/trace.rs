@@ -1,0 +1,187 @@
+//! `stweaver plan SNAPSHOT|TRACE [-o PLAN]`: classify a recorded trace, plan it
+//! ([`stweaver_planner::planning::plan_trace`]) and write the plan file.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use stweaver_core::plan_file::write_plan_file;
+use stweaver_core::{Bytes, DeviceId, Trace};
+use stweaver_planner::classify::{DynamicReason, Steady};
+use stweaver_planner::input::load_traces;
+use stweaver_planner::planning::{PlanOptions, PlanOutcome, plan_trace};
+
+use super::{PlanArgs, Spinner, solve_options};
+
+/// The trace of `device` (or the only one) among those of `path`.
+pub fn pick_trace(path: &Path, traces: Vec<Trace>, device: Option<i32>) -> Result<Trace> {
+    let devices = || {
+        traces
+            .iter()
+            .map(|t| t.device.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match device {
+        Some(d) => {
+            let listed = devices();
+            traces
+                .into_iter()
+                .find(|t| t.device == DeviceId(d))
+                .with_context(|| {
+                    format!(
+                        "{}: no allocation history for cuda:{d} (devices with one: {listed})",
+                        path.display()
+                    )
+                })
+        }
+        None => match traces.len() {
+            0 => bail!("{}: no device has allocation history", path.display()),
+            1 => Ok(traces.into_iter().next().expect("one trace")),
+            _ => bail!(
+                "{}: several devices have allocation history ({}); pick one with --device N",
+                path.display(),
+                devices()
+            ),
+        },
+    }
+}
+
+pub fn run(args: &PlanArgs) -> Result<()> {
+    if args.csv_out.is_some() || args.period.is_some() {
+        bail!(
+            "{}: --csv-out and --period are for CSV instances; a snapshot or trace is planned from its own iterations (write the plan with -o)",
+            args.input.display()
+        );
+    }
+    let started = Instant::now();
+    let traces = load_traces(&args.input)?;
+    let trace = pick_trace(&args.input, traces, args.device)?;
+    let loaded = started.elapsed();
+    let mut opts = PlanOptions {
+        solve: solve_options(args)?,
+        ..PlanOptions::default()
+    };
+    let spinner = Spinner::start(&mut opts.solve, !args.json);
+    let result = plan_trace(&trace, &opts);
+    spinner.stop();
+    let outcome = result.with_context(|| format!("{}: planning failed", args.input.display()))?;
+    if let Some(out) = &args.output {
+        write_plan_file(out, &outcome.plan)?;
+    }
+    if args.json {
+        println!("{}", json(args, &outcome, loaded.as_secs_f64()));
+    } else {
+        print_text(args, &outcome, loaded.as_secs_f64());
+    }
+    Ok(())
+}
+
+fn json(args: &PlanArgs, o: &PlanOutcome, load_s: f64) -> serde_json::Value {
+    let r = &o.report;
+    let c = &r.counts;
+    let dynamic_by_reason: serde_json::Map<String, serde_json::Value> = DynamicReason::ALL
+        .iter()
+        .map(|&d| (d.id().to_owned(), c.dynamic_for(d).into()))
+        .collect();
+    serde_json::json!({
+        "input": args.input.display().to_string(),
+        "device": o.plan.device.0,
+        "output": args.output.as_ref().map(|p| p.display().to_string()),
+        "trace_digest": format!("{:#018x}", o.plan.trace_digest),
+        "steady_state": steady(&o.classification.steady),
+        "prologue_len": r.prologue_len,
+        "iteration_len": r.iteration_len,
+        "repetitions": r.repetitions,
+        "lower_bound": r.trace_lower_bound.get(),
+        "planned_lower_bound": r.planned_lower_bound.get(),
+        "pool": r.pool_size.get(),
+        "pool_over_lb": r.pool_over_trace_lb(),
+        "pool_over_planned_lb": r.pool_over_planned_lb(),
+        "steady_peak": r.steady_peak.get(),
+        "layout": r.layout.id(),
+        "classes": {
+            "persistent": c.persistent,
+            "prologue": c.prologue,
+            "per_iteration": c.per_iteration,
+            "dynamic": c.dynamic,
+            "dynamic_by_reason": dynamic_by_reason,
+        },
+        "requests": { "prologue": r.prologue_requests, "iteration": r.iteration_requests },
+        "dynamic": { "requests": r.dynamic.requests, "peak_bytes": r.dynamic.peak_bytes.get() },
+        "seconds": {
+            "load": load_s,
+            "classify": r.timings.classify.as_secs_f64(),
+            "solve": r.timings.solve.as_secs_f64(),
+            "place": r.timings.place.as_secs_f64(),
+            "verify": r.timings.verify.as_secs_f64(),
+            "plan": r.timings.total.as_secs_f64(),
+        },
+    })
+}
+
+fn steady(s: &Steady) -> String {
+    match s {
+        Steady::Periodic(p) => format!("periodic ({:?})", p.source),
+        Steady::Aperiodic { windows } => format!("none ({windows} windows aligned)"),
+    }
+}
+
+fn print_text(args: &PlanArgs, o: &PlanOutcome, load_s: f64) {
+    let r = &o.report;
+    let c = &r.counts;
+    let b = |x: Bytes| format!("{} ({})", x.get(), x);
+    println!("plan {} ({})", args.input.display(), o.plan.device);
+    println!("  steady state     {}", steady(&o.classification.steady));
+    if r.iteration_len > 0 {
+        println!(
+            "  plan clock       prologue {} ticks, iteration {} ticks ({} in the trace)",
+            r.prologue_len, r.iteration_len, r.repetitions
+        );
+    } else {
+        println!(
+            "  plan clock       prologue {} ticks (prologue only)",
+            r.prologue_len
+        );
+    }
+    println!(
+        "  classes          {} persistent, {} prologue, {} per-iteration, {} dynamic",
+        c.persistent, c.prologue, c.per_iteration, c.dynamic
+    );
+    for d in DynamicReason::ALL {
+        let n = c.dynamic_for(d);
+        if n > 0 {
+            println!("    dynamic: {:<28}{n}", d.id());
+        }
+    }
+    println!(
+        "  requests         {} prologue + {} per iteration",
+        r.prologue_requests, r.iteration_requests
+    );
+    println!("  lower bound      {}", b(r.trace_lower_bound));
+    println!("  planned LB       {}", b(r.planned_lower_bound));
+    println!("  pool (peak)      {}", b(r.pool_size));
+    println!("  pool/LB          {:.5}", r.pool_over_trace_lb());
+    println!("  pool/planned LB  {:.5}", r.pool_over_planned_lb());
+    if r.dynamic.requests > 0 {
+        println!(
+            "  dynamic          {} requests, peak {}",
+            r.dynamic.requests,
+            b(r.dynamic.peak_bytes)
+        );
+    }
+    println!("  layout           {}", r.layout.id());
+    println!(
+        "  time             {:.3} s plan (classify {:.3}, solve {:.3}, place {:.3}, verify {:.3}) + {:.3} s load",
+        r.timings.total.as_secs_f64(),
+        r.timings.classify.as_secs_f64(),
+        r.timings.solve.as_secs_f64(),
+        r.timings.place.as_secs_f64(),
+        r.timings.verify.as_secs_f64(),
+        load_s
+    );
+    match &args.output {
+        Some(out) => println!("  written          {}", out.display()),
+        None => println!("  written          nothing (no -o)"),
+    }
+}
