@@ -8,6 +8,7 @@
 //! anything is printed, so "wrote" means the file loads (envelope, verifier,
 //! validation) and holds exactly the trace converted.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -47,8 +48,11 @@ pub fn run(args: ConvertArgs) -> Result<()> {
             )
         })?
         .len();
-    println!("{}", summary(&args, &trace, size));
-    Ok(())
+    // The file is written and checked; a closed stdout (`| head`) is not an error.
+    match writeln!(std::io::stdout().lock(), "{}", summary(&args, &trace, size)) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing the summary to stdout"),
+    }
 }
 
 /// The trace of `device`, or the only one when `device` is `None`.
