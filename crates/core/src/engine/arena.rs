@@ -19,7 +19,7 @@
 //! slots), addressed by `u32` indices, so steady-state allocation reuses slots and never
 //! touches the heap.
 //!
-//! # Invariants (checked by [`Heap::check`])
+//! # Invariants (checked by `Heap::check`)
 //!
 //! 1. The blocks of an arena tile it: each block starts where its predecessor ends.
 //! 2. No two `Free` blocks and no two `Unmapped` blocks are adjacent (coalescing).
@@ -31,19 +31,19 @@
 //!
 //! # Algorithms and costs (n = free blocks in the arena)
 //!
-//! - **Best fit** ([`Heap::alloc`]): the free blocks of an arena sit in an intrusive
+//! - **Best fit** (`Heap::alloc`): the free blocks of an arena sit in an intrusive
 //!   treap keyed by `(size, addr)`; the smallest key with `size >= request` is the best
 //!   fit, lowest address on ties (PyTorch's rule). The block is split and the remainder
 //!   goes back into the tree. Expected O(log n), no heap allocation once the slab has
 //!   grown to the workload's block count.
-//! - **Free** ([`Heap::free`]): coalesce with free neighbours, insert. Expected O(log n).
-//! - **Growth** ([`Heap::carve_growth`]): when nothing fits, take the lowest-addressed
+//! - **Free** (`Heap::free`): coalesce with free neighbours, insert. Expected O(log n).
+//! - **Growth** (`Heap::carve_growth`): when nothing fits, take the lowest-addressed
 //!   run of free-then-unmapped space big enough for the request (PyTorch's
 //!   `find_expandable_block`) and carve out the granules that must be mapped — only the
 //!   ones the request needs, not a fixed segment size. O(unmapped blocks + run length).
-//!   The caller maps them with the lock released, then [`Heap::finish_mapping`] turns
+//!   The caller maps them with the lock released, then `Heap::finish_mapping` turns
 //!   them into free memory.
-//! - **Release** ([`Heap::carve_releasable`]): every granule lying wholly inside a free
+//! - **Release** (`Heap::carve_releasable`): every granule lying wholly inside a free
 //!   block is carved out for unmapping (`empty_cache`); what stays is free memory that
 //!   shares a granule with a block in use — the *non-releasable* bytes the engine reports
 //!   as `inactive_split`. O(blocks).
@@ -131,13 +131,13 @@ pub(crate) struct Arena {
     /// `Unmapped` blocks by address.
     unmapped: BTreeMap<u64, Idx>,
     /// `Free` blocks by address, kept only for placement arenas (see
-    /// [`Heap::add_placement_arena`]).
+    /// `Heap::add_placement_arena`).
     free_by_addr: Option<BTreeMap<u64, Idx>>,
-    /// Never unmapped or released by [`Heap::carve_releasable`] / [`Heap::remove_arena`].
+    /// Never unmapped or released by `Heap::carve_releasable` / `Heap::remove_arena`.
     pub pinned: bool,
 }
 
-/// Why [`Heap::carve_growth`] could not carve.
+/// Why `Heap::carve_growth` could not carve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GrowthFailure {
     /// No run of free + unmapped space in the arena is big enough.
@@ -150,7 +150,7 @@ pub(crate) enum GrowthFailure {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SlabFull;
 
-/// Per-pool totals computed by [`Heap::check`] from the blocks themselves.
+/// Per-pool totals computed by `Heap::check` from the blocks themselves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Totals {
     pub arenas: u64,
@@ -352,7 +352,7 @@ impl Heap {
     }
 
     /// Adds a **placement** arena over `[base, base + len)`, all unmapped: blocks are
-    /// placed at given addresses ([`Heap::alloc_at`]) rather than by best fit, and the
+    /// placed at given addresses (`Heap::alloc_at`) rather than by best fit, and the
     /// arena is pinned (never unmapped by a release). Its free blocks are also indexed
     /// by address, O(log n) per insert and remove.
     pub fn add_placement_arena(
@@ -406,7 +406,7 @@ impl Heap {
         })
     }
 
-    /// Removes an empty arena (see [`Heap::arena_is_empty`]), returning it.
+    /// Removes an empty arena (see `Heap::arena_is_empty`), returning it.
     pub fn remove_arena(&mut self, a: ArenaId) -> Option<Arena> {
         if !self.arena_is_empty(a) {
             return None;

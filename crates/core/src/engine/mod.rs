@@ -5,9 +5,9 @@
 //! [`Engine::malloc`] rounds a request up to 512 B and serves it by best fit from the
 //! arena of its (stream, pool) — pool *small* for rounded sizes up to 1 MiB, *large*
 //! above — growing the arena by mapping granules when nothing fits
-//! ([`arena`](self::arena) has the algorithm). [`Engine::free`] returns the block at
+//! ([`arena`] has the algorithm). [`Engine::free`] returns the block at
 //! once, or, when other streams used it ([`Engine::record_stream`]), once they pass the
-//! events recorded at the free ([`streams`](self::streams)). [`Engine::empty_cache`]
+//! events recorded at the free (module `streams`). [`Engine::empty_cache`]
 //! unmaps every granule that holds nothing and releases arenas left with nothing mapped.
 //! Stats ([`DeviceStats`]) are exact at all times; in trace mode
 //! ([`Engine::start_trace`]) every request is recorded into a [`Trace`].
@@ -37,7 +37,7 @@
 //! # When stats change
 //!
 //! Each stat moves at the end of the locked step that changes it, with PyTorch's
-//! semantics ([`stats`](self::stats)): an allocation (`allocation`, `allocated_bytes`,
+//! semantics ([`stats`]): an allocation (`allocation`, `allocated_bytes`,
 //! `active`, `active_bytes`, `requested_bytes`), a free request (`allocation`,
 //! `allocated_bytes`), a completed free (`active`, `active_bytes`, `requested_bytes`), a
 //! finished map (`reserved_bytes`, `num_device_alloc`) or unmap (`reserved_bytes`,
@@ -50,7 +50,7 @@
 //! [`Engine::load_plan`] maps a verified plan's pool as one more arena beside the
 //! online ones: a *placement* arena (blocks go at given offsets, not by best fit;
 //! pinned, so `empty_cache` leaves it mapped). Each request on the plan's stream is
-//! first offered to the plan's cursor ([`cursor`](self::cursor): look-ahead matching,
+//! first offered to the plan's cursor (module `cursor`: look-ahead matching,
 //! resynchronisation at `mark_iteration`); a planned offset is handed out only if its
 //! whole range lies inside one free block of the pool — since free blocks are always
 //! coalesced, that is exactly "nothing live occupies it" (invariant 1). A request the
@@ -866,7 +866,7 @@ impl<D: DeviceMemory> Engine<D> {
     }
 
     /// Recomputes everything from the blocks and checks it against the bookkeeping:
-    /// the arena invariants ([`arena`](self::arena)), every stat's current value, the
+    /// the arena invariants ([`arena`]), every stat's current value, the
     /// pointer map and the event queue. O(blocks). For tests and fuzzing.
     pub fn check_invariants(&self) -> Result<(), EngineError> {
         let st = self.lock()?;
