@@ -1,0 +1,158 @@
+//! The hot path does not touch the heap once the engine has seen the workload.
+//!
+//! A counting global allocator (counting only on the thread that asks) wraps the system
+//! allocator. A mixed workload of `malloc` / `free` (LIFO and FIFO, small and large
+//! pools, two streams, stream-deferred frees) runs once to let the slab, the pointer
+//! map and the event pool grow, then again with counting on: no allocation may happen.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use stweaver_core::engine::{DevicePtr, Engine, EngineConfig, HostMemory, PlanOptions};
+use stweaver_core::plan::{Plan, PlannedRequest};
+use stweaver_core::{Bytes, Offset, StreamId};
+
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+// Safety: every method forwards to `System` with the caller's arguments unchanged; the
+// counter is an atomic and the flag a const-initialised thread-local, neither of which
+// allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.with(Cell::get) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // Safety: same contract as ours, passed through.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Safety: `ptr` came from `System.alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.with(Cell::get) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // Safety: same contract as ours, passed through.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn workload(e: &Engine<HostMemory>) {
+    let (s0, s1) = (StreamId(0), StreamId(1));
+    let sizes = [
+        512u64,
+        3000,
+        70_000,
+        1 << 20,
+        (1 << 20) + 1,
+        5 << 20,
+        123_457,
+    ];
+    let mut live: [DevicePtr; 7] = [DevicePtr(0); 7];
+    for round in 0..50 {
+        for (slot, &s) in sizes.iter().enumerate() {
+            live[slot] = e
+                .malloc(Bytes(s), if slot % 2 == 0 { s0 } else { s1 })
+                .unwrap();
+        }
+        if round % 3 == 0 {
+            e.record_stream(live[2], StreamId(9)).unwrap();
+        }
+        // FIFO half, LIFO half.
+        for &p in &live[..3] {
+            e.free(p).unwrap();
+        }
+        for &p in live[3..].iter().rev() {
+            e.free(p).unwrap();
+        }
+        e.device().events().pass_all(StreamId(9));
+        e.process_events().unwrap();
+    }
+}
+
+#[test]
+fn steady_state_malloc_and_free_do_not_allocate() {
+    let e = Engine::new(
+        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    workload(&e);
+    workload(&e);
+    assert_eq!(
+        counted(|| workload(&e)),
+        0,
+        "heap allocations in steady state"
+    );
+    e.check_invariants().unwrap();
+}
+
+/// Allocations `f` makes on this thread.
+fn counted(f: impl FnOnce()) -> u64 {
+    let before = ALLOCS.load(Ordering::Relaxed);
+    COUNTING.with(|c| c.set(true));
+    f();
+    COUNTING.with(|c| c.set(false));
+    ALLOCS.load(Ordering::Relaxed) - before
+}
+
+#[test]
+fn the_counter_counts() {
+    assert_eq!(counted(|| drop(std::hint::black_box(vec![1u8; 10]))), 1);
+}
+
+#[test]
+fn plan_hits_do_not_allocate() {
+    let e = Engine::new(
+        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    // One iteration: a (kept) and b (temporary) overlap, c reuses b's place.
+    let req = |size: u64, offset: u64, start: u64, end: u64| PlannedRequest {
+        size: Bytes(size),
+        stream: StreamId(0),
+        offset: Offset(offset),
+        start,
+        end,
+    };
+    let plan = Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(3 << 20),
+        iteration: vec![
+            req(1 << 20, 0, 0, 5),
+            req(4096, 1 << 20, 1, 2),
+            req(8192, 1 << 20, 3, 4),
+        ],
+        iteration_len: 6,
+        ..Plan::default()
+    };
+    e.load_plan(&plan, PlanOptions::default()).unwrap();
+    let iteration = || {
+        for _ in 0..100 {
+            e.mark_iteration().unwrap();
+            let a = e.malloc(Bytes(1 << 20), StreamId(0)).unwrap();
+            let b = e.malloc(Bytes(4096), StreamId(0)).unwrap();
+            e.free(b).unwrap();
+            let c = e.malloc(Bytes(8192), StreamId(0)).unwrap();
+            e.free(c).unwrap();
+            e.free(a).unwrap();
+        }
+    };
+    iteration();
+    let n = counted(iteration);
+    let st = e.plan_stats().unwrap().unwrap();
+    assert_eq!((st.hits, st.conflicts, st.unplanned), (600, 0, 0));
+    assert_eq!(n, 0, "heap allocations on the plan hit path");
+}
