@@ -117,7 +117,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     plan.iteration_len = (2 * n_it).max(16);
     plan.pool_size = Bytes(top + 8 * 4096);
-    let path = dir.path().join("timing.stplan");
+    let path = dir.path().join("timing.stwp");
     let s = Instant::now();
     write_plan_file(&path, &plan)?;
     let write = s.elapsed();

@@ -6,7 +6,7 @@
 //! ```text
 //! bytes 0..4    u32 LE  N = number of bytes that follow (the FlatBuffer)
 //! bytes 4..8    u32 LE  offset of the root table, relative to byte 4
-//! bytes 8..12   file identifier: "STWT" (trace, .stwt) or "STPL" (plan, .stplan)
+//! bytes 8..12   file identifier: "STWT" (trace, .stwt) or "STWP" (plan, .stwp)
 //! bytes 4..4+N  the FlatBuffer; nothing may follow it
 //! ```
 //!
@@ -87,7 +87,7 @@ pub enum FormatError {
 fn identify(found: &str) -> &'static str {
     match found {
         "STWT" => " (that is a stweaver trace file)",
-        "STPL" => " (that is a stweaver plan file)",
+        "STWP" => " (that is a stweaver plan file)",
         _ => "",
     }
 }
@@ -245,7 +245,7 @@ mod tests {
             check_envelope(&[1, 2, 3], TRACE),
             Err(FormatError::TooShort { len: 3, .. })
         ));
-        let e = check_envelope(&header(12, b"STPL", 16), TRACE).unwrap_err();
+        let e = check_envelope(&header(12, b"STWP", 16), TRACE).unwrap_err();
         assert!(e.to_string().contains("stweaver plan file"), "{e}");
         let e = check_envelope(&header(12, b"\x80PK\x03", 16), TRACE).unwrap_err();
         assert!(e.to_string().contains("\\x80PK\\x03"), "{e}");

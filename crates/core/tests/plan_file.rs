@@ -63,7 +63,7 @@ fn file_round_trip_is_identical() {
     let p = rich();
     verify_plan(&p).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("rich.stplan");
+    let path = dir.path().join("rich.stwp");
     write_plan_file(&path, &p).unwrap();
     let back = read_plan_file(&path).unwrap();
     assert_eq!(back, p);
@@ -82,7 +82,7 @@ fn a_plan_without_an_iteration_section_round_trips() {
 #[test]
 fn writing_refuses_an_invalid_plan_and_creates_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("bad.stplan");
+    let path = dir.path().join("bad.stwp");
     let mut p = rich();
     p.iteration[1].offset = Offset(9 * (1 << 20) + 512); // inside iteration request 0
     let e = write_plan_file(&path, &p).unwrap_err();
@@ -95,7 +95,7 @@ fn writing_refuses_an_invalid_plan_and_creates_nothing() {
             .iter()
             .any(|v| matches!(v, PlanViolation::Overlap { .. }))
     );
-    assert!(e.to_string().contains("bad.stplan"), "{e}");
+    assert!(e.to_string().contains("bad.stwp"), "{e}");
     assert!(!path.exists());
 
     let mut p = rich();
@@ -129,16 +129,16 @@ fn a_plan_for_another_device_or_trace_is_detected() {
 #[test]
 fn empty_missing_and_directory_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let empty = dir.path().join("empty.stplan");
+    let empty = dir.path().join("empty.stwp");
     std::fs::write(&empty, b"").unwrap();
     let r = read_plan_file(&empty);
     let msg = r.as_ref().unwrap_err().to_string();
-    assert!(msg.contains("empty.stplan"), "{msg}");
+    assert!(msg.contains("empty.stwp"), "{msg}");
     assert_eq!(format_error(r), FormatError::Empty);
 
-    let e = read_plan_file(&dir.path().join("nope.stplan")).unwrap_err();
+    let e = read_plan_file(&dir.path().join("nope.stwp")).unwrap_err();
     assert!(matches!(e, PlanFileError::Read { .. }), "{e}");
-    assert!(e.to_string().contains("nope.stplan"), "{e}");
+    assert!(e.to_string().contains("nope.stwp"), "{e}");
     let e = read_plan_file(dir.path()).unwrap_err();
     assert!(matches!(e, PlanFileError::Read { .. }), "{e}");
 }
@@ -155,11 +155,11 @@ fn every_truncation_is_an_error_and_long_ones_say_truncated() {
         }
     }
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("cut.stplan");
+    let path = dir.path().join("cut.stwp");
     std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
     let msg = read_plan_file(&path).unwrap_err().to_string();
     assert!(
-        msg.contains("cut.stplan") && msg.contains("truncated"),
+        msg.contains("cut.stwp") && msg.contains("truncated"),
         "{msg}"
     );
 }

@@ -196,7 +196,7 @@ fn trailing_bytes_are_refused() {
 #[test]
 fn wrong_identifiers_are_named() {
     let mut bytes = trace_to_bytes(&rich()).unwrap();
-    bytes[8..12].copy_from_slice(b"STPL");
+    bytes[8..12].copy_from_slice(b"STWP");
     let e = format_error(trace_from_bytes(&bytes));
     assert!(e.to_string().contains("plan file"), "{e}");
     // A gzip'd pickle (what `stweaver convert` takes) is not a trace file.

@@ -1,6 +1,6 @@
-//! The plan file (`.stplan`): a [`Plan`] on disk.
+//! The plan file (`.stwp`): a [`Plan`] on disk.
 //!
-//! Format: a size-prefixed FlatBuffer with identifier `STPL` (the envelope and the
+//! Format: a size-prefixed FlatBuffer with identifier `STWP` (the envelope and the
 //! order of checks are in [`crate::file_format`]); schema `crates/core/schema/plan.fbs`,
 //! Rust in `plan_generated.rs` (made by `cargo xtask codegen`, never edited by hand).
 //! The root table holds the format version ([`FORMAT_VERSION`]), the producer, the
@@ -50,11 +50,11 @@ use crate::verify::{PlanViolations, verify_plan};
 pub const FORMAT_VERSION: u32 = 1;
 
 /// The conventional file extension (without the dot).
-pub const EXTENSION: &str = "stplan";
+pub const EXTENSION: &str = "stwp";
 
 const KIND: FileKind = FileKind {
     name: "plan",
-    identifier: "STPL",
+    identifier: "STWP",
 };
 
 /// Why a plan file could not be read or written, or does not belong to this run.
@@ -360,7 +360,7 @@ mod tests {
     fn bytes_round_trip() {
         let p = small();
         let b = plan_to_bytes(&p).unwrap();
-        assert_eq!(&b[8..12], b"STPL");
+        assert_eq!(&b[8..12], b"STWP");
         assert_eq!(plan_from_bytes(&b).unwrap(), p);
     }
 

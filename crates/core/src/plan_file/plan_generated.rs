@@ -961,7 +961,7 @@ pub mod stweaver {
         pub unsafe fn size_prefixed_root_as_plan_file_unchecked(buf: &[u8]) -> PlanFile {
             flatbuffers::size_prefixed_root_unchecked::<PlanFile>(buf)
         }
-        pub const PLAN_FILE_IDENTIFIER: &str = "STPL";
+        pub const PLAN_FILE_IDENTIFIER: &str = "STWP";
 
         #[inline]
         pub fn plan_file_buffer_has_identifier(buf: &[u8]) -> bool {
@@ -973,7 +973,7 @@ pub mod stweaver {
             flatbuffers::buffer_has_identifier(buf, PLAN_FILE_IDENTIFIER, true)
         }
 
-        pub const PLAN_FILE_EXTENSION: &str = "stplan";
+        pub const PLAN_FILE_EXTENSION: &str = "stwp";
 
         #[inline]
         pub fn finish_plan_file_buffer<'a, 'b>(
