@@ -136,7 +136,9 @@ def build(name: str, build_dir: pathlib.Path, verbose: bool = False):
         name=name,
         sources=[str(parts.cpp_dir / s) for s in SOURCES],
         extra_include_paths=flags["include"],
-        extra_cflags=["-O2"],
+        # Hidden by default: only PyInit_* is exported; the staticlib's symbols are hidden
+        # by --exclude-libs, cxx's templates instantiated in our objects by -fvisibility.
+        extra_cflags=["-O2", "-fvisibility=hidden", "-fvisibility-inlines-hidden"],
         extra_ldflags=flags["ldflags"],
         with_cuda=flags["with_cuda"],
         build_directory=str(build_dir),

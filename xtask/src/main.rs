@@ -2,20 +2,28 @@
 //!
 //! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, codegen --check).
 //! - `codegen [--check]`: regenerate the committed generated code (see `codegen.rs`).
+//! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
+//!   extension (see `torch_ext.rs`).
 
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
 mod codegen;
+mod torch_ext;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("codegen") => codegen::run(&args[1..]),
+        Some("build-torch-ext") => torch_ext::build_torch_ext(),
+        Some("gpu-test") => torch_ext::gpu_test(&args[1..]),
+        Some("cpp-check") => torch_ext::cpp_check(&args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <ci|codegen [--check]>");
+            eprintln!(
+                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here]|cpp-check [VERSION...]>"
+            );
             bail!("unknown or missing task")
         }
     }

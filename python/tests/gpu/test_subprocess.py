@@ -1,0 +1,105 @@
+"""Checks that need a fresh process: install refusal after CUDA init, native vs stweaver
+training (bitwise), trace mode through `python -m stweaver run`, allocation latency."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PY_DIR = os.path.abspath(os.path.join(HERE, "..", ".."))
+SCRIPTS = os.path.join(HERE, "scripts")
+
+
+def run(args, extra_env=None, timeout=600):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PY_DIR + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("STWEAVER_MODE", "STWEAVER_PLAN", "STWEAVER_TRACE", "STWEAVER_HOOK_OPTIMIZER"):
+        env.pop(k, None)
+    env.update(extra_env or {})
+    r = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return r
+
+
+def last_json(r):
+    """The last JSON line a script printed (atexit messages may follow it)."""
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for line in reversed(r.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in: {r.stdout[-3000:]}")
+
+
+def test_install_after_cuda_init_is_refused(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import torch\n"
+        "torch.ones(1, device='cuda')\n"
+        "import stweaver\n"
+        "from stweaver._build import load_extension\n"
+        "try:\n"
+        "    stweaver.install('online')\n"
+        "    print('ACCEPTED')\n"
+        "except RuntimeError as e:\n"
+        "    print('PY-REFUSED', e)\n"
+        "try:\n"
+        "    load_extension().install('online', '', '')\n"
+        "    print('ACCEPTED')\n"
+        "except RuntimeError as e:\n"
+        "    print('CPP-REFUSED', str(e).splitlines()[0])\n"
+        "print(torch.cuda.memory.get_allocator_backend())\n"
+    )
+    r = run([str(script)])
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "ACCEPTED" not in out, out
+    assert "PY-REFUSED" in out and "before CUDA is initialised" in out, out
+    assert "CPP-REFUSED" in out and "must run before CUDA is initialised" in out, out
+    assert out.strip().splitlines()[-1] == "native"
+
+
+def test_training_is_bitwise_identical_to_native(metric):
+    native = last_json(run([os.path.join(SCRIPTS, "train_tiny.py"), "native"]))
+    ours = last_json(run([os.path.join(SCRIPTS, "train_tiny.py"), "stweaver"]))
+    assert native["backend"] == "native" and ours["backend"] == "stweaver"
+    metric("steps", len(ours["losses"]))
+    metric("native_max_reserved_MiB", native["max_reserved"] / 2**20)
+    metric("stweaver_max_reserved_MiB", ours["max_reserved"] / 2**20)
+    metric("native_max_alloc_MiB", native["max_allocated"] / 2**20)
+    metric("stweaver_max_alloc_MiB", ours["max_allocated"] / 2**20)
+    metric("native_step_ms", native["step_ms"])
+    metric("stweaver_step_ms", ours["step_ms"])
+    assert ours["losses"] == native["losses"], "losses differ between allocators"
+    assert ours["max_allocated"] == native["max_allocated"], "peak allocated bytes differ"
+
+
+def test_trace_mode_through_run_module(tmp_path, metric):
+    trace = tmp_path / "tiny.stwt"
+    r = run(
+        ["-m", "stweaver", "run", "--mode", "trace", "--trace", str(trace),
+         os.path.join(SCRIPTS, "train_tiny.py")],
+        {"STEPS": "8"},
+    )
+    res = last_json(r)
+    assert res["backend"] == "stweaver"
+    assert "trace written to" in r.stdout, r.stdout[-2000:]
+    data = trace.read_bytes()
+    assert b"STWT" in data[:16], data[:16]
+    metric("trace_bytes", len(data))
+    out = os.environ.get("OUT")
+    if out:
+        shutil.copy(trace, os.path.join(out, "tiny.stwt"))
+
+
+def test_allocation_latency_vs_native(metric):
+    native = last_json(run([os.path.join(SCRIPTS, "bench_alloc.py"), "native"]))
+    ours = last_json(run([os.path.join(SCRIPTS, "bench_alloc.py"), "stweaver"]))
+    for size in ("4096", "1048576", "67108864"):
+        metric(f"native_us_{size}", native[size])
+        metric(f"stweaver_us_{size}", ours[size])
+    # A sanity bound (a device call or a heap walk per allocation would blow it), not the
+    # performance target: the numbers are in the summary.
+    assert all(ours[s] < 25.0 for s in ("4096", "1048576", "67108864")), ours

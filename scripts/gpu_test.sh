@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole GPU check, as one command on a GPU machine without Rust (see `cargo xtask gpu-test`,
+# which prepares CARRY_DIR here and prints the exact device command):
+#
+#   bash scripts/gpu_test.sh [CARRY_DIR]      (default .carry)
+#
+# 1. runs the carried Rust test binaries (crates/cuda: real cuMemMap round trip, events);
+# 2. builds the torch extension ahead of time against this machine's torch from the carried
+#    staticlib + cxx headers (TORCH_CUDA_ARCH_LIST set, so CUDA is not initialised);
+# 3. runs the GPU pytest suite (python/tests/gpu) under stweaver;
+# 4. prints the summary table last.
+# Logs and artefacts go to $OUT (or /tmp/stweaver-gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY="${1:-.carry}"
+OUT="${OUT:-/tmp/stweaver-gpu-out}"
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export STWEAVER_LIB="$PWD/$CARRY/libstweaver_torch.a"
+export STWEAVER_CXXBRIDGE="$PWD/$CARRY/cxxbridge"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+status=0
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])'
+
+echo "== rust tests (carried binaries)"
+for t in "$CARRY"/bin/*; do
+  [ -x "$t" ] || continue
+  echo "-- $t"
+  if ! "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$OUT/rust_tests.log"; then status=1; fi
+done
+
+echo "== build the extension"
+t0=$(date +%s)
+if ! "$PY" -m stweaver build 2>&1 | tee "$OUT/build.log" | tail -n 20; then status=1; fi
+echo "build took $(( $(date +%s) - t0 )) s"
+ls -la python/stweaver/_C*.so 2>/dev/null || { echo "extension not built"; status=1; }
+
+echo "== GPU pytest"
+"$PY" -m pytest python/tests/gpu -v -p no:cacheprovider \
+  --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\s*$' | tail -n 150
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== summary"
+cat "$OUT/summary.txt" 2>/dev/null || echo "(no summary written)"
+exit $status

@@ -1,0 +1,434 @@
+//! Tasks around the torch extension (`cpp/` + the `stweaver-torch` staticlib):
+//!
+//! - `build-torch-ext` — builds the staticlib and the extension ahead of time into
+//!   `python/stweaver/_C*.so` with the interpreter in `$PYTHON` (default `python3`).
+//! - `gpu-test` — prepares `.carry/` (stripped staticlib, cxx headers with symlinks
+//!   resolved, the CUDA crate's test binaries) and prints the one command to run on a GPU
+//!   machine (`bash scripts/gpu_test.sh .carry`), which has no Rust.
+//! - `cpp-check [VERSION...]` — compiles `cpp/` against real torch wheels' headers
+//!   (default: 2.11.0 and the newest on PyPI, fetched by `scripts/fetch_torch_headers.sh`)
+//!   and links the extension, then checks that every undefined symbol is provided by torch,
+//!   CUDA's runtime, the C/C++ runtimes or Python, and that no Rust/cxx symbol is exported.
+//!   No GPU and no CUDA toolkit needed.
+
+use std::collections::HashSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, run};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed with {}:\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn build_staticlib(release: bool) -> Result<PathBuf> {
+    let mut c = cargo();
+    c.current_dir(root())
+        .args(["build", "-p", "stweaver-torch"]);
+    if release {
+        c.arg("--release");
+    }
+    run(c)?;
+    let lib = root()
+        .join("target")
+        .join(if release { "release" } else { "debug" })
+        .join("libstweaver_torch.a");
+    if !lib.is_file() {
+        bail!("{} was not produced", lib.display());
+    }
+    Ok(lib)
+}
+
+// ------------------------------------------------------------------ build-torch-ext
+
+pub fn build_torch_ext() -> Result<()> {
+    let py = python();
+    let t0 = Instant::now();
+    let version = output(Command::new(&py).args(["-c", "import torch; print(torch.__version__)"]))
+        .with_context(|| {
+            format!(
+                "{py} cannot import torch; set PYTHON to an interpreter with torch \
+                 (scripts/fetch_torch_headers.sh --venv makes one)"
+            )
+        })?;
+    let version = version.lines().last().unwrap_or("").trim().to_string();
+    eprintln!("torch {version} via {py}");
+    build_staticlib(true)?;
+    let mut c = Command::new(&py);
+    c.current_dir(root())
+        .args(["-m", "stweaver", "build"])
+        .env("PYTHONPATH", root().join("python"))
+        .env(
+            "TORCH_CUDA_ARCH_LIST",
+            std::env::var("TORCH_CUDA_ARCH_LIST").unwrap_or_else(|_| "9.0".into()),
+        );
+    run(c)?;
+    eprintln!(
+        "build-torch-ext: done in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+// ------------------------------------------------------------------ gpu-test
+
+fn copy_resolved(src: &Path, dst: &Path) -> Result<u64> {
+    let mut bytes = 0;
+    fs::create_dir_all(dst)?;
+    for entry in fs::read_dir(src).with_context(|| format!("reading {}", src.display()))? {
+        let entry = entry?;
+        let from = entry.path();
+        let to = dst.join(entry.file_name());
+        // metadata() follows symlinks: cxx-build's headers are links into target/*/build.
+        let md = fs::metadata(&from).with_context(|| format!("{}", from.display()))?;
+        if md.is_dir() {
+            bytes += copy_resolved(&from, &to)?;
+        } else {
+            bytes += fs::copy(&from, &to).with_context(|| format!("copying {}", from.display()))?;
+        }
+    }
+    Ok(bytes)
+}
+
+fn strip_debug(path: &Path) {
+    // Best effort: smaller carry; a missing `strip` only costs size.
+    let _ = Command::new("strip")
+        .arg("--strip-debug")
+        .arg(path)
+        .status();
+}
+
+fn ensure_excluded(entry: &str) -> Result<()> {
+    let info = root().join(".git/info");
+    fs::create_dir_all(&info)?;
+    let exclude = info.join("exclude");
+    let text = fs::read_to_string(&exclude).unwrap_or_default();
+    if !text.lines().any(|l| l.trim() == entry) {
+        let mut new = text;
+        if !new.is_empty() && !new.ends_with('\n') {
+            new.push('\n');
+        }
+        new.push_str(entry);
+        new.push('\n');
+        fs::write(&exclude, new)?;
+    }
+    Ok(())
+}
+
+/// The test executables `cargo test --no-run --message-format=json` reports.
+fn test_executables(package: &str) -> Result<Vec<PathBuf>> {
+    let mut c = cargo();
+    c.current_dir(root()).args([
+        "test",
+        "--release",
+        "-p",
+        package,
+        "--no-run",
+        "--message-format=json",
+    ]);
+    let out = output(&mut c)?;
+    let mut exes = Vec::new();
+    for line in out.lines() {
+        if let Some(i) = line.find("\"executable\":\"") {
+            let rest = &line[i + 14..];
+            if let Some(end) = rest.find('"') {
+                exes.push(PathBuf::from(&rest[..end]));
+            }
+        }
+    }
+    if exes.is_empty() {
+        bail!("cargo reported no test executable for {package}");
+    }
+    Ok(exes)
+}
+
+pub fn gpu_test(args: &[String]) -> Result<()> {
+    let carry_name = ".carry";
+    let carry = root().join(carry_name);
+    let lib = build_staticlib(true)?;
+    let exes = test_executables("stweaver-cuda")?;
+    if carry.exists() {
+        fs::remove_dir_all(&carry)?;
+    }
+    fs::create_dir_all(carry.join("bin"))?;
+    let lib_dst = carry.join("libstweaver_torch.a");
+    fs::copy(&lib, &lib_dst)?;
+    strip_debug(&lib_dst);
+    let hdr = copy_resolved(&root().join("target/cxxbridge"), &carry.join("cxxbridge"))?;
+    for exe in &exes {
+        let name = exe.file_name().context("test executable without a name")?;
+        let dst = carry.join("bin").join(name);
+        fs::copy(exe, &dst)?;
+        strip_debug(&dst);
+    }
+    ensure_excluded("/.carry/")?;
+    let mut total = fs::metadata(&lib_dst)?.len() + hdr;
+    for e in fs::read_dir(carry.join("bin"))? {
+        total += e?.metadata()?.len();
+    }
+    eprintln!(
+        "gpu-test: {} ready ({:.1} MiB: staticlib, cxx headers, {} test binaries)",
+        carry.display(),
+        total as f64 / (1 << 20) as f64,
+        exes.len()
+    );
+    let cmd = format!("bash scripts/gpu_test.sh {carry_name}");
+    println!("device command: {cmd}");
+    println!("carry: [\"{carry_name}\"]");
+    if args.iter().any(|a| a == "--run-here") {
+        let mut c = Command::new("bash");
+        c.current_dir(root())
+            .args(["scripts/gpu_test.sh", carry_name]);
+        run(c)?;
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------ cpp-check
+
+fn parse_env_file(path: &Path) -> Result<Vec<(String, String)>> {
+    let text = fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect())
+}
+
+fn get<'a>(env: &'a [(String, String)], key: &str) -> Result<&'a str> {
+    env.iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+        .with_context(|| format!("{key} missing from the torch paths file"))
+}
+
+fn dynamic_symbols(lib: &Path, defined: bool) -> Result<Vec<(String, String)>> {
+    let flag = if defined {
+        "--defined-only"
+    } else {
+        "--undefined-only"
+    };
+    let out = output(Command::new("nm").args(["-D", flag]).arg(lib))?;
+    Ok(out
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace().rev();
+            let name = it.next()?;
+            let kind = it.next()?;
+            let base = name.split('@').next().unwrap_or(name);
+            Some((kind.to_string(), base.to_string()))
+        })
+        .collect())
+}
+
+fn gcc_file(name: &str) -> Result<PathBuf> {
+    let p = output(Command::new("g++").arg(format!("-print-file-name={name}")))?;
+    Ok(PathBuf::from(p.trim()))
+}
+
+fn check_one(version: &str, lib: &Path) -> Result<String> {
+    let t0 = Instant::now();
+    let env_file = output(
+        Command::new("bash")
+            .arg(root().join("scripts/fetch_torch_headers.sh"))
+            .arg(version),
+    )?;
+    let env_file = PathBuf::from(env_file.lines().last().unwrap_or("").trim());
+    let env = parse_env_file(&env_file)?;
+    let tv = get(&env, "TORCH_VERSION")?.to_string();
+    let minor: u32 = tv
+        .split('.')
+        .nth(1)
+        .and_then(|m| m.parse().ok())
+        .with_context(|| format!("cannot read the minor version of {tv}"))?;
+    let std = if minor >= 12 { "c++20" } else { "c++17" };
+    let py_inc = output(Command::new(python()).args([
+        "-c",
+        "import sysconfig; print(sysconfig.get_paths()['include'])",
+    ]))?;
+    let work = root().join("target/cpp-check").join(&tv);
+    fs::create_dir_all(&work)?;
+    let includes = [
+        root().join("target/cxxbridge").display().to_string(),
+        root().join("cpp").display().to_string(),
+        get(&env, "TORCH_INCLUDE")?.to_string(),
+        get(&env, "TORCH_API_INCLUDE")?.to_string(),
+        get(&env, "CUDA_INCLUDE")?.to_string(),
+        py_inc.trim().to_string(),
+    ];
+    let mut objects = Vec::new();
+    for src in ["stweaver_allocator.cpp", "stweaver_module.cpp"] {
+        let obj = work.join(src.replace(".cpp", ".o"));
+        let mut c = Command::new("g++");
+        c.arg(format!("-std={std}"))
+            .args([
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Werror",
+            ])
+            .args([
+                "-DTORCH_EXTENSION_NAME=_C",
+                "-DTORCH_API_INCLUDE_EXTENSION_H",
+            ])
+            // As python/stweaver/_build.py: only PyInit_* leaves the module.
+            .args(["-fvisibility=hidden", "-fvisibility-inlines-hidden"])
+            .arg("-c")
+            .arg(root().join("cpp").join(src))
+            .arg("-o")
+            .arg(&obj);
+        for i in &includes {
+            c.arg(format!("-I{i}"));
+        }
+        // torch's own headers are not -Wextra clean: take them as system headers.
+        for i in &includes[2..] {
+            c.arg(format!("-isystem{i}"));
+        }
+        run(c).with_context(|| format!("compiling {src} against torch {tv}"))?;
+        objects.push(obj);
+    }
+    let torch_lib = PathBuf::from(get(&env, "TORCH_LIB")?);
+    let cuda_lib = PathBuf::from(get(&env, "CUDA_LIB")?);
+    let cudart = get(&env, "CUDART_SONAME")?.to_string();
+    let so = work.join("_C.so");
+    let mut c = Command::new("g++");
+    c.arg("-shared")
+        .args(&objects)
+        .arg(lib)
+        .arg("-Wl,--exclude-libs,ALL")
+        .arg(format!("-L{}", torch_lib.display()))
+        .args([
+            "-lc10",
+            "-lc10_cuda",
+            "-ltorch",
+            "-ltorch_cpu",
+            "-ltorch_cuda",
+            "-ltorch_python",
+        ])
+        .arg(format!("-L{}", cuda_lib.display()))
+        .arg(format!("-l:{cudart}"))
+        .args(["-ldl", "-lpthread", "-lm"])
+        .arg("-o")
+        .arg(&so);
+    run(c).with_context(|| format!("linking against torch {tv}"))?;
+
+    // Every undefined symbol must come from a library the extension is loaded with.
+    let mut providers: Vec<PathBuf> = [
+        "libc10.so",
+        "libc10_cuda.so",
+        "libtorch.so",
+        "libtorch_cpu.so",
+        "libtorch_cuda.so",
+        "libtorch_python.so",
+    ]
+    .iter()
+    .map(|l| torch_lib.join(l))
+    .collect();
+    providers.push(cuda_lib.join(&cudart));
+    for l in ["libstdc++.so", "libgcc_s.so.1", "libc.so.6", "libm.so.6"] {
+        providers.push(gcc_file(l)?);
+    }
+    // The dynamic loader provides the TLS entry points (__tls_get_addr).
+    let loader = Path::new("/lib64/ld-linux-x86-64.so.2");
+    if loader.exists() {
+        providers.push(loader.to_path_buf());
+    }
+    let mut defined = HashSet::new();
+    for p in &providers {
+        let p = fs::canonicalize(p).with_context(|| format!("{}", p.display()))?;
+        for (_, name) in dynamic_symbols(&p, true)? {
+            defined.insert(name);
+        }
+    }
+    let missing: Vec<String> = dynamic_symbols(&so, false)?
+        .into_iter()
+        .filter(|(kind, name)| {
+            kind == "U"
+                && !defined.contains(name)
+                && !name.starts_with("Py")
+                && !name.starts_with("_Py")
+        })
+        .map(|(_, n)| n)
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "torch {tv}: {} undefined symbol(s) no library provides, e.g. {:?}",
+            missing.len(),
+            &missing[..missing.len().min(10)]
+        );
+    }
+    let exported = dynamic_symbols(&so, true)?;
+    let leaked: Vec<&String> = exported
+        .iter()
+        .map(|(_, n)| n)
+        .filter(|n| n.contains("cxxbridge") || n.starts_with("_ZN4core") || n.starts_with("rust_"))
+        .collect();
+    if !leaked.is_empty() {
+        bail!(
+            "torch {tv}: the extension exports Rust/cxx symbols, e.g. {:?}",
+            &leaked[..leaked.len().min(5)]
+        );
+    }
+    Ok(format!(
+        "torch {tv} (C++{}, {cudart}): compiled, linked, {} undefined symbols all provided, {} exported, in {:.1} s",
+        &std[3..],
+        dynamic_symbols(&so, false)?.len(),
+        exported.len(),
+        t0.elapsed().as_secs_f64()
+    ))
+}
+
+pub fn cpp_check(args: &[String]) -> Result<()> {
+    let versions: Vec<String> = if args.is_empty() {
+        vec!["2.11.0".into(), "latest".into()]
+    } else {
+        args.to_vec()
+    };
+    let t0 = Instant::now();
+    let lib = build_staticlib(false)?;
+    let mut report = Vec::new();
+    let mut failed = false;
+    for v in &versions {
+        match check_one(v, &lib) {
+            Ok(line) => report.push(format!("ok    {line}")),
+            Err(e) => {
+                failed = true;
+                report.push(format!("FAIL  torch {v}: {e:#}"));
+            }
+        }
+    }
+    for line in &report {
+        println!("{line}");
+    }
+    println!("cpp-check: {:.1} s in total", t0.elapsed().as_secs_f64());
+    if failed {
+        bail!("cpp-check failed");
+    }
+    Ok(())
+}
