@@ -170,7 +170,8 @@ pub fn gpu_test(args: &[String]) -> Result<()> {
     let carry_name = ".carry";
     let carry = root().join(carry_name);
     let lib = build_staticlib(true)?;
-    let exes = test_executables("stweaver-cuda")?;
+    let mut exes = test_executables("stweaver-cuda")?;
+    exes.extend(test_executables("stweaver-torch")?);
     if carry.exists() {
         fs::remove_dir_all(&carry)?;
     }

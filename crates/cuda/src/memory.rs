@@ -328,3 +328,72 @@ impl DeviceMemory for CudaMemory {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Driver;
+
+    /// Without a driver: a clean error. With one (the GPU run): the engine's contract on a
+    /// real device — granule mappings, partial unmaps, contract violations as errors,
+    /// events that complete.
+    #[test]
+    fn cuda_memory_keeps_the_device_memory_contract() {
+        if !Driver::is_present() {
+            let e = CudaMemory::open(0).unwrap_err();
+            assert_eq!(e, CudaError::NoDriver);
+            return;
+        }
+        if Driver::get().map(|d| d.device_count()).unwrap_or(0) == 0 {
+            return;
+        }
+        let m = CudaMemory::open(0).expect("open device 0");
+        let g = m.granularity();
+        assert!(g.get().is_power_of_two() && g.get() >= 512);
+        assert!(m.total_memory().get() > 0);
+        let free0 = m.free_memory().unwrap();
+        let base = m.reserve(Bytes(8 * g.get())).unwrap();
+        // Map 4 granules at once, unmap the middle two, map them again.
+        m.map(base, Bytes(4 * g.get())).unwrap();
+        assert!(m.free_memory().unwrap().get() <= free0.get() - 4 * g.get() + g.get());
+        let mid = DevicePtr(base.get() + g.get());
+        m.unmap(mid, Bytes(2 * g.get())).unwrap();
+        m.map(mid, Bytes(2 * g.get())).unwrap();
+        // Contract violations are errors, not driver faults.
+        assert!(matches!(
+            m.map(base, Bytes(g.get())),
+            Err(DeviceError::InvalidRange { .. })
+        ));
+        assert!(matches!(
+            m.unmap(DevicePtr(base.get() + 6 * g.get()), Bytes(g.get())),
+            Err(DeviceError::InvalidRange { .. })
+        ));
+        assert!(matches!(
+            m.map(DevicePtr(base.get() + 7 * g.get()), Bytes(2 * g.get())),
+            Err(DeviceError::InvalidRange { .. })
+        ));
+        assert!(matches!(
+            m.release(base, Bytes(8 * g.get())),
+            Err(DeviceError::InvalidRange { .. })
+        ));
+        let ev = m.create_event().unwrap();
+        assert!(
+            m.query_event(ev).unwrap(),
+            "an unrecorded event is complete"
+        );
+        m.record_event(ev, StreamId(0)).unwrap();
+        m.synchronize_event(ev).unwrap();
+        assert!(m.query_event(ev).unwrap());
+        m.synchronize().unwrap();
+        m.destroy_event(ev).unwrap();
+        assert!(matches!(
+            m.query_event(ev),
+            Err(DeviceError::UnknownEvent(_))
+        ));
+        m.unmap(base, Bytes(4 * g.get())).unwrap();
+        m.release(base, Bytes(8 * g.get())).unwrap();
+        let c = m.counters();
+        assert_eq!((c.maps, c.unmaps, c.mapped_bytes), (2, 2, 0));
+        m.enable_peer_access(0).unwrap(); // self: a no-op
+    }
+}

@@ -438,17 +438,20 @@ fn trace_mode_writes_a_valid_trace_with_markers() {
         rt.free(a).unwrap();
         rt.free(b).unwrap();
     }
+    // Still live when the trace is written (parameters at exit): never freed in the trace.
+    let keep = rt.malloc(0, 8192, S0, DEFAULT).unwrap();
     assert_eq!(rt.mode().unwrap(), "trace");
     let written = rt.flush_trace().unwrap();
     assert_eq!(written, vec![path.display().to_string()]);
     let trace = read_trace_file(&path).unwrap();
-    assert_eq!(trace.allocations.len(), 6);
+    assert_eq!(trace.allocations.len(), 7);
     assert_eq!(trace.allocations[0].size, Bytes(1 << 20));
     assert!(trace.labels.iter().any(|l| l == "forward"));
     assert_eq!(rt.mode().unwrap(), "trace (written)");
     let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
     assert_eq!(info["iterations"], 3);
     assert_eq!(info["devices"][0]["opened"], true);
+    rt.free(keep).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 
     let (online, _) = runtime("online", "", 1, 8);
