@@ -349,7 +349,7 @@ struct StreamClock {
 }
 
 impl FakeEvents {
-    fn create(&self) -> DeviceEvent {
+    pub(crate) fn create(&self) -> DeviceEvent {
         let mut inner = lock(&self.inner);
         inner.next_id += 1;
         let id = inner.next_id;
@@ -357,7 +357,7 @@ impl FakeEvents {
         DeviceEvent(id)
     }
 
-    fn record(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
+    pub(crate) fn record(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
         if !inner.events.contains_key(&event.0) {
             return Err(DeviceError::UnknownEvent(event));
@@ -369,7 +369,7 @@ impl FakeEvents {
         Ok(())
     }
 
-    fn query(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+    pub(crate) fn query(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
         let inner = lock(&self.inner);
         match inner.events.get(&event.0) {
             None => Err(DeviceError::UnknownEvent(event)),
@@ -380,7 +380,7 @@ impl FakeEvents {
         }
     }
 
-    fn synchronize(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+    pub(crate) fn synchronize(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
         match inner.events.get(&event.0).copied() {
             None => Err(DeviceError::UnknownEvent(event)),
@@ -393,7 +393,7 @@ impl FakeEvents {
         }
     }
 
-    fn destroy(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+    pub(crate) fn destroy(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         match lock(&self.inner).events.remove(&event.0) {
             Some(_) => Ok(()),
             None => Err(DeviceError::UnknownEvent(event)),

@@ -71,6 +71,7 @@ pub mod host;
 mod record;
 pub mod stats;
 mod streams;
+pub mod virtual_memory;
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -89,6 +90,7 @@ pub use self::host::{FakeEvents, HostCounters, HostMemory};
 use self::record::Recorder;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
 use self::streams::{EventQueue, PendingEvent, add_use};
+pub use self::virtual_memory::VirtualMemory;
 
 /// How much memory the engine may map.
 #[derive(Debug, Clone, Copy, PartialEq)]
