@@ -42,7 +42,7 @@ ls -la python/stweaver/_C*.so 2>/dev/null || { echo "extension not built"; statu
 
 echo "== GPU pytest"
 "$PY" -m pytest python/tests/gpu -v -p no:cacheprovider \
-  --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\s*$' | tail -n 150
+  2>&1 | tee "$OUT/pytest.log" | grep -vE '^\s*$' | tail -n 150
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== summary"

@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import json
 import threading
+import warnings
 import weakref
 from typing import Iterator, List, Optional
 
@@ -92,6 +93,10 @@ def install(
         if settings.mode == "trace":
             atexit.register(_flush_at_exit)
         _settings = settings
+        now = ext.mode()
+        if settings.mode == "plan" and now.startswith("online"):
+            # A bad plan never stops training (it is served online); but say so.
+            warnings.warn(f"stweaver: {now}", RuntimeWarning, stacklevel=2)
         return settings
 
 

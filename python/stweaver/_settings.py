@@ -8,6 +8,9 @@ with no arguments):
 ``STWEAVER_PLAN``          plan file to serve (implies ``plan`` when no mode is given)
 ``STWEAVER_TRACE``         trace file to write (implies ``trace`` when no mode is given)
 ``STWEAVER_HOOK_OPTIMIZER`` ``1``/``0``: mark an iteration after every optimizer step
+                           (default: on in ``auto`` mode, which needs iteration
+                           boundaries; off otherwise)
+``STWEAVER_AUTO_ITERATIONS`` iterations ``auto`` records before planning (default 4)
 =========================  ==========================================================
 
 Explicit arguments win over the environment.
@@ -20,9 +23,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 MODES = ("online", "trace", "plan", "auto")
-# The default when nothing says otherwise. "auto" (record, plan, switch) becomes the default
-# once the engine serves plans; until then the runtime refuses "plan" and "auto" clearly.
-DEFAULT_MODE = "online"
+# The default when nothing says otherwise: record the first iterations, plan them in the
+# background, serve the plan from an iteration boundary on (online for everything else).
+DEFAULT_MODE = "auto"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -108,6 +111,9 @@ def resolve(
             raise SettingsError("mode 'trace' takes no plan")
     if mode == "plan" and plan_s is None:
         raise SettingsError("mode 'plan' needs a plan file (plan=... or STWEAVER_PLAN)")
+    raw_iters = env.get("STWEAVER_AUTO_ITERATIONS")
+    if raw_iters is not None and not (raw_iters.strip().isdigit() and int(raw_iters) > 0):
+        raise SettingsError(f"STWEAVER_AUTO_ITERATIONS={raw_iters!r} is not a positive integer")
     if check_files:
         if plan_s is not None and not os.path.isfile(plan_s):
             raise SettingsError(f"plan file {plan_s!r} does not exist")
@@ -117,7 +123,10 @@ def resolve(
                 raise SettingsError(f"trace file {trace_s!r}: folder {parent!r} does not exist")
     if hook_optimizer is None:
         raw = env.get("STWEAVER_HOOK_OPTIMIZER")
-        hook_optimizer = parse_bool(raw, "STWEAVER_HOOK_OPTIMIZER") if raw is not None else False
+        if raw is not None:
+            hook_optimizer = parse_bool(raw, "STWEAVER_HOOK_OPTIMIZER")
+        else:
+            hook_optimizer = mode == "auto"
     elif not isinstance(hook_optimizer, bool):
         raise SettingsError(f"hook_optimizer must be a bool, got {type(hook_optimizer).__name__}")
     return Settings(mode=mode, plan=plan_s, trace=trace_s, hook_optimizer=hook_optimizer)

@@ -56,11 +56,6 @@ def test_build_install_and_errors(build_dir, tmp_path):
             raise SystemExit("bad mode accepted")
         except RuntimeError as e:
             assert "unknown mode" in str(e), e
-        try:
-            stweaver.install("plan", plan=__file__)
-            raise SystemExit("plan mode accepted without engine support")
-        except RuntimeError as e:
-            assert "plan mode" in str(e), e
         assert not stweaver.is_installed()
         s = stweaver.install("online", hook_optimizer=True)
         assert stweaver.install("online", hook_optimizer=True) == s
@@ -103,4 +98,22 @@ def test_run_module_installs_before_the_script(build_dir, tmp_path):
     )
     # `python -m stweaver run probe.py` (script path appended by run_py).
     assert r.returncode == 0 and "ARGS []" in r.stdout, r.stdout + r.stderr
-    assert "serving" in r.stderr and "online mode" in r.stderr, r.stderr
+    assert "serving" in r.stderr and "auto mode" in r.stderr, r.stderr
+
+
+def test_a_bad_plan_is_served_online_with_a_warning(build_dir, tmp_path):
+    r = run_py(
+        """
+        import warnings, torch, stweaver
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            stweaver.install("plan", plan=__file__)
+        assert stweaver.mode().startswith("online (plan rejected:"), stweaver.mode()
+        assert any("plan rejected" in str(x.message) for x in w), [str(x.message) for x in w]
+        assert torch.cuda.memory.get_allocator_backend() == "stweaver"
+        print("OK")
+        """,
+        tmp_path,
+        {"STWEAVER_BUILD_DIR": str(build_dir)},
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr

@@ -10,9 +10,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from stweaver._settings import DEFAULT_MODE, SettingsError, parse_bool, resolve  # noqa: E402
 
 
-def test_defaults_to_the_default_mode():
+def test_defaults_to_auto_with_the_optimizer_hook():
     s = resolve(env={})
-    assert (s.mode, s.plan, s.trace, s.hook_optimizer) == (DEFAULT_MODE, None, None, False)
+    assert DEFAULT_MODE == "auto"
+    assert (s.mode, s.plan, s.trace, s.hook_optimizer) == ("auto", None, None, True)
+    assert resolve("online", env={}).hook_optimizer is False
+    assert resolve(hook_optimizer=False, env={}).hook_optimizer is False
 
 
 def test_environment_is_read(tmp_path):
@@ -52,6 +55,8 @@ def test_path_like_arguments(tmp_path):
         ({"hook_optimizer": "yes"}, {}, "must be a bool"),
         ({}, {"STWEAVER_HOOK_OPTIMIZER": "maybe"}, "not a boolean"),
         ({"mode": "plan", "plan": "/nonexistent/p.stwp"}, {}, "does not exist"),
+        ({}, {"STWEAVER_AUTO_ITERATIONS": "0"}, "positive integer"),
+        ({}, {"STWEAVER_AUTO_ITERATIONS": "many"}, "positive integer"),
         ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
     ],
 )

@@ -242,6 +242,14 @@ impl CudaDevice {
         call("cuCtxSynchronize", || unsafe { sys::cuCtxSynchronize() })
     }
 
+    /// Records `event` (created by this device) on `stream` — a raw `cudaStream_t`; 0 is
+    /// the legacy default stream — with this device's context current, so the call works
+    /// from any thread, including one on which the CUDA runtime never made it current.
+    pub fn record_event(&self, event: &Event, stream: usize) -> Result<()> {
+        let _g = CtxGuard::push(self.ctx)?;
+        event.record_raw(stream)
+    }
+
     /// Creates an event (timing disabled) in this device's context.
     pub fn create_event(&self) -> Result<Event> {
         let _g = CtxGuard::push(self.ctx)?;
@@ -345,12 +353,13 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
-    /// Records the event on `stream` (a raw `cudaStream_t`/`CUstream`; 0 is the legacy
-    /// default stream).
-    pub fn record(&self, stream: usize) -> Result<()> {
+    /// Records the event on `stream` with a context current (see
+    /// [`CudaDevice::record_event`], the public way in).
+    fn record_raw(&self, stream: usize) -> Result<()> {
         let s = stream as sys::CUstream;
         // Safety: `raw` is a live event; `stream` is a stream handle the caller got from the
-        // CUDA runtime (PyTorch) for a live stream of the same device.
+        // CUDA runtime (PyTorch) for a live stream of the event's device, and the device's
+        // context is current (the legacy stream 0 names the current context's stream).
         call("cuEventRecord", || unsafe {
             sys::cuEventRecord(self.raw, s)
         })
@@ -372,15 +381,6 @@ impl Event {
         // Safety: `raw` is a live event.
         call("cuEventSynchronize", || unsafe {
             sys::cuEventSynchronize(self.raw)
-        })
-    }
-
-    /// Makes `stream` wait for this event (device-side, no host sync).
-    pub fn wait_on(&self, stream: usize) -> Result<()> {
-        let s = stream as sys::CUstream;
-        // Safety: live event; a live stream handle from the caller.
-        call("cuStreamWaitEvent", || unsafe {
-            sys::cuStreamWaitEvent(s, self.raw, 0)
         })
     }
 

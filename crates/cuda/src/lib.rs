@@ -53,7 +53,8 @@ mod tests {
             Err(CudaError::InvalidArgument { .. })
         ));
         let ev = dev.create_event().expect("event");
-        ev.record(0).expect("record on the legacy stream");
+        dev.record_event(&ev, 0)
+            .expect("record on the legacy stream");
         ev.synchronize().expect("sync");
         assert!(ev.query().expect("query"));
         drop(m);

@@ -305,7 +305,7 @@ impl DeviceMemory for CudaMemory {
     }
 
     fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
-        self.with_event(event, |ev| ev.record(stream.0 as usize))
+        self.with_event(event, |ev| self.device.record_event(ev, stream.0 as usize))
     }
 
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {

@@ -31,14 +31,20 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard};
+use std::time::Duration;
 
+use stweaver_core::Plan;
+use stweaver_core::engine::PlanOptions as EnginePlanOptions;
 use stweaver_core::engine::{
     BlockState, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineConfig, EngineError,
     MemoryLimit, PoolKind, SegmentInfo, Stat,
 };
+use stweaver_core::plan_file::{read_plan_file, write_plan_file};
 use stweaver_core::trace::MarkerKind;
 use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::units::{Bytes, DeviceId, StreamId};
+use stweaver_planner::planning::{PlanOptions as PlannerOptions, plan_trace};
+use stweaver_planner::solver::SolveOptions;
 
 use crate::error::{BridgeError, Result};
 use crate::ffi::bridge as ffi;
@@ -64,20 +70,52 @@ pub enum Mode {
     Online,
     /// Online, recording every request of the default pools into a trace.
     Trace,
+    /// Serving a plan file (online for what it does not foresee).
+    Plan,
+    /// Online while recording the first iterations, then planning them in the
+    /// background and serving the plan from an iteration boundary on.
+    Auto,
 }
+
+/// Iterations `auto` records before it plans, unless `STWEAVER_AUTO_ITERATIONS` says.
+pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
 
 /// Validated install settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     pub mode: Mode,
-    /// Where trace mode writes (device 0; other devices get `.cudaN` before the extension).
+    /// Trace mode: where the trace goes; auto: where the recorded trace is kept (optional).
+    /// Device 0's path; other devices get `.cudaN` before the extension.
     pub trace_path: Option<PathBuf>,
+    /// Plan mode: the plan to serve; auto: where the plan made is kept (optional).
+    pub plan_path: Option<PathBuf>,
+    /// Auto mode: iterations recorded before planning.
+    pub auto_iterations: u64,
 }
 
 impl Settings {
     /// Parses `install(mode, plan, trace)` arguments ("" = not given).
+    /// `STWEAVER_AUTO_ITERATIONS` (a positive integer) sets `auto_iterations`.
     pub fn parse(mode: &str, plan: &str, trace: &str) -> Result<Settings> {
         let bad = |m: String| Err(BridgeError::Settings(m));
+        let path = |s: &str| (!s.is_empty()).then(|| PathBuf::from(s));
+        let auto_iterations = match std::env::var("STWEAVER_AUTO_ITERATIONS") {
+            Ok(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    return bad(format!(
+                        "STWEAVER_AUTO_ITERATIONS={v:?} is not a positive integer"
+                    ));
+                }
+            },
+            Err(_) => DEFAULT_AUTO_ITERATIONS,
+        };
+        let settings = |mode| Settings {
+            mode,
+            trace_path: path(trace),
+            plan_path: path(plan),
+            auto_iterations,
+        };
         match mode {
             "online" => {
                 if !plan.is_empty() || !trace.is_empty() {
@@ -86,10 +124,7 @@ impl Settings {
                          trace={trace:?}); use mode \"trace\" to record one"
                     ));
                 }
-                Ok(Settings {
-                    mode: Mode::Online,
-                    trace_path: None,
-                })
+                Ok(settings(Mode::Online))
             }
             "trace" => {
                 if trace.is_empty() {
@@ -101,15 +136,18 @@ impl Settings {
                          (got {plan:?})"
                     ));
                 }
-                Ok(Settings {
-                    mode: Mode::Trace,
-                    trace_path: Some(PathBuf::from(trace)),
-                })
+                Ok(settings(Mode::Trace))
             }
-            "plan" | "auto" => Err(BridgeError::Unsupported(format!(
-                "mode \"{mode}\" needs the engine's plan mode, which this build does not have \
-                 yet; use \"online\" or \"trace\" (then `stweaver plan TRACE -o PLAN` offline)"
-            ))),
+            "plan" => {
+                if plan.is_empty() {
+                    return bad("mode \"plan\" needs a plan file path".into());
+                }
+                if !trace.is_empty() {
+                    return bad(format!("mode \"plan\" takes no trace file (got {trace:?})"));
+                }
+                Ok(settings(Mode::Plan))
+            }
+            "auto" => Ok(settings(Mode::Auto)),
             other => bad(format!(
                 "unknown mode {other:?}: expected \"online\", \"trace\", \"plan\" or \"auto\""
             )),
@@ -118,20 +156,58 @@ impl Settings {
 
     /// The trace file of device `d`.
     pub fn trace_path_for(&self, d: i32) -> Option<PathBuf> {
-        let p = self.trace_path.as_ref()?;
-        if d == 0 {
-            return Some(p.clone());
-        }
-        let stem = p
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let name = match p.extension() {
-            Some(ext) => format!("{stem}.cuda{d}.{}", ext.to_string_lossy()),
-            None => format!("{stem}.cuda{d}"),
-        };
-        Some(p.with_file_name(name))
+        per_device(self.trace_path.as_ref()?, d)
     }
+
+    /// Auto mode: the plan file of device `d`.
+    pub fn plan_path_for(&self, d: i32) -> Option<PathBuf> {
+        per_device(self.plan_path.as_ref()?, d)
+    }
+}
+
+fn per_device(p: &Path, d: i32) -> Option<PathBuf> {
+    if d == 0 {
+        return Some(p.to_path_buf());
+    }
+    let stem = p
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match p.extension() {
+        Some(ext) => format!("{stem}.cuda{d}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.cuda{d}"),
+    };
+    Some(p.with_file_name(name))
+}
+
+/// Where plan serving stands (plan and auto modes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanStage {
+    /// Online mode, or trace mode.
+    NotPlanning,
+    /// Auto: recording iterations.
+    Recording,
+    /// Auto: the background planner runs.
+    Planning,
+    /// A plan is served (on the devices listed).
+    Serving(Vec<i32>),
+    /// No plan could be served: serving online. The reason, for the user.
+    Fallback(String),
+}
+
+/// A background planning job of auto mode, per device.
+struct PlanJob {
+    device: i32,
+    handle: std::thread::JoinHandle<std::result::Result<Plan, String>>,
+}
+
+struct PlanControl {
+    stage: PlanStage,
+    /// Plan mode: the plan read at install (verified on read).
+    file_plan: Option<Arc<Plan>>,
+    jobs: Vec<PlanJob>,
+    /// Engines to empty once, one iteration after they switched to a plan.
+    settle: Vec<i32>,
 }
 
 /// A private pool: its engine and how many users hold it.
@@ -188,6 +264,10 @@ pub struct Core {
     pending: Mutex<Vec<PendingFree>>,
     has_pending: AtomicBool,
     trace_flushed: AtomicBool,
+    plan: Mutex<PlanControl>,
+    /// Things the user should know that are not errors (a trace or plan file that could
+    /// not be written, a device whose plan was rejected while another serves one).
+    notes: Mutex<Vec<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -367,6 +447,25 @@ fn arena_segments(device: i32, pool: PoolId, arena: &SegmentInfo, snap: &mut ffi
 impl Core {
     /// A runtime with `settings`, opening devices with `factory`.
     pub fn new(settings: Settings, factory: DeviceFactory) -> Core {
+        let mut control = PlanControl {
+            stage: PlanStage::NotPlanning,
+            file_plan: None,
+            jobs: Vec::new(),
+            settle: Vec::new(),
+        };
+        match settings.mode {
+            Mode::Auto => control.stage = PlanStage::Recording,
+            Mode::Plan => {
+                // A bad plan never stops training: it is reported and serving is online
+                // (invariant 3). The file is verified once, here.
+                let path = settings.plan_path.clone().unwrap_or_default();
+                match read_plan_file(&path) {
+                    Ok(plan) => control.file_plan = Some(Arc::new(plan)),
+                    Err(e) => control.stage = PlanStage::Fallback(e.to_string()),
+                }
+            }
+            Mode::Online | Mode::Trace => {}
+        }
         Core {
             settings,
             factory,
@@ -379,6 +478,8 @@ impl Core {
             pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
             trace_flushed: AtomicBool::new(false),
+            plan: Mutex::new(control),
+            notes: Mutex::new(Vec::new()),
         }
     }
 
@@ -454,7 +555,8 @@ impl Core {
             device: DeviceId(slot.ordinal),
             limit: limit_of(*lock(&slot.fraction)),
             arena_size: None,
-            record_trace: self.settings.mode == Mode::Trace && is_default(pool),
+            record_trace: matches!(self.settings.mode, Mode::Trace | Mode::Auto)
+                && is_default(pool),
         };
         Ok(Engine::new(
             Tracked::new(mem, owner, self.shared.clone()),
@@ -467,13 +569,37 @@ impl Core {
             return Ok(e);
         }
         let engine = self.new_engine(slot, DEFAULT_POOL)?;
-        let _g = lock(&slot.open_mu);
-        if slot.default.get().is_none() {
-            let _ = slot.default.set(engine);
-            self.opened.fetch_add(1, Ordering::AcqRel);
-            self.last_opened.store(slot.ordinal, Ordering::Release);
+        let opened_now = {
+            let _g = lock(&slot.open_mu);
+            if slot.default.get().is_none() {
+                let _ = slot.default.set(engine);
+                self.opened.fetch_add(1, Ordering::AcqRel);
+                self.last_opened.store(slot.ordinal, Ordering::Release);
+                true
+            } else {
+                false
+            }
+        };
+        let e = slot.default.get().ok_or(BridgeError::NotInitialised)?;
+        if opened_now && self.settings.mode == Mode::Plan {
+            self.serve_file_plan(slot.ordinal, e);
         }
-        slot.default.get().ok_or(BridgeError::NotInitialised)
+        Ok(e)
+    }
+
+    /// Plan mode: serves the install-time plan on the device it was made for.
+    fn serve_file_plan(&self, device: i32, e: &Engine<Tracked>) {
+        let mut pc = lock(&self.plan);
+        let Some(plan) = pc.file_plan.clone() else {
+            return;
+        };
+        if plan.device != DeviceId(device) {
+            return;
+        }
+        match e.load_plan(&plan, EnginePlanOptions::default()) {
+            Ok(()) => pc.stage = PlanStage::Serving(vec![device]),
+            Err(err) => pc.stage = PlanStage::Fallback(format!("cuda:{device}: {err}")),
+        }
     }
 
     /// Runs `f` on the engine of `owner`.
@@ -1033,11 +1159,120 @@ impl Core {
     }
 
     pub fn step(&self) -> Result<()> {
-        self.iterations.fetch_add(1, Ordering::AcqRel);
+        let n = self.iterations.fetch_add(1, Ordering::AcqRel) + 1;
         for e in self.opened_engines() {
             e.mark_iteration()?;
         }
+        self.plan_step(n)
+    }
+
+    /// Plan bookkeeping at an iteration boundary: releases the online cache one iteration
+    /// after a switch to a plan; in auto mode, starts planning after the recorded
+    /// iterations and switches to the plan once it is ready.
+    fn plan_step(&self, n: u64) -> Result<()> {
+        let mut pc = lock(&self.plan);
+        for d in std::mem::take(&mut pc.settle) {
+            // The previous iteration's online blocks are gone: give their memory back.
+            if let Some(e) = self.slot(d)?.default.get() {
+                e.empty_cache()?;
+            }
+        }
+        if self.settings.mode != Mode::Auto {
+            return Ok(());
+        }
+        match pc.stage {
+            PlanStage::Recording if n > self.settings.auto_iterations => {
+                let mut jobs = Vec::new();
+                for slot in self.slots()? {
+                    let Some(e) = slot.default.get() else {
+                        continue;
+                    };
+                    let Some(trace) = e.take_trace()? else {
+                        continue;
+                    };
+                    if let Some(path) = self.settings.trace_path_for(slot.ordinal)
+                        && let Err(err) = write_trace_file(&path, &trace)
+                    {
+                        lock(&self.notes).push(err.to_string());
+                    }
+                    let handle = std::thread::Builder::new()
+                        .name(format!("stweaver-plan-cuda{}", slot.ordinal))
+                        .spawn(move || {
+                            let opts = PlannerOptions {
+                                solve: SolveOptions {
+                                    time_budget: Some(Duration::from_secs(20)),
+                                    ..SolveOptions::default()
+                                },
+                                ..PlannerOptions::default()
+                            };
+                            plan_trace(&trace, &opts)
+                                .map(|o| o.plan)
+                                .map_err(|e| e.to_string())
+                        })
+                        .map_err(|e| {
+                            BridgeError::Settings(format!("cannot start the planner: {e}"))
+                        })?;
+                    jobs.push(PlanJob {
+                        device: slot.ordinal,
+                        handle,
+                    });
+                }
+                pc.stage = if jobs.is_empty() {
+                    PlanStage::Fallback("no allocation was recorded to plan".into())
+                } else {
+                    PlanStage::Planning
+                };
+                pc.jobs = jobs;
+            }
+            PlanStage::Planning if pc.jobs.iter().all(|j| j.handle.is_finished()) => {
+                let mut serving = Vec::new();
+                let mut errors = Vec::new();
+                for job in std::mem::take(&mut pc.jobs) {
+                    let d = job.device;
+                    let plan = match job.handle.join() {
+                        Ok(Ok(plan)) => plan,
+                        Ok(Err(e)) => {
+                            errors.push(format!("cuda:{d}: planning failed: {e}"));
+                            continue;
+                        }
+                        Err(_) => {
+                            errors.push(format!("cuda:{d}: the planner panicked"));
+                            continue;
+                        }
+                    };
+                    if let Some(path) = self.settings.plan_path_for(d)
+                        && let Err(err) = write_plan_file(&path, &plan)
+                    {
+                        lock(&self.notes).push(err.to_string());
+                    }
+                    let Some(e) = self.slot(d)?.default.get() else {
+                        continue;
+                    };
+                    match e.load_plan(&plan, EnginePlanOptions::default()) {
+                        Ok(()) => {
+                            // We are at an iteration boundary: start at the iteration section.
+                            e.mark_iteration()?;
+                            serving.push(d);
+                            pc.settle.push(d);
+                        }
+                        Err(err) => errors.push(format!("cuda:{d}: {err}")),
+                    }
+                }
+                if serving.is_empty() {
+                    pc.stage = PlanStage::Fallback(errors.join("; "));
+                } else {
+                    lock(&self.notes).extend(errors);
+                    pc.stage = PlanStage::Serving(serving);
+                }
+            }
+            _ => {}
+        }
         Ok(())
+    }
+
+    /// Where plan serving stands.
+    pub fn plan_stage(&self) -> PlanStage {
+        lock(&self.plan).stage.clone()
     }
 
     pub fn mark(&self, label: &str, begin: bool) -> Result<()> {
@@ -1058,10 +1293,20 @@ impl Core {
     }
 
     pub fn mode(&self) -> String {
-        match self.settings.mode {
-            Mode::Online => "online".into(),
-            Mode::Trace if self.trace_flushed.load(Ordering::Acquire) => "trace (written)".into(),
-            Mode::Trace => "trace".into(),
+        match (self.settings.mode, self.plan_stage()) {
+            (Mode::Online, _) => "online".into(),
+            (Mode::Trace, _) if self.trace_flushed.load(Ordering::Acquire) => {
+                "trace (written)".into()
+            }
+            (Mode::Trace, _) => "trace".into(),
+            (Mode::Plan, PlanStage::Fallback(why)) => format!("online (plan rejected: {why})"),
+            (Mode::Plan, PlanStage::Serving(_)) => "plan".into(),
+            (Mode::Plan, _) => "plan (waiting for its device)".into(),
+            (Mode::Auto, PlanStage::Recording) => "auto (recording)".into(),
+            (Mode::Auto, PlanStage::Planning) => "auto (planning)".into(),
+            (Mode::Auto, PlanStage::Serving(_)) => "auto (plan)".into(),
+            (Mode::Auto, PlanStage::Fallback(why)) => format!("auto (online: {why})"),
+            (Mode::Auto, PlanStage::NotPlanning) => "auto".into(),
         }
     }
 
@@ -1107,8 +1352,21 @@ impl Core {
                     Some(e) => e.is_tracing()?,
                     None => false,
                 };
+                let plan = match slot.default.get() {
+                    Some(e) => e.plan_stats()?.map(|p| {
+                        serde_json::json!({
+                            "hits": p.hits,
+                            "conflicts": p.conflicts,
+                            "unplanned": p.unplanned,
+                            "skipped": p.skipped,
+                            "iterations": p.iterations,
+                        })
+                    }),
+                    None => None,
+                };
                 devices.push(serde_json::json!({
                     "device": slot.ordinal,
+                    "plan": plan,
                     "opened": opened,
                     "private_pools": read(&slot.private).len(),
                     "memory_fraction": *lock(&slot.fraction),
@@ -1128,6 +1386,8 @@ impl Core {
             "initialized": self.devices.get().is_some(),
             "iterations": self.iterations.load(Ordering::Acquire),
             "trace_path": self.settings.trace_path.as_ref().map(|p| p.display().to_string()),
+            "plan_path": self.settings.plan_path.as_ref().map(|p| p.display().to_string()),
+            "notes": *lock(&self.notes),
             "devices": devices,
         });
         Ok(v.to_string())

@@ -50,8 +50,18 @@ fn settings_are_validated() {
         let e = Settings::parse(m, p, t).unwrap_err();
         assert!(matches!(e, BridgeError::Settings(_)), "{m} {p} {t}: {e}");
     }
-    let e = Settings::parse("plan", "x.stwp", "").unwrap_err();
-    assert!(e.to_string().contains("plan mode"), "{e}");
+    for (m, p, t) in [("plan", "", ""), ("plan", "p.stwp", "t.stwt")] {
+        assert!(Settings::parse(m, p, t).is_err(), "{m} {p} {t}");
+    }
+    assert!(Settings::parse("plan", "x.stwp", "").is_ok());
+    for (p, t) in [
+        ("", ""),
+        ("p.stwp", ""),
+        ("", "t.stwt"),
+        ("p.stwp", "t.stwt"),
+    ] {
+        assert!(Settings::parse("auto", p, t).is_ok());
+    }
     let s = Settings::parse("trace", "", "/tmp/run.stwt").unwrap();
     assert_eq!(s.trace_path_for(0).unwrap().to_str(), Some("/tmp/run.stwt"));
     assert_eq!(
@@ -457,4 +467,121 @@ fn trace_mode_writes_a_valid_trace_with_markers() {
     let (online, _) = runtime("online", "", 1, 8);
     assert!(online.flush_trace().is_err());
     assert!(online.mark("", true).is_err());
+}
+
+/// One training-like iteration on S0: activations allocated and freed in a fixed pattern.
+fn iteration(rt: &Runtime) {
+    let sizes = [4 * MIB, 1000, 3 * MIB, 64 * 1024, 2 * MIB + 512];
+    let mut live = Vec::new();
+    for &s in &sizes {
+        live.push(rt.malloc(0, s as usize, S0, DEFAULT).unwrap());
+    }
+    for p in live.drain(..).rev() {
+        rt.free(p).unwrap();
+    }
+}
+
+fn plan_stats(rt: &Runtime) -> serde_json::Value {
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    info["devices"][0]["plan"].clone()
+}
+
+#[test]
+fn auto_mode_records_plans_in_the_background_and_switches() {
+    let dir = std::env::temp_dir().join(format!("stweaver-auto-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let plan_path = dir.join("run.stwp");
+    let trace_path = dir.join("run.stwt");
+    let devs: Vec<Arc<HostMemory>> =
+        vec![Arc::new(HostMemory::new(Bytes(256 * MIB), Bytes(2 * MIB)))];
+    let for_factory = devs.clone();
+    let factory =
+        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let settings = Settings::parse(
+        "auto",
+        plan_path.to_str().unwrap(),
+        trace_path.to_str().unwrap(),
+    )
+    .unwrap();
+    let iters = settings.auto_iterations;
+    let rt = Runtime::with_core(Core::new(settings, factory));
+    rt.init(1).unwrap();
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    assert_eq!(rt.mode().unwrap(), "auto (recording)");
+    let mut steps = 0;
+    while !rt.mode().unwrap().starts_with("auto (plan)") {
+        iteration(&rt);
+        rt.step().unwrap();
+        steps += 1;
+        assert!(
+            !rt.mode().unwrap().starts_with("auto (online"),
+            "fell back: {}",
+            rt.mode().unwrap()
+        );
+        if rt.mode().unwrap() == "auto (planning)" {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(
+            steps < 500,
+            "never switched to the plan: {}",
+            rt.mode().unwrap()
+        );
+    }
+    assert!(steps > iters, "planned before recording {iters} iterations");
+    assert!(plan_path.is_file() && trace_path.is_file());
+    for _ in 0..5 {
+        iteration(&rt);
+        rt.step().unwrap();
+    }
+    let p = plan_stats(&rt);
+    assert!(p["hits"].as_u64().unwrap() >= 5 * 5, "plan hits: {p}");
+    assert_eq!(p["conflicts"], 0, "{p}");
+    // One iteration after the switch the online cache was emptied: only the weights'
+    // arena granules and the plan pool stay mapped.
+    let s = rt.device_stats(0).unwrap();
+    assert_eq!(s.allocated_bytes.all.current, 8 * MIB as i64);
+    rt.free(weights).unwrap();
+
+    // Plan mode serves the file auto wrote.
+    let devs2: Vec<Arc<HostMemory>> =
+        vec![Arc::new(HostMemory::new(Bytes(256 * MIB), Bytes(2 * MIB)))];
+    let f2 = devs2.clone();
+    let factory = Box::new(move |d: i32| Ok(f2[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let rt = Runtime::with_core(Core::new(
+        Settings::parse("plan", plan_path.to_str().unwrap(), "").unwrap(),
+        factory,
+    ));
+    rt.init(1).unwrap();
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    assert_eq!(rt.mode().unwrap(), "plan");
+    for _ in 0..6 {
+        rt.step().unwrap();
+        iteration(&rt);
+    }
+    let p = plan_stats(&rt);
+    assert!(p["hits"].as_u64().unwrap() >= 5 * 5, "plan hits: {p}");
+    rt.free(weights).unwrap();
+
+    // A corrupt plan file is reported and serving goes on online (invariant 3).
+    let bad = dir.join("bad.stwp");
+    std::fs::write(&bad, b"not a plan at all").unwrap();
+    let (_, _) = (devs, devs2);
+    let devs3: Vec<Arc<HostMemory>> =
+        vec![Arc::new(HostMemory::new(Bytes(64 * MIB), Bytes(2 * MIB)))];
+    let f3 = devs3.clone();
+    let factory = Box::new(move |d: i32| Ok(f3[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let rt = Runtime::with_core(Core::new(
+        Settings::parse("plan", bad.to_str().unwrap(), "").unwrap(),
+        factory,
+    ));
+    rt.init(1).unwrap();
+    let m = rt.mode().unwrap();
+    assert!(
+        m.starts_with("online (plan rejected:") && m.contains("bad.stwp"),
+        "{m}"
+    );
+    iteration(&rt);
+    rt.step().unwrap();
+    assert!(plan_stats(&rt).is_null());
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -67,7 +67,7 @@ def test_memory_stats_has_every_key_and_summary_renders():
               "num_device_free", "max_split_size", "oversize_allocations.current"):
         assert k in st, k
     summary = torch.cuda.memory_summary()
-    assert "Allocated memory" in summary and "Reserved memory" in summary
+    assert "Allocated memory" in summary and "GPU reserved memory" in summary
     nested = torch.cuda.memory_stats_as_nested_dict()
     assert nested["allocated_bytes"]["all"]["current"] == st["allocated_bytes.all.current"]
     del x

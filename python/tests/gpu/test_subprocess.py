@@ -61,9 +61,19 @@ def test_install_after_cuda_init_is_refused(tmp_path):
     assert out.strip().splitlines()[-1] == "native"
 
 
+_native = {}
+
+
+def native_run():
+    """train_tiny.py under PyTorch's allocator (run once, shared)."""
+    if not _native:
+        _native.update(last_json(run([os.path.join(SCRIPTS, "train_tiny.py"), "native"], {"STEPS": "40"})))
+    return _native
+
+
 def test_training_is_bitwise_identical_to_native(metric):
-    native = last_json(run([os.path.join(SCRIPTS, "train_tiny.py"), "native"]))
-    ours = last_json(run([os.path.join(SCRIPTS, "train_tiny.py"), "stweaver"]))
+    native = native_run()
+    ours = last_json(run([os.path.join(SCRIPTS, "train_tiny.py"), "stweaver"], {"STEPS": "40"}))
     assert native["backend"] == "native" and ours["backend"] == "stweaver"
     metric("steps", len(ours["losses"]))
     metric("native_max_reserved_MiB", native["max_reserved"] / 2**20)
@@ -104,3 +114,42 @@ def test_allocation_latency_vs_native(metric):
     # A sanity bound (a device call or a heap walk per allocation would blow it), not the
     # performance target: the numbers are in the summary.
     assert all(ours[s] < 25.0 for s in ("4096", "1048576", "67108864")), ours
+
+
+def test_auto_mode_then_plan_mode_match_native_bitwise(tmp_path, metric):
+    """auto: record 4 iterations, plan in the background, serve the plan (and write it);
+    plan: serve that file from the start. Both train bit for bit like native."""
+    native = native_run()
+    plan = tmp_path / "tiny.stwp"
+    trace = tmp_path / "tiny_auto.stwt"
+    script = os.path.join(SCRIPTS, "train_tiny.py")
+    env = {"STEPS": "40", "STWEAVER_AUTO_ITERATIONS": "4"}
+    auto = last_json(run(["-m", "stweaver", "run", "--mode", "auto", "--plan", str(plan),
+                          "--trace", str(trace), script], env))
+    info = auto["stweaver"]
+    metric("auto_mode", info["mode"])
+    p = info["devices"][0]["plan"]
+    assert info["mode"] == "auto (plan)", info
+    assert plan.is_file() and trace.is_file()
+    metric("auto_hits", p["hits"])
+    metric("auto_unplanned", p["unplanned"])
+    metric("auto_conflicts", p["conflicts"])
+    metric("auto_max_reserved_MiB", auto["max_reserved"] / 2**20)
+    assert p["hits"] > 0, p
+    assert auto["losses"] == native["losses"], "auto mode changed the losses"
+
+    served = last_json(run(["-m", "stweaver", "run", "--mode", "plan", "--plan", str(plan), script], env))
+    info = served["stweaver"]
+    p = info["devices"][0]["plan"]
+    assert info["mode"] == "plan", info
+    metric("plan_hits", p["hits"])
+    metric("plan_unplanned", p["unplanned"])
+    metric("plan_conflicts", p["conflicts"])
+    metric("plan_max_reserved_MiB", served["max_reserved"] / 2**20)
+    metric("native_max_reserved_MiB", native["max_reserved"] / 2**20)
+    metric("plan_step_ms", served["step_ms"])
+    assert p["hits"] > 0, p
+    assert served["losses"] == native["losses"], "plan mode changed the losses"
+    out = os.environ.get("OUT")
+    if out:
+        shutil.copy(plan, os.path.join(out, "tiny.stwp"))

@@ -63,6 +63,11 @@ for i in range(STEPS):
 torch.cuda.synchronize()
 elapsed = time.perf_counter() - t0
 backend = torch.cuda.memory.get_allocator_backend()
+info = None
+if backend == "stweaver":
+    import stweaver
+
+    info = stweaver.stats()
 print(
     json.dumps(
         {
@@ -71,6 +76,7 @@ print(
             "max_allocated": torch.cuda.max_memory_allocated(),
             "max_reserved": torch.cuda.max_memory_reserved(),
             "step_ms": elapsed / STEPS * 1e3,
+            "stweaver": info,
         }
     )
 )
