@@ -156,7 +156,13 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                 13 if u.arbitrary()? => {
                     let plan = random_plan(u)?;
                     let window = u.int_in_range(1usize..=16)?;
-                    if let Err(e) = engine.load_plan(&plan, PlanOptions { window }) {
+                    if let Err(e) = engine.load_plan(
+                        &plan,
+                        PlanOptions {
+                            window,
+                            ..PlanOptions::default()
+                        },
+                    ) {
                         assert!(
                             matches!(e, EngineError::PlanRejected(_) | EngineError::Device(_)),
                             "{e}"

@@ -563,6 +563,23 @@ impl Heap {
         best
     }
 
+    /// The free block of arena `a` with the smallest `(size, addr)` key that is at
+    /// least `key`, or [`NIL`]. Walking it with `key = (size, addr + 1)` of the last
+    /// answer lists the free blocks that fit, best fit first. O(log n).
+    pub fn fit_at_least(&self, a: ArenaId, key: (u64, u64)) -> Idx {
+        let mut t = self.arena(a).map_or(NIL, |x| x.root);
+        let mut best = NIL;
+        while t != NIL {
+            if self.key(t) >= key {
+                best = t;
+                t = self.blocks[t as usize].left;
+            } else {
+                t = self.blocks[t as usize].right;
+            }
+        }
+        best
+    }
+
     // ---------------------------------------------------------------- serving
 
     /// Best fit for `size` bytes (a multiple of [`ALIGNMENT`]) in arena `a`: the block is

@@ -45,29 +45,53 @@
 //! `inactive_split_bytes` are brought to their new values at the end of every step that
 //! changes free memory, with one increase or decrease.
 //!
-//! # Plan mode (first version)
+//! # Plan mode
 //!
 //! [`Engine::load_plan`] maps a verified plan's pool as one more arena beside the
 //! online ones: a *placement* arena (blocks go at given offsets, not by best fit;
-//! pinned, so `empty_cache` leaves it mapped). Each request on the plan's stream is
-//! first offered to the plan's cursor (module `cursor`: look-ahead matching,
-//! resynchronisation at `mark_iteration`); a planned offset is handed out only if its
-//! whole range lies inside one free block of the pool — since free blocks are always
-//! coalesced, that is exactly "nothing live occupies it" (invariant 1). A request the
-//! plan does not cover, or whose planned range is occupied (a tensor freed later than
-//! planned), is served online as before. Frees, stream-deferred frees, stats and the
-//! trace treat plan blocks like any other: the pointer map, the slab and the stats are
-//! shared. [`PlanStats`] counts hits, conflicts, unplanned and skipped requests.
+//! pinned, so `empty_cache` leaves it mapped). Each request on one of the plan's
+//! streams is first offered to the plan's cursor (module `cursor`: a small beam of
+//! alignments between the run and the plan's request sequence, look-ahead across
+//! section ends, resynchronisation at `mark_iteration`); a planned offset is handed out
+//! only if its whole range lies inside one free block of the pool — since free blocks
+//! are always coalesced, that is exactly "nothing live occupies it" (invariant 1).
 //!
-//! Not yet: plans spanning several streams (rejected at load: reusing pool memory
-//! across streams needs events), placing dynamic requests in the pool's holes (they go
-//! to the online arenas), and switching from trace mode to a plan at an iteration
-//! boundary (the caller loads the plan when it likes).
+//! **Dynamic space.** A request the plan does not serve at its planned offset (the
+//! cursor calls it unplanned, or its planned range is occupied: a *conflict*) is
+//! placed in a **hole** of the pool — a free block, best fit first, at its low or high
+//! end — provided none of the next [`PlanOptions::hole_horizon`] expected requests is
+//! planned on that range (so the hole stays free long enough for what is coming); only
+//! then does it go to the online arenas. The placement goes through the same
+//! occupancy-checked `alloc_at`, so it can never alias; at worst it makes a later
+//! planned request a conflict, which then takes a hole or goes online in turn.
+//!
+//! **Streams.** The pool may serve several streams. Per stream, the union of the pool
+//! ranges its planned requests use is computed at load (module `plan_pool`). A
+//! planned request whose range another stream also plans on is freed through the
+//! stream-deferred free machinery (an event on its own stream, as `record_stream`
+//! does for other streams), so the next user of the range, on whatever stream, cannot
+//! overtake the work queued before the free; a request no other stream plans on is
+//! reused in its stream's own order, which needs no event. On a multi-stream plan a
+//! request takes a hole only where no other stream plans anything, and its free is
+//! always deferred. Requests on streams the plan does not know are served online.
+//!
+//! **Switching mid-run** (auto mode: trace the first iterations online, plan them
+//! elsewhere, switch): [`Engine::switch_to_plan`] serves the plan's steady iteration
+//! only ([`steady_slice`]), with the online phase's live allocations left where they
+//! are, after giving cached online memory back.
+//!
+//! Frees, stream-deferred frees, stats and the trace treat plan blocks like any other:
+//! the pointer map, the slab and the stats are shared. [`PlanStats`] counts hits,
+//! conflicts, unplanned requests, hole placements and skipped expected requests.
+//!
+//! Not yet: unloading a plan; the pool's free blocks are indexed by address in a
+//! `BTreeMap`, which may allocate on insert.
 
 pub mod arena;
 mod cursor;
 pub mod device;
 pub mod host;
+mod plan_pool;
 mod record;
 pub mod stats;
 mod streams;
@@ -82,11 +106,13 @@ use crate::trace::{MarkerKind, Trace};
 use crate::units::{Bytes, DeviceId, StreamId};
 
 pub use self::arena::BlockState;
-use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, SlabFull};
+use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, NIL, SlabFull};
 use self::cursor::Cursor;
 pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
+pub use self::plan_pool::steady_slice;
+use self::plan_pool::stream_ranges;
 use self::record::Recorder;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
 use self::streams::{EventQueue, PendingEvent, add_use};
@@ -210,13 +236,26 @@ pub struct PlanOptions {
     /// How many expected requests a request is matched against (see
     /// [`PlanStats`] and the cursor's resynchronisation rules).
     pub window: usize,
+    /// Place requests the plan does not serve at their planned offset (unplanned ones
+    /// and conflicts) in free holes of the plan's pool before the online arenas.
+    pub holes: bool,
+    /// A hole is taken only if none of the next `hole_horizon` expected requests is
+    /// planned on it.
+    pub hole_horizon: usize,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { window: 64 }
+        PlanOptions {
+            window: 64,
+            holes: true,
+            hole_horizon: 128,
+        }
     }
 }
+
+/// Free blocks of the pool looked at for one hole placement (best fit first).
+const HOLE_CANDIDATES: usize = 8;
 
 /// A plan being served: its cursor and the placement arena of its pool.
 #[derive(Debug)]
@@ -224,7 +263,47 @@ struct PlanServing {
     cursor: Cursor,
     arena: ArenaId,
     base: u64,
-    stream: StreamId,
+    /// Bytes of the pool (granule multiple).
+    len: u64,
+    /// The plan's streams, each with the union of its requests' pool ranges (offsets,
+    /// sorted, disjoint).
+    streams: plan_pool::StreamRanges,
+    options: PlanOptions,
+}
+
+/// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
+fn meets(union: &[(u64, u64)], lo: u64, hi: u64) -> bool {
+    let i = union.partition_point(|&(a, _)| a < hi);
+    i > 0 && union[i - 1].1 > lo
+}
+
+impl PlanServing {
+    fn serves(&self, stream: StreamId) -> bool {
+        self.streams.iter().any(|(s, _)| *s == stream)
+    }
+
+    fn multi_stream(&self) -> bool {
+        self.streams.len() > 1
+    }
+
+    /// Whether no other stream's planned request ever touches `[lo, hi)` (offsets).
+    fn exclusive(&self, stream: StreamId, lo: u64, hi: u64) -> bool {
+        self.streams
+            .iter()
+            .all(|(s, u)| *s == stream || !meets(u, lo, hi))
+    }
+
+    /// Whether a request on `stream` may take the hole `[lo, lo + len)` (offsets): on a
+    /// multi-stream plan no other stream plans anything there, and none of the next
+    /// expected requests is planned on it.
+    fn hole_ok(&self, stream: StreamId, lo: u64, len: u64) -> bool {
+        let hi = lo + len;
+        (!self.multi_stream() || self.exclusive(stream, lo, hi))
+            && self
+                .cursor
+                .upcoming(self.options.hole_horizon)
+                .all(|e| e.offset.get() >= hi || e.offset.get() + e.len <= lo)
+    }
 }
 
 /// Everything behind the lock.
@@ -300,7 +379,9 @@ impl State {
         DevicePtr(addr)
     }
 
-    /// The planned place for a request, if the plan has one and nothing occupies it.
+    /// The plan pool's answer to a request: its planned place if the plan has one and
+    /// nothing occupies it, else a free hole of the pool that the next expected
+    /// requests do not need (module docs, plan mode), else nothing.
     fn alloc_planned(
         &mut self,
         size: Bytes,
@@ -310,20 +391,67 @@ impl State {
         let Some(p) = self.plan.as_mut() else {
             return Ok(None);
         };
-        if p.stream != stream {
+        if !p.serves(stream) {
             return Ok(None);
         }
-        let Some(offset) = p.cursor.next(size.get(), stream) else {
+        if let Some(e) = p.cursor.next(size.get(), stream) {
+            let (arena, addr) = (p.arena, p.base + e.offset.get());
+            if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
+                if e.cross {
+                    // Another stream plans on this range: the free waits for ours.
+                    add_use(&mut self.heap.block_mut(i).uses, stream);
+                }
+                return Ok(Some(i));
+            }
+            if let Some(p) = self.plan.as_mut() {
+                p.cursor.conflict();
+            }
+        }
+        self.alloc_in_hole(size, rounded, stream)
+    }
+
+    /// A free hole of the plan's pool for a request the plan does not serve: the free
+    /// blocks that fit, best fit first, each tried at its low then its high end.
+    fn alloc_in_hole(
+        &mut self,
+        size: Bytes,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<Option<Idx>, SlabFull> {
+        let State { plan, heap, .. } = self;
+        let Some(p) = plan.as_mut() else {
             return Ok(None);
         };
-        let (arena, addr) = (p.arena, p.base + offset.get());
-        let placed = self.heap.alloc_at(arena, addr, rounded, size.get())?;
-        if placed.is_none()
-            && let Some(p) = self.plan.as_mut()
-        {
-            p.cursor.conflict();
+        if !p.options.holes {
+            return Ok(None);
         }
-        Ok(placed)
+        let mut key = (rounded, 0);
+        for _ in 0..HOLE_CANDIDATES {
+            let b = heap.fit_at_least(p.arena, key);
+            if b == NIL {
+                break;
+            }
+            let (ba, bs) = (heap.block(b).addr, heap.block(b).size);
+            key = (bs, ba + 1);
+            let high = ba + bs - rounded;
+            for (n, at) in [ba, high].into_iter().enumerate() {
+                if n == 1 && high == ba {
+                    break;
+                }
+                if !p.hole_ok(stream, at - p.base, rounded) {
+                    continue;
+                }
+                if let Some(i) = heap.alloc_at(p.arena, at, rounded, size.get())? {
+                    if p.multi_stream() {
+                        // The next user of this range may be on another stream.
+                        add_use(&mut heap.block_mut(i).uses, stream);
+                    }
+                    p.cursor.stats.holes += 1;
+                    return Ok(Some(i));
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals.
@@ -964,10 +1092,9 @@ impl<D: DeviceMemory> Engine<D> {
     /// first. A planned offset is used only if nothing live occupies its range;
     /// everything else is served online, as before.
     ///
-    /// This first version serves plans whose requests are all on one stream (the pool
-    /// is then reused in that stream's order, which makes reuse safe without events);
-    /// a plan spanning several streams is rejected, as is one for another device, a
-    /// second plan, or a pool beyond the memory limit.
+    /// A plan whose requests span several streams is served with the stream rules of
+    /// the module docs (plan mode). A plan for another device, a second plan, or a pool
+    /// beyond the memory limit is rejected.
     pub fn load_plan(&self, plan: &Plan, options: PlanOptions) -> Result<(), EngineError> {
         let reject = |m: String| Err(EngineError::PlanRejected(m));
         if let Err(v) = crate::verify::verify_plan(plan) {
@@ -979,17 +1106,10 @@ impl<D: DeviceMemory> Engine<D> {
         if plan.alignment.get() < ALIGNMENT {
             return reject(format!("alignment {} below 512 B", plan.alignment));
         }
-        let mut streams = plan
-            .prologue
-            .iter()
-            .chain(&plan.iteration)
-            .map(|r| r.stream);
-        let Some(stream) = streams.next() else {
+        if plan.prologue.is_empty() && plan.iteration.is_empty() {
             return reject("no requests".into());
-        };
-        if let Some(other) = streams.find(|&s| s != stream) {
-            return reject(format!("requests on several streams ({stream}, {other})"));
         }
+        let (streams, cross) = stream_ranges(plan);
         let len = plan
             .pool_size
             .get()
@@ -1025,9 +1145,11 @@ impl<D: DeviceMemory> Engine<D> {
         let mut st = self.lock()?;
         st.mapping -= len;
         let base = mapped?;
+        // The pool's arena is listed under the plan's first stream (snapshots, stats);
+        // it is never reached through `arena_of`, so any stream may be served from it.
         let arena = st
             .heap
-            .add_placement_arena(stream, PoolKind::Large, base.get(), len)
+            .add_placement_arena(streams[0].0, PoolKind::Large, base.get(), len)
             .map_err(EngineError::from)
             .and_then(|a| match st.heap.carve_growth(a, len, u64::MAX)? {
                 // The arena is exactly the pool: one block covers it.
@@ -1055,12 +1177,47 @@ impl<D: DeviceMemory> Engine<D> {
         st.stats.num_device_alloc += 1;
         st.settle_inactive();
         st.plan = Some(PlanServing {
-            cursor: Cursor::new(plan, options.window),
+            cursor: Cursor::new(plan, options.window, &cross),
             arena,
             base: base.get(),
-            stream,
+            len,
+            streams,
+            options,
         });
         Ok(())
+    }
+
+    /// Switches a running engine to `plan` at an iteration boundary (auto mode: the
+    /// engine served the first iterations online, recording them; the plan was made
+    /// from that recording elsewhere). What the online phase allocated stays where it
+    /// is, in the online arenas, and keeps being served there until freed; the plan's
+    /// prologue — what the run already did — is not replayed: only its steady
+    /// iteration is served ([`steady_slice`]: the iteration section, with the pool
+    /// ranges no iteration request uses, such as the persistent tensors' room, squeezed
+    /// out). Cached online memory is released first, so that the pool replaces it
+    /// rather than adds to it. The cursor starts at the beginning of an iteration, so
+    /// call this right after [`Engine::mark_iteration`].
+    ///
+    /// A plan without an iteration section, or one [`Engine::load_plan`] refuses, is
+    /// rejected and the engine goes on serving online.
+    pub fn switch_to_plan(&self, plan: &Plan, options: PlanOptions) -> Result<(), EngineError> {
+        let slice = steady_slice(plan).map_err(EngineError::PlanRejected)?;
+        if self.lock()?.plan.is_some() {
+            return Err(EngineError::PlanRejected(
+                "a plan is already being served".into(),
+            ));
+        }
+        self.release_cached()?;
+        self.load_plan(&slice, options)
+    }
+
+    /// The plan pool's base address and mapped length (`None` when no plan is served).
+    pub fn plan_pool(&self) -> Result<Option<(DevicePtr, Bytes)>, EngineError> {
+        Ok(self
+            .lock()?
+            .plan
+            .as_ref()
+            .map(|p| (DevicePtr(p.base), Bytes(p.len))))
     }
 
     /// What plan serving has done so far (`None` when no plan is served).

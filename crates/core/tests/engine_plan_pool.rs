@@ -1,0 +1,317 @@
+//! Plan mode beyond exact hits: requests placed in the pool's holes, plans spanning
+//! several streams, and switching to a plan mid-run. Every block is filled with a
+//! sentinel byte on allocation and checked on free (`HostMemory` keeps real bytes), so
+//! an overlap between two live blocks fails the test.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use stweaver_core::engine::{
+    DevicePtr, Engine, EngineConfig, HostMemory, PlanOptions, PlanSection, steady_slice,
+};
+use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
+use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
+use stweaver_core::verify::verify_plan;
+
+const G: u64 = 64 << 10;
+const S1: StreamId = StreamId(1);
+const S2: StreamId = StreamId(2);
+const K: u64 = 1 << 10;
+
+fn req(size: u64, offset: u64, start: u64, end: u64, stream: StreamId) -> PlannedRequest {
+    PlannedRequest {
+        size: Bytes(size),
+        stream,
+        offset: Offset(offset),
+        start,
+        end,
+    }
+}
+
+struct Run {
+    host: Arc<HostMemory>,
+    engine: Engine<Arc<HostMemory>>,
+    live: HashMap<u64, (u64, u8)>,
+    tag: u8,
+}
+
+impl Run {
+    fn new() -> Run {
+        let host = Arc::new(HostMemory::new(Bytes(1 << 30), Bytes(G)));
+        let engine = Engine::new(
+            host.clone(),
+            EngineConfig {
+                arena_size: Some(Bytes(64 << 20)),
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        Run {
+            host,
+            engine,
+            live: HashMap::new(),
+            tag: 0,
+        }
+    }
+
+    fn alloc(&mut self, size: u64, stream: StreamId) -> DevicePtr {
+        let p = self.engine.malloc(Bytes(size), stream).unwrap();
+        let len = size.div_ceil(512) * 512;
+        for (&q, &(l, _)) in &self.live {
+            assert!(
+                q + l <= p.get() || p.get() + len <= q,
+                "{p} overlaps {q:#x}"
+            );
+        }
+        self.tag = self.tag.wrapping_add(1).max(1);
+        self.host.fill(p, Bytes(len), self.tag).unwrap();
+        self.live.insert(p.get(), (len, self.tag));
+        p
+    }
+
+    fn free(&mut self, p: DevicePtr) {
+        let (len, byte) = self.live.remove(&p.get()).unwrap();
+        assert!(
+            self.host.check(p, Bytes(len), byte).unwrap(),
+            "sentinel at {p}"
+        );
+        self.engine.free(p).unwrap();
+    }
+
+    fn in_pool(&self, p: DevicePtr) -> bool {
+        let (base, len) = self.engine.plan_pool().unwrap().unwrap();
+        p.get() >= base.get() && p.get() < base.get() + len.get()
+    }
+}
+
+/// One stream: a 64 KiB parameter, then an iteration of two activations (32 KiB each)
+/// and a temporary, in a 128 KiB pool: [0, 64K) parameter, [64K, 96K) and [96K, 128K)
+/// activations; the temporary reuses the first activation's range after it dies.
+fn one_stream_plan() -> Plan {
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(128 * K),
+        prologue: vec![req(64 * K, 0, 0, NEVER_FREED, S1)],
+        prologue_len: 1,
+        iteration: vec![
+            req(32 * K, 64 * K, 0, 2, S1),
+            req(32 * K, 96 * K, 1, 4, S1),
+            req(8 * K, 64 * K, 3, 5, S1),
+        ],
+        iteration_len: 6,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    plan
+}
+
+fn one_iteration(r: &mut Run, extra: Option<u64>) {
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    let b = r.alloc(32 * K, S1);
+    r.free(a);
+    // An unplanned request while [64K, 96K) is free again.
+    let x = extra.map(|size| r.alloc(size, S1));
+    let c = r.alloc(8 * K, S1);
+    r.free(b);
+    r.free(c);
+    if let Some(x) = x {
+        r.free(x);
+    }
+}
+
+#[test]
+fn unplanned_requests_take_holes_the_plan_does_not_need_soon() {
+    let plan = one_stream_plan();
+    let mut r = Run::new();
+    // Looking one expected request ahead (the plan's iteration is so short that a
+    // longer horizon covers its whole pool).
+    let opts = PlanOptions {
+        hole_horizon: 1,
+        ..PlanOptions::default()
+    };
+    r.engine.load_plan(&plan, opts).unwrap();
+    let param = r.alloc(64 * K, S1);
+    for _ in 0..3 {
+        one_iteration(&mut r, Some(4 * K));
+    }
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!(
+        (st.hits, st.conflicts, st.unplanned),
+        (1 + 9, 0, 3),
+        "{st:?}"
+    );
+    assert_eq!(st.holes, 3, "{st:?}");
+    // Nothing went online: reserved memory is the pool alone.
+    let s = r.engine.stats().unwrap();
+    assert_eq!(s.reserved_bytes[0].peak as u64, 128 * K);
+    // The extra request did not take [64K, 72K), where the temporary comes next.
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    let b = r.alloc(32 * K, S1);
+    r.free(a);
+    let x = r.alloc(4 * K, S1);
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let off = x.get() - base.get();
+    assert_eq!(off, 92 * K, "the high end of the hole");
+    let c = r.alloc(8 * K, S1);
+    assert_eq!(c.get() - base.get(), 64 * K, "the temporary still hits");
+    for p in [b, c, x, param] {
+        r.free(p);
+    }
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn without_a_safe_hole_a_request_goes_online() {
+    let plan = one_stream_plan();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let param = r.alloc(64 * K, S1);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    let b = r.alloc(32 * K, S1);
+    r.free(a);
+    // 24 KiB (a size the plan does not have) fits only in [64K, 96K), where the
+    // temporary and the next iteration's first activation come next.
+    let x = r.alloc(24 * K, S1);
+    assert!(!r.in_pool(x));
+    let c = r.alloc(8 * K, S1);
+    assert!(r.in_pool(c));
+    for p in [b, c, x, param] {
+        r.free(p);
+    }
+    // With holes off, every unplanned request goes online.
+    let mut r = Run::new();
+    r.engine
+        .load_plan(
+            &plan,
+            PlanOptions {
+                holes: false,
+                ..PlanOptions::default()
+            },
+        )
+        .unwrap();
+    let param = r.alloc(64 * K, S1);
+    let y = r.alloc(512, S1);
+    assert!(!r.in_pool(y));
+    assert_eq!(r.engine.plan_stats().unwrap().unwrap().holes, 0);
+    r.free(y);
+    r.free(param);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
+    // Stream 1 writes [0, 32K) then stream 2 reuses it; [32K, 64K) is stream 2's alone.
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(64 * K),
+        prologue: vec![],
+        prologue_len: 0,
+        iteration: vec![
+            req(32 * K, 0, 0, 1, S1),
+            req(32 * K, 0, 2, 4, S2),
+            req(16 * K, 32 * K, 3, 5, S2),
+        ],
+        iteration_len: 6,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    for it in 0..3 {
+        r.engine.mark_iteration().unwrap();
+        let a = r.alloc(32 * K, S1);
+        assert_eq!(a, base, "iteration {it}: stream 1's request hits");
+        r.free(a);
+        // Stream 1 has not passed the free yet: its range is still pending.
+        let b = r.alloc(32 * K, S2);
+        assert_ne!(
+            b, base,
+            "iteration {it}: reused before stream 1 passed the free"
+        );
+        let c = r.alloc(16 * K, S2);
+        assert_eq!(
+            c.get(),
+            base.get() + 32 * K,
+            "stream 2's own range needs no event"
+        );
+        r.free(b);
+        r.free(c);
+        r.host.events().pass_all(S1);
+        r.host.events().pass_all(S2);
+        r.engine.process_events().unwrap();
+    }
+    // Once stream 1 keeps up, stream 2 gets the shared range as planned.
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    r.free(a);
+    r.host.events().pass_all(S1);
+    let b = r.alloc(32 * K, S2);
+    assert_eq!(b, base);
+    r.free(b);
+    r.host.events().pass_all(S2);
+    r.engine.process_events().unwrap();
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert!(st.conflicts >= 3, "{st:?}");
+    r.engine.check_invariants().unwrap();
+    assert_eq!(r.engine.stats().unwrap().active_bytes[0].current, 0);
+}
+
+#[test]
+fn switching_mid_run_serves_the_steady_slice_next_to_the_online_allocations() {
+    let plan = one_stream_plan();
+    let slice = steady_slice(&plan).unwrap();
+    assert_eq!(
+        slice.pool_size,
+        Bytes(64 * K),
+        "the parameter's room is squeezed out"
+    );
+    let mut r = Run::new();
+    r.engine.start_trace().unwrap();
+    // Online phase: the parameter and two iterations.
+    let param = r.alloc(64 * K, S1);
+    for _ in 0..2 {
+        one_iteration(&mut r, None);
+    }
+    let online_reserved = r.engine.stats().unwrap().reserved_bytes[0].current as u64;
+    r.engine.mark_iteration().unwrap();
+    let trace = r.engine.take_trace().unwrap().unwrap();
+    trace.validate().unwrap();
+    r.engine
+        .switch_to_plan(&plan, PlanOptions::default())
+        .unwrap();
+    assert_eq!(
+        r.engine.plan_position().unwrap(),
+        Some((PlanSection::Iteration, 0))
+    );
+    let (_, pool) = r.engine.plan_pool().unwrap().unwrap();
+    assert_eq!(pool, Bytes(G), "one granule for the 64 KiB slice");
+    for _ in 0..3 {
+        let a = r.alloc(32 * K, S1);
+        assert!(r.in_pool(a));
+        let b = r.alloc(32 * K, S1);
+        r.free(a);
+        let c = r.alloc(8 * K, S1);
+        r.free(b);
+        r.free(c);
+        r.engine.mark_iteration().unwrap();
+    }
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.hits, st.conflicts, st.unplanned), (9, 0, 0), "{st:?}");
+    // The parameter stayed online, where it was.
+    assert!(!r.in_pool(param));
+    let s = r.engine.stats().unwrap();
+    assert!(s.reserved_bytes[0].current as u64 <= online_reserved.max(G) + G);
+    assert!(
+        r.engine
+            .switch_to_plan(&plan, PlanOptions::default())
+            .is_err()
+    );
+    r.free(param);
+    r.engine.check_invariants().unwrap();
+}
