@@ -28,6 +28,17 @@ fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Cargo's target directory (`CARGO_TARGET_DIR` if set, else `<workspace>/target`).
+fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) => {
+            let d = PathBuf::from(d);
+            if d.is_absolute() { d } else { root().join(d) }
+        }
+        None => root().join("target"),
+    }
+}
+
 fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
@@ -53,8 +64,7 @@ fn build_staticlib(release: bool) -> Result<PathBuf> {
         c.arg("--release");
     }
     run(c)?;
-    let lib = root()
-        .join("target")
+    let lib = target_dir()
         .join(if release { "release" } else { "debug" })
         .join("libstweaver_torch.a");
     if !lib.is_file() {
@@ -123,9 +133,16 @@ fn strip_debug(path: &Path) {
 }
 
 fn ensure_excluded(entry: &str) -> Result<()> {
-    let info = root().join(".git/info");
-    fs::create_dir_all(&info)?;
-    let exclude = info.join("exclude");
+    // `--git-path` also resolves the shared exclude file of a linked worktree.
+    let rel = output(Command::new("git").current_dir(root()).args([
+        "rev-parse",
+        "--git-path",
+        "info/exclude",
+    ]))?;
+    let exclude = root().join(rel.trim());
+    if let Some(dir) = exclude.parent() {
+        fs::create_dir_all(dir)?;
+    }
     let text = fs::read_to_string(&exclude).unwrap_or_default();
     if !text.lines().any(|l| l.trim() == entry) {
         let mut new = text;
@@ -179,7 +196,7 @@ pub fn gpu_test(args: &[String]) -> Result<()> {
     let lib_dst = carry.join("libstweaver_torch.a");
     fs::copy(&lib, &lib_dst)?;
     strip_debug(&lib_dst);
-    let hdr = copy_resolved(&root().join("target/cxxbridge"), &carry.join("cxxbridge"))?;
+    let hdr = copy_resolved(&target_dir().join("cxxbridge"), &carry.join("cxxbridge"))?;
     for exe in &exes {
         let name = exe.file_name().context("test executable without a name")?;
         let dst = carry.join("bin").join(name);
@@ -274,7 +291,7 @@ fn check_one(version: &str, lib: &Path) -> Result<String> {
     let work = root().join("target/cpp-check").join(&tv);
     fs::create_dir_all(&work)?;
     let includes = [
-        root().join("target/cxxbridge").display().to_string(),
+        target_dir().join("cxxbridge").display().to_string(),
         root().join("cpp").display().to_string(),
         get(&env, "TORCH_INCLUDE")?.to_string(),
         get(&env, "TORCH_API_INCLUDE")?.to_string(),
