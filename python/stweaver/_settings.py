@@ -115,12 +115,15 @@ def resolve(
     if raw_iters is not None and not (raw_iters.strip().isdigit() and int(raw_iters) > 0):
         raise SettingsError(f"STWEAVER_AUTO_ITERATIONS={raw_iters!r} is not a positive integer")
     if check_files:
-        if plan_s is not None and not os.path.isfile(plan_s):
+        # plan mode reads the plan; auto mode writes the plan it makes (and the trace).
+        if mode == "plan" and not os.path.isfile(plan_s):
             raise SettingsError(f"plan file {plan_s!r} does not exist")
-        if trace_s is not None:
-            parent = os.path.dirname(os.path.abspath(trace_s))
-            if not os.path.isdir(parent):
-                raise SettingsError(f"trace file {trace_s!r}: folder {parent!r} does not exist")
+        outputs = [("trace", trace_s)] + ([("plan", plan_s)] if mode == "auto" else [])
+        for what, path in outputs:
+            if path is not None:
+                parent = os.path.dirname(os.path.abspath(path))
+                if not os.path.isdir(parent):
+                    raise SettingsError(f"{what} file {path!r}: folder {parent!r} does not exist")
     if hook_optimizer is None:
         raw = env.get("STWEAVER_HOOK_OPTIMIZER")
         if raw is not None:

@@ -37,6 +37,13 @@ def test_arguments_win_over_environment(tmp_path):
     assert s.hook_optimizer is False
 
 
+def test_auto_writes_its_plan_and_trace(tmp_path):
+    s = resolve("auto", plan=tmp_path / "new.stwp", trace=tmp_path / "new.stwt", env={})
+    assert (s.mode, s.plan, s.trace) == ("auto", str(tmp_path / "new.stwp"), str(tmp_path / "new.stwt"))
+    with pytest.raises(SettingsError, match="folder"):
+        resolve("auto", plan=tmp_path / "missing" / "p.stwp", env={})
+
+
 def test_path_like_arguments(tmp_path):
     s = resolve(trace=tmp_path / "t.stwt", env={})
     assert s.trace == str(tmp_path / "t.stwt")
