@@ -34,6 +34,11 @@ for t in "$CARRY"/bin/*; do
   if ! "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$OUT/rust_tests.log"; then status=1; fi
 done
 
+echo "== rust timing (bridge runtime on CUDA, no torch)"
+for t in "$CARRY"/bin/cuda-*; do
+  [ -x "$t" ] && "$t" --ignored --nocapture bench_ 2>&1 | grep -E "ns per|test result" | tee -a "$OUT/rust_tests.log"
+done
+
 echo "== build the extension"
 t0=$(date +%s)
 if ! "$PY" -m stweaver build 2>&1 | tee "$OUT/build.log" | tail -n 20; then status=1; fi

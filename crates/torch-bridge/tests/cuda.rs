@@ -38,3 +38,40 @@ fn runtime_on_cuda_device_zero() {
     let info = rt.oom_info(0, 1 << 50).unwrap();
     assert!(info.device_total > 0 && info.device_free <= info.device_total);
 }
+
+/// The bridge's own cost on a real device (no torch, no C++): malloc + free pairs through
+/// the runtime, steady state. Run by scripts/gpu_test.sh (`--ignored`); prints ns per pair.
+#[test]
+#[ignore = "timing; run explicitly on a GPU machine"]
+fn bench_runtime_pairs_on_cuda() {
+    if !Driver::is_present() || Driver::get().map(|d| d.device_count()).unwrap_or(0) == 0 {
+        return;
+    }
+    let rt = Runtime::with_core(Core::new(
+        Settings::parse("online", "", "").unwrap(),
+        cuda_factory(),
+    ));
+    rt.init(1).unwrap();
+    let keep: Vec<usize> = (0..200)
+        .map(|i| rt.malloc(0, 4096 + i * 512, 0, DEFAULT).unwrap())
+        .collect();
+    for size in [4096usize, 1 << 20, 64 << 20] {
+        for _ in 0..10_000 {
+            let p = rt.malloc(0, size, 0, DEFAULT).unwrap();
+            rt.free(p).unwrap();
+        }
+        let n = 200_000;
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            let p = rt.malloc(0, size, 0, DEFAULT).unwrap();
+            rt.free(p).unwrap();
+        }
+        println!(
+            "bridge runtime on CUDA: {size:>9} B: {:.1} ns per malloc+free",
+            t.elapsed().as_nanos() as f64 / n as f64
+        );
+    }
+    for p in keep {
+        rt.free(p).unwrap();
+    }
+}

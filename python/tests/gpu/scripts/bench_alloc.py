@@ -18,9 +18,12 @@ for size in (4096, 1 << 20, 64 << 20):
         t = torch.empty(size, dtype=torch.uint8, device="cuda")
         del t
     n = 50000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        t = torch.empty(size, dtype=torch.uint8, device="cuda")
-        del t
-    out[str(size)] = (time.perf_counter() - t0) / n * 1e6
+    best = float("inf")
+    for _rep in range(3):  # best of 3: the machine is shared
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = torch.empty(size, dtype=torch.uint8, device="cuda")
+            del t
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    out[str(size)] = best
 print(json.dumps(out))
