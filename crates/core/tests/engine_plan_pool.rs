@@ -315,3 +315,52 @@ fn switching_mid_run_serves_the_steady_slice_next_to_the_online_allocations() {
     r.free(param);
     r.engine.check_invariants().unwrap();
 }
+
+#[test]
+fn a_large_request_without_a_hole_grows_the_pool_at_its_tail() {
+    // Pool of 4 granules: a 3-granule parameter, then per iteration an activation of
+    // one granule at the top.
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(4 * G),
+        prologue: vec![req(3 * G, 0, 0, NEVER_FREED, S1)],
+        prologue_len: 1,
+        iteration: vec![req(G, 3 * G, 0, 1, S1)],
+        iteration_len: 2,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, len) = r.engine.plan_pool().unwrap().unwrap();
+    assert_eq!(len, Bytes(4 * G));
+    let param = r.alloc(3 * G, S1);
+    r.engine.mark_iteration().unwrap();
+    // 2 MiB (large pool), unplanned: no hole, the top granule is planned next.
+    let big = r.alloc(2 << 20, S1);
+    assert!(
+        big.get() >= base.get() + 4 * G,
+        "wholly above the planned pool"
+    );
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.grown, st.holes, st.unplanned), (1, 1, 1));
+    let reserved = r.engine.stats().unwrap().reserved_bytes[0].current as u64;
+    assert_eq!(reserved, 4 * G + (2 << 20), "only the granules it needs");
+    let act = r.alloc(G, S1);
+    assert_eq!(
+        act.get(),
+        base.get() + 3 * G,
+        "the planned request still hits"
+    );
+    r.free(act);
+    r.free(big);
+    // The grown tail is a hole now: the next big request reuses it, no growth.
+    r.engine.mark_iteration().unwrap();
+    let again = r.alloc(2 << 20, S1);
+    assert_eq!(again, big);
+    assert_eq!(r.engine.plan_stats().unwrap().unwrap().grown, 1);
+    r.free(again);
+    r.free(param);
+    r.engine.check_invariants().unwrap();
+}

@@ -207,6 +207,12 @@ impl Heap {
         }
     }
 
+    /// The mapping unit.
+    #[inline]
+    pub fn granule(&self) -> u64 {
+        self.granule
+    }
+
     #[inline]
     pub fn block(&self, i: Idx) -> &Block {
         &self.blocks[i as usize]
@@ -578,6 +584,24 @@ impl Heap {
             }
         }
         best
+    }
+
+    /// For an arena whose last block is unmapped: `(start of the free block before it, or
+    /// the mapped end when there is none, mapped end)`. `None` when the arena's end is
+    /// mapped (nothing left to grow into at the tail). O(log n).
+    pub fn tail_run(&self, a: ArenaId) -> Option<(u64, u64)> {
+        let arena = self.arena(a)?;
+        let (&end, &u) = arena.unmapped.last_key_value()?;
+        if self.blocks[u as usize].next != NIL {
+            return None;
+        }
+        let prev = self.blocks[u as usize].prev;
+        let start = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+            self.blocks[prev as usize].addr
+        } else {
+            end
+        };
+        Some((start, end))
     }
 
     // ---------------------------------------------------------------- serving

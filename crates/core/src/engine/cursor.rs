@@ -100,6 +100,10 @@ pub struct PlanStats {
     /// Requests not served at a planned offset (unplanned, conflicts) that were
     /// placed in a free hole of the plan's pool instead of the online arenas.
     pub holes: u64,
+    /// Requests not served at a planned offset that found no hole and were placed
+    /// above the planned part of the pool, which grew for them (counted in `holes`
+    /// too).
+    pub grown: u64,
     /// Expected requests passed over by a match further ahead, or left over at an
     /// iteration boundary.
     pub skipped: u64,

@@ -60,8 +60,13 @@
 //! cursor calls it unplanned, or its planned range is occupied: a *conflict*) is
 //! placed in a **hole** of the pool — a free block, best fit first, at its low or high
 //! end — provided none of the next [`PlanOptions::hole_horizon`] expected requests is
-//! planned on that range (so the hole stays free long enough for what is coming); only
-//! then does it go to the online arenas. The placement goes through the same
+//! planned on that range (so the hole stays free long enough for what is coming). A
+//! large request with no such hole makes the pool **grow at its tail** (its address
+//! range reaches as far as an online arena's; granules are mapped as for an online
+//! arena): it goes at the high end of the free tail of the pool plus new granules if
+//! the next expected requests do not need that range, else wholly above the mapped end,
+//! where nothing is planned. Only small requests without a hole, and requests on
+//! streams the plan does not know, go to the online arenas. The placement goes through the same
 //! occupancy-checked `alloc_at`, so it can never alias; at worst it makes a later
 //! planned request a conflict, which then takes a hole or goes online in turn.
 //!
@@ -454,6 +459,51 @@ impl State {
         Ok(None)
     }
 
+    /// Where a large request the pool has no hole for goes when the pool grows at its
+    /// tail: `(pool arena, bytes the tail run must hold, address)`. The block is put at
+    /// the high end of the tail run if the next expected requests do not need that
+    /// range, else wholly above the mapped end (never planned on). `None` without a
+    /// plan serving `stream` with holes on.
+    fn pool_growth(&self, rounded: u64, stream: StreamId) -> Option<(ArenaId, u64, u64)> {
+        let p = self.plan.as_ref()?;
+        if !p.serves(stream) || !p.options.holes {
+            return None;
+        }
+        let (free_start, end) = self.heap.tail_run(p.arena)?;
+        let g = self.heap.granule();
+        let reuse_end = end.max((free_start + rounded).div_ceil(g) * g);
+        let reuse_at = reuse_end - rounded;
+        if reuse_at >= p.base && p.hole_ok(stream, reuse_at - p.base, rounded) {
+            return Some((p.arena, reuse_end - free_start, reuse_at));
+        }
+        let above_end = end + rounded.div_ceil(g) * g;
+        Some((p.arena, above_end - free_start, above_end - rounded))
+    }
+
+    /// Places a request at `at` in the pool arena after it grew (`None` if another
+    /// thread took the range meanwhile).
+    fn alloc_grown(
+        &mut self,
+        pa: ArenaId,
+        at: u64,
+        size: Bytes,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<Option<Idx>, SlabFull> {
+        let placed = self.heap.alloc_at(pa, at, rounded, size.get())?;
+        if let Some(i) = placed
+            && let Some(p) = self.plan.as_mut()
+        {
+            p.cursor.stats.holes += 1;
+            p.cursor.stats.grown += 1;
+            if p.multi_stream() {
+                // As for any hole: the next user may be on another stream.
+                add_use(&mut self.heap.block_mut(i).uses, stream);
+            }
+        }
+        Ok(placed)
+    }
+
     /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals.
     fn settle_inactive(&mut self) {
         for kind in [PoolKind::Small, PoolKind::Large] {
@@ -574,6 +624,17 @@ impl<D: DeviceMemory> Engine<D> {
         }
         if let Some(i) = st.alloc_planned(size, rounded, stream)? {
             return Ok(st.register(i, size, stream));
+        }
+        if kind == PoolKind::Large
+            && let Some((pa, grow_by, at)) = st.pool_growth(rounded, stream)
+        {
+            let (grown, guard) = self.grow(st, pa, PoolKind::Large, grow_by)?;
+            st = guard;
+            if matches!(grown, Growth::Retry)
+                && let Some(i) = st.alloc_grown(pa, at, size, rounded, stream)?
+            {
+                return Ok(st.register(i, size, stream));
+            }
         }
         let mut retried = false;
         loop {
@@ -1132,13 +1193,17 @@ impl<D: DeviceMemory> Engine<D> {
             }
             st.mapping += len;
         }
+        // The pool's address range reaches past the pool, as far as an online arena's,
+        // so that it can grow at its tail (module docs, dynamic space); only the pool
+        // is mapped now.
+        let vlen = len.max(self.arena_size);
         let mapped =
             self.dev
-                .reserve(Bytes(len))
+                .reserve(Bytes(vlen))
                 .and_then(|base| match self.dev.map(base, Bytes(len)) {
                     Ok(()) => Ok(base),
                     Err(e) => {
-                        let _ = self.dev.release(base, Bytes(len));
+                        let _ = self.dev.release(base, Bytes(vlen));
                         Err(e)
                     }
                 });
@@ -1149,10 +1214,10 @@ impl<D: DeviceMemory> Engine<D> {
         // it is never reached through `arena_of`, so any stream may be served from it.
         let arena = st
             .heap
-            .add_placement_arena(streams[0].0, PoolKind::Large, base.get(), len)
+            .add_placement_arena(streams[0].0, PoolKind::Large, base.get(), vlen)
             .map_err(EngineError::from)
             .and_then(|a| match st.heap.carve_growth(a, len, u64::MAX)? {
-                // The arena is exactly the pool: one block covers it.
+                // A fresh arena: the lowest run is its start, exactly the pool.
                 Ok(carved) => {
                     for i in carved {
                         st.heap.finish_mapping(i, true);
@@ -1168,7 +1233,7 @@ impl<D: DeviceMemory> Engine<D> {
             Err(e) => {
                 drop(st);
                 let _ = self.dev.unmap(base, Bytes(len));
-                let _ = self.dev.release(base, Bytes(len));
+                let _ = self.dev.release(base, Bytes(vlen));
                 return Err(e);
             }
         };
