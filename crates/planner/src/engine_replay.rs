@@ -1,0 +1,612 @@
+//! Engine replay: a [`Trace`] served by the real online engine ([`Engine`]) over an
+//! accounting-only device ([`VirtualMemory`]: address ranges and mappings, no bytes), so
+//! that what stweaver would reserve on a GPU is measured on a laptop.
+//!
+//! # What is replayed
+//!
+//! Preexisting allocations are allocated first, in `AllocId` order. Then every event in
+//! order: `Alloc` → [`Engine::malloc`] of the requested size on its stream; the free
+//! that ends the lifetime (`FreeCompleted`, or `FreeRequested` when the allocation has
+//! no completed free) → [`Engine::free`]; iteration boundaries (below) →
+//! [`Engine::mark_iteration`]; other markers → [`Engine::mark`] (they only matter to
+//! the engine's own trace recording).
+//!
+//! **Iteration boundaries** are, in order of preference: the trace's `IterationBegin`
+//! markers; else the ends of its `Optimizer.step` annotations (where the Python side's
+//! optimizer hook calls `stweaver.step()` at run time); else the starts of the steady
+//! iterations [`detect_period`] finds; else none ([`iteration_boundaries`]).
+//!
+//! # Modes ([`ServeMode`])
+//!
+//! - **online**: the engine alone;
+//! - **plan**: a [`Plan`] loaded before the first request (for example one made by
+//!   [`plan_first_iterations`] from the first iterations of the same trace: "plan from
+//!   the first iterations, serve the whole run");
+//! - **auto**: the engine records its own trace online ([`Engine::start_trace`]) for the
+//!   first `record_iterations` boundaries, a planner callback turns that recording into
+//!   a plan (in a real run: a background thread), and the engine switches to it at that
+//!   boundary ([`Engine::switch_to_plan`]), the allocations of the online phase staying
+//!   where they are.
+//!
+//! # What is measured and checked
+//!
+//! Peak reserved (mapped) bytes, as the engine's stats report them and as the device
+//! saw them (the two must agree); peak allocated and requested bytes; for each
+//! allocation whether it was served at its planned offset, in a hole of the plan's pool
+//! or by the online arenas ([`Served`]); the engine's [`PlanStats`].
+//!
+//! **No aliasing, checked at every step**: every live block `[ptr, ptr + rounded
+//! size)` sits in an ordered map; each allocation is checked against its neighbours
+//! there before it is inserted, so two live blocks that overlap fail the replay at the
+//! event where it happens ([`EngineReplayError::Aliasing`]). The engine's own
+//! consistency check ([`Engine::check_invariants`]) runs at every iteration boundary
+//! and at the end.
+//!
+//! Cost: O(events · log live) for the overlap map on top of the engine's own cost
+//! (O(log n) per request), plus O(blocks) per boundary for the invariant check; a
+//! 62 k-event trace replays in well under a second in release builds.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use stweaver_core::engine::{
+    DevicePtr, Engine, EngineConfig, EngineError, PlanOptions as ServeOptions, PlanStats,
+    VirtualMemory,
+};
+use stweaver_core::{
+    AllocId, Allocation, Bytes, Event, EventKind, MarkerKind, Plan, Trace, TraceError,
+};
+
+use crate::iteration::detect_period;
+use crate::planning::{PlanBuildError, PlanOptions, PlanOutcome, plan_trace};
+
+/// The mapping granularity of an H200 (and of every CUDA GPU stweaver targets).
+pub const GRANULE: Bytes = Bytes(2 << 20);
+
+/// How a trace is served.
+pub enum ServeMode<'a> {
+    /// The online engine alone.
+    Online,
+    /// `plan` loaded before the first request.
+    Plan(&'a Plan),
+    /// Online while recording the first `record_iterations` iterations, then the plan
+    /// `planner` makes of that recording, switched in at that boundary.
+    Auto {
+        record_iterations: usize,
+        planner: &'a dyn Fn(&Trace) -> Result<Plan, String>,
+    },
+}
+
+impl ServeMode<'_> {
+    /// Stable identifier.
+    pub fn id(&self) -> &'static str {
+        match self {
+            ServeMode::Online => "online",
+            ServeMode::Plan(_) => "plan",
+            ServeMode::Auto { .. } => "auto",
+        }
+    }
+}
+
+/// Device and engine settings of a replay.
+#[derive(Debug, Clone)]
+pub struct EngineReplayOptions {
+    /// Mapping granularity of the device.
+    pub granule: Bytes,
+    /// Device memory (the engine's limit is all of it).
+    pub device_memory: Bytes,
+    /// How the plan is served (look-ahead window and the like).
+    pub serve: ServeOptions,
+}
+
+impl Default for EngineReplayOptions {
+    fn default() -> Self {
+        EngineReplayOptions {
+            granule: GRANULE,
+            // An H200: 141 GB.
+            device_memory: Bytes(141 * 1_000_000_000),
+            serve: ServeOptions::default(),
+        }
+    }
+}
+
+/// Where one allocation was served from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Served {
+    /// At its planned offset.
+    Plan,
+    /// In a hole of the plan's pool, or at its tail which grew for it (not planned,
+    /// or its planned range was busy).
+    Hole,
+    /// By the online arenas.
+    Online,
+    /// Not allocated (never reached).
+    NotServed,
+}
+
+/// How many allocations were served where.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServedCounts {
+    pub plan: u64,
+    pub hole: u64,
+    pub online: u64,
+}
+
+impl ServedCounts {
+    pub fn total(&self) -> u64 {
+        self.plan + self.hole + self.online
+    }
+}
+
+/// What a replay measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineReplayReport {
+    pub mode: &'static str,
+    /// The trace's lower bound (peak of live requested bytes).
+    pub lower_bound: Bytes,
+    /// Peak of mapped bytes (the engine's `reserved_bytes` peak, equal to the device's).
+    pub peak_reserved: Bytes,
+    /// Peaks of mapped bytes of the small-block and the large-block arenas (the plan
+    /// pool counts as large), each reached at its own time.
+    pub peak_reserved_small: Bytes,
+    pub peak_reserved_large: Bytes,
+    /// Peak of allocated (512-B rounded) bytes.
+    pub peak_allocated: Bytes,
+    /// Peak of requested bytes.
+    pub peak_requested: Bytes,
+    /// Where each allocation was served, by `AllocId`.
+    pub served: Vec<Served>,
+    pub counts: ServedCounts,
+    /// The engine's plan statistics at the end (`None` if no plan was served).
+    pub plan_stats: Option<PlanStats>,
+    /// Bytes of the plan pool the engine mapped (0 without a plan).
+    pub pool_size: Bytes,
+    /// `mark_iteration` calls.
+    pub iterations_marked: usize,
+    /// Event index where the plan was switched in (auto mode), if it was.
+    pub switched_at: Option<usize>,
+    /// Why auto mode kept serving online, if it did (the planner's or the engine's
+    /// refusal).
+    pub plan_error: Option<String>,
+    /// Overlap checks made (one per allocation).
+    pub overlap_checks: u64,
+}
+
+impl EngineReplayReport {
+    /// Peak reserved / lower bound.
+    pub fn reserved_over_lb(&self) -> f64 {
+        self.peak_reserved.ratio(self.lower_bound)
+    }
+
+    /// Of the requests the plan's cursor went through (hits, conflicts and expected
+    /// requests passed over), the fraction served at the planned offset. 0 without a
+    /// plan.
+    pub fn planned_fraction(&self) -> f64 {
+        match self.plan_stats {
+            Some(s) if s.hits + s.conflicts + s.skipped > 0 => {
+                s.hits as f64 / (s.hits + s.conflicts + s.skipped) as f64
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+/// Why a replay failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineReplayError {
+    #[error("the trace is invalid: {0}")]
+    Trace(#[from] TraceError),
+    #[error("event {event}: the engine failed to {what}: {error}")]
+    Engine {
+        event: usize,
+        what: String,
+        error: EngineError,
+    },
+    #[error(
+        "event {event}: ALIASING: allocation {alloc} got [{start:#x}, {end:#x}), which overlaps live allocation {other} at [{other_start:#x}, {other_end:#x})"
+    )]
+    Aliasing {
+        event: usize,
+        alloc: AllocId,
+        start: u64,
+        end: u64,
+        other: AllocId,
+        other_start: u64,
+        other_end: u64,
+    },
+    #[error("event {event}: allocation {alloc} got the misaligned address {ptr}")]
+    Misaligned {
+        event: usize,
+        alloc: AllocId,
+        ptr: DevicePtr,
+    },
+    #[error("the engine reports a reserved peak of {engine}, the device saw {device}")]
+    ReservedMismatch { engine: Bytes, device: Bytes },
+}
+
+/// Event indices where the replay calls `mark_iteration` (before handling the event),
+/// ascending (module docs).
+pub fn iteration_boundaries(trace: &Trace) -> Vec<usize> {
+    let markers = |pred: &dyn Fn(MarkerKind, Option<&str>) -> bool| -> Vec<usize> {
+        trace
+            .events
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| match e.kind {
+                EventKind::Marker { kind, label } => {
+                    let label = label.and_then(|l| trace.labels.get(l as usize));
+                    pred(kind, label.map(String::as_str)).then_some(i)
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let begin = markers(&|k, _| k == MarkerKind::IterationBegin);
+    if !begin.is_empty() {
+        return begin;
+    }
+    let steps = markers(&|k, l| {
+        k == MarkerKind::PhaseEnd && l.is_some_and(|l| l.starts_with("Optimizer.step"))
+    });
+    if !steps.is_empty() {
+        return steps;
+    }
+    detect_period(trace)
+        .map(|p| {
+            p.boundaries
+                .iter()
+                .map(|b| b.index())
+                .filter(|&b| b < trace.events.len())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The trace up to event `end` (exclusive): allocations made before it (and the
+/// preexisting ones), renumbered in order, with the frees that happen before it.
+/// Allocations still live at `end` are never freed in the prefix. O(events).
+pub fn trace_prefix(trace: &Trace, end: usize) -> Trace {
+    let end = end.min(trace.events.len());
+    let mut new_id: Vec<Option<AllocId>> = vec![None; trace.allocations.len()];
+    let mut allocations: Vec<Allocation> = Vec::new();
+    for (i, a) in trace.allocations.iter().enumerate() {
+        if a.preexisting {
+            new_id[i] = Some(AllocId(allocations.len() as u32));
+            allocations.push(*a);
+        }
+    }
+    let mut events = Vec::with_capacity(end);
+    for e in &trace.events[..end] {
+        let kind = match e.kind {
+            EventKind::Alloc(id) => {
+                let n = AllocId(allocations.len() as u32);
+                new_id[id.index()] = Some(n);
+                allocations.push(trace.allocations[id.index()]);
+                EventKind::Alloc(n)
+            }
+            EventKind::FreeRequested(id) => match new_id[id.index()] {
+                Some(n) => EventKind::FreeRequested(n),
+                None => continue,
+            },
+            EventKind::FreeCompleted(id) => match new_id[id.index()] {
+                Some(n) => EventKind::FreeCompleted(n),
+                None => continue,
+            },
+            m @ EventKind::Marker { .. } => m,
+        };
+        events.push(Event {
+            kind,
+            time_us: e.time_us,
+        });
+    }
+    Trace {
+        device: trace.device,
+        allocations,
+        events,
+        labels: trace.labels.clone(),
+    }
+}
+
+/// `trace` with an `IterationBegin` marker right after each event of `bounds` that is
+/// not one already: what the engine itself records when `mark_iteration` is called at
+/// those points. O(events).
+pub fn with_iteration_markers(trace: &Trace, bounds: &[usize]) -> Trace {
+    let mut events = Vec::with_capacity(trace.events.len() + bounds.len());
+    let mut next = 0;
+    for (i, e) in trace.events.iter().enumerate() {
+        events.push(*e);
+        while next < bounds.len() && bounds[next] < i {
+            next += 1;
+        }
+        let already = matches!(
+            e.kind,
+            EventKind::Marker {
+                kind: MarkerKind::IterationBegin,
+                ..
+            }
+        );
+        if next < bounds.len() && bounds[next] == i && !already {
+            events.push(Event {
+                kind: EventKind::Marker {
+                    kind: MarkerKind::IterationBegin,
+                    label: None,
+                },
+                time_us: e.time_us,
+            });
+        }
+    }
+    Trace {
+        events,
+        ..trace.clone()
+    }
+}
+
+/// A plan made from the first `iterations` iterations of `trace` — the events up to
+/// and including its `iterations`-th boundary ([`iteration_boundaries`]; the whole
+/// trace if it has fewer), with `IterationBegin` markers at the boundaries as the
+/// engine records them — and the event index where that prefix ends.
+pub fn plan_first_iterations(
+    trace: &Trace,
+    iterations: usize,
+    opts: &PlanOptions,
+) -> Result<(PlanOutcome, usize), PlanBuildError> {
+    let bounds = iteration_boundaries(trace);
+    let end = match iterations.checked_sub(1).and_then(|k| bounds.get(k)) {
+        Some(&b) => b + 1,
+        None => trace.events.len(),
+    };
+    let prefix = with_iteration_markers(&trace_prefix(trace, end), &bounds);
+    Ok((plan_trace(&prefix, opts)?, end))
+}
+
+/// Live blocks by address, to check that none overlap.
+#[derive(Debug, Default)]
+struct LiveRanges {
+    /// start -> (end, alloc).
+    map: BTreeMap<u64, (u64, AllocId)>,
+    checks: u64,
+}
+
+impl LiveRanges {
+    fn insert(
+        &mut self,
+        event: usize,
+        alloc: AllocId,
+        start: u64,
+        end: u64,
+    ) -> Result<(), EngineReplayError> {
+        self.checks += 1;
+        let clash = |other: AllocId, other_start: u64, other_end: u64| {
+            Err(EngineReplayError::Aliasing {
+                event,
+                alloc,
+                start,
+                end,
+                other,
+                other_start,
+                other_end,
+            })
+        };
+        if let Some((&s, &(e, other))) = self.map.range(..end).next_back()
+            && e > start
+        {
+            return clash(other, s, e);
+        }
+        self.map.insert(start, (end, alloc));
+        Ok(())
+    }
+
+    fn remove(&mut self, start: u64) {
+        self.map.remove(&start);
+    }
+}
+
+struct Replayer<'t> {
+    trace: &'t Trace,
+    engine: Engine<Arc<VirtualMemory>>,
+    dev: Arc<VirtualMemory>,
+    ptr: Vec<Option<DevicePtr>>,
+    served: Vec<Served>,
+    counts: ServedCounts,
+    live: LiveRanges,
+    plan_base: Option<(u64, u64)>,
+}
+
+impl Replayer<'_> {
+    fn err(event: usize, what: impl Into<String>) -> impl FnOnce(EngineError) -> EngineReplayError {
+        let what = what.into();
+        move |error| EngineReplayError::Engine { event, what, error }
+    }
+
+    fn alloc(&mut self, event: usize, id: AllocId) -> Result<(), EngineReplayError> {
+        let a = self.trace.allocations[id.index()];
+        let before = self.plan_counts()?;
+        let p = self
+            .engine
+            .malloc(a.size, a.stream)
+            .map_err(Self::err(event, format!("allocate {id} ({})", a.size)))?;
+        if !p.get().is_multiple_of(512) {
+            return Err(EngineReplayError::Misaligned {
+                event,
+                alloc: id,
+                ptr: p,
+            });
+        }
+        let rounded = a.size.get().div_ceil(512) * 512;
+        self.live.insert(event, id, p.get(), p.get() + rounded)?;
+        let after = self.plan_counts()?;
+        let served = if after.0 > before.0 {
+            Served::Plan
+        } else if after.1 > before.1 {
+            Served::Hole
+        } else {
+            Served::Online
+        };
+        match served {
+            Served::Plan => self.counts.plan += 1,
+            Served::Hole => self.counts.hole += 1,
+            _ => self.counts.online += 1,
+        }
+        self.served[id.index()] = served;
+        self.ptr[id.index()] = Some(p);
+        Ok(())
+    }
+
+    fn free(&mut self, event: usize, id: AllocId) -> Result<(), EngineReplayError> {
+        if let Some(p) = self.ptr[id.index()].take() {
+            self.live.remove(p.get());
+            self.engine
+                .free(p)
+                .map_err(Self::err(event, format!("free {id} at {p}")))?;
+        }
+        Ok(())
+    }
+
+    fn pool(&self) -> Result<Option<(u64, u64)>, EngineReplayError> {
+        Ok(self
+            .engine
+            .plan_pool()
+            .map_err(Self::err(0, "read the plan pool"))?
+            .map(|(b, l)| (b.get(), l.get())))
+    }
+
+    /// Plan hits and hole placements so far.
+    fn plan_counts(&self) -> Result<(u64, u64), EngineReplayError> {
+        Ok(self
+            .engine
+            .plan_stats()
+            .map_err(Self::err(0, "read plan stats"))?
+            .map_or((0, 0), |s| (s.hits, s.holes)))
+    }
+}
+
+/// Replays `trace` through the engine in `mode` (module docs).
+pub fn replay_engine(
+    trace: &Trace,
+    mode: &ServeMode<'_>,
+    opts: &EngineReplayOptions,
+) -> Result<EngineReplayReport, EngineReplayError> {
+    trace.validate()?;
+    let dev = Arc::new(VirtualMemory::new(opts.device_memory, opts.granule));
+    let config = EngineConfig {
+        device: trace.device,
+        record_trace: matches!(mode, ServeMode::Auto { .. }),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(dev.clone(), config).map_err(Replayer::err(0, "start"))?;
+    let n = trace.allocations.len();
+    let mut r = Replayer {
+        trace,
+        engine,
+        dev,
+        ptr: vec![None; n],
+        served: vec![Served::NotServed; n],
+        counts: ServedCounts::default(),
+        live: LiveRanges::default(),
+        plan_base: None,
+    };
+    if let ServeMode::Plan(plan) = mode {
+        r.engine
+            .load_plan(plan, opts.serve)
+            .map_err(Replayer::err(0, "load the plan"))?;
+        r.plan_base = r.pool()?;
+    }
+    // The free that ends each lifetime.
+    let ends: Vec<Option<usize>> = trace
+        .lifetimes()
+        .iter()
+        .map(|l| l.end.map(|e| e.index()))
+        .collect();
+    for (i, a) in trace.allocations.iter().enumerate() {
+        if a.preexisting {
+            r.alloc(0, AllocId(i as u32))?;
+        }
+    }
+    let bounds = iteration_boundaries(trace);
+    let mut next_bound = 0;
+    let mut marked = 0;
+    let mut switched_at = None;
+    let mut plan_error = None;
+    for (i, e) in trace.events.iter().enumerate() {
+        if next_bound < bounds.len() && bounds[next_bound] == i {
+            next_bound += 1;
+            r.engine
+                .mark_iteration()
+                .map_err(Replayer::err(i, "mark an iteration"))?;
+            marked += 1;
+            r.engine
+                .check_invariants()
+                .map_err(Replayer::err(i, "check its invariants"))?;
+            if let ServeMode::Auto {
+                record_iterations,
+                planner,
+            } = mode
+                && marked == *record_iterations
+            {
+                let recorded = r
+                    .engine
+                    .take_trace()
+                    .map_err(Replayer::err(i, "hand over its trace"))?
+                    .unwrap_or_default();
+                match planner(&recorded) {
+                    Err(e) => plan_error = Some(e),
+                    Ok(plan) => match r.engine.switch_to_plan(&plan, opts.serve) {
+                        Ok(()) => {
+                            switched_at = Some(i);
+                            r.plan_base = r.pool()?;
+                        }
+                        Err(e) => plan_error = Some(e.to_string()),
+                    },
+                }
+            }
+        }
+        match e.kind {
+            EventKind::Alloc(id) => r.alloc(i, id)?,
+            EventKind::FreeRequested(id) | EventKind::FreeCompleted(id) => {
+                if ends[id.index()] == Some(i) {
+                    r.free(i, id)?;
+                }
+            }
+            EventKind::Marker { kind, label } => {
+                let label = label.and_then(|l| trace.labels.get(l as usize));
+                r.engine
+                    .mark(kind, label.map(String::as_str))
+                    .map_err(Replayer::err(i, "record a marker"))?;
+            }
+        }
+    }
+    let end = trace.events.len();
+    r.engine
+        .check_invariants()
+        .map_err(Replayer::err(end, "check its invariants"))?;
+    let stats = r.engine.stats().map_err(Replayer::err(end, "read stats"))?;
+    let peak_reserved = Bytes(stats.reserved_bytes[0].peak as u64);
+    let device = r.dev.peak_mapped();
+    if device != peak_reserved {
+        return Err(EngineReplayError::ReservedMismatch {
+            engine: peak_reserved,
+            device,
+        });
+    }
+    let plan_stats = r
+        .engine
+        .plan_stats()
+        .map_err(Replayer::err(end, "read plan stats"))?;
+    Ok(EngineReplayReport {
+        mode: mode.id(),
+        lower_bound: trace.lower_bound().bytes,
+        peak_reserved,
+        peak_reserved_small: Bytes(stats.reserved_bytes[1].peak as u64),
+        peak_reserved_large: Bytes(stats.reserved_bytes[2].peak as u64),
+        peak_allocated: Bytes(stats.allocated_bytes[0].peak as u64),
+        peak_requested: Bytes(stats.requested_bytes[0].peak as u64),
+        served: r.served,
+        counts: r.counts,
+        plan_stats,
+        pool_size: Bytes(r.plan_base.map_or(0, |(_, l)| l)),
+        iterations_marked: marked,
+        switched_at,
+        plan_error,
+        overlap_checks: r.live.checks,
+    })
+}
