@@ -9,6 +9,7 @@ pub mod classify;
 pub mod engine_replay;
 pub mod input;
 pub mod iteration;
+pub mod offline;
 pub mod planning;
 pub mod replay;
 pub mod report;

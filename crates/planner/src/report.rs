@@ -238,7 +238,7 @@ impl Comparison {
                 r.label.clone(),
                 r.peak_reserved.human(),
                 r.peak_allocated.human(),
-                format!("{:.1} %", 100.0 * Self::utilization(r)),
+                format!("{:.2} %", 100.0 * Self::utilization(r)),
                 format!(
                     "{} ({:.1} %)",
                     wasted.human(),

@@ -6,13 +6,16 @@
 //! works anywhere.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use stweaver_core::Trace;
+use stweaver_planner::input::LoadedInput;
+use stweaver_planner::offline::OfflinePlanRow;
 use stweaver_planner::replay::{AllocatorConfig, ReplayOptions};
 use stweaver_planner::report::{self, StweaverRow};
-use stweaver_planner::snapshot::{load_snapshot, load_snapshot_from_bytes};
+use stweaver_planner::snapshot::load_snapshot_from_bytes;
+use stweaver_planner::solver::SolveOptions;
 
 /// The bundled real snapshot.
 pub const BUNDLED: &[u8] = include_bytes!(concat!(
@@ -23,8 +26,8 @@ pub const BUNDLED_NAME: &str = "bundled snap_gpt2xl_rcp.pickle.gz";
 
 #[derive(clap::Args, Debug)]
 pub struct CompareArgs {
-    /// A PyTorch memory snapshot (`.pickle` or `.pickle.gz`). Default: the bundled
-    /// GPT-2 XL snapshot.
+    /// A PyTorch memory snapshot (`.pickle` or `.pickle.gz`) or a stweaver trace file
+    /// (`.stwt`). Default: the bundled GPT-2 XL snapshot.
     pub input: Option<PathBuf>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
@@ -36,34 +39,51 @@ pub struct CompareArgs {
     /// Device whose trace to compare (default: the first device with allocations).
     #[arg(long, value_name = "N")]
     pub device: Option<i32>,
+    /// Seconds the offline solver may spend on the stweaver row.
+    #[arg(long, value_name = "SECS", default_value_t = 2.0)]
+    pub plan_budget: f64,
+    /// Leave out the stweaver (offline plan) row.
+    #[arg(long)]
+    pub no_plan: bool,
 }
 
 /// A trace ready to compare or draw.
 pub struct Loaded {
     pub source: String,
     pub trace: Trace,
-    /// The allocator settings the run was recorded with.
+    /// The allocator settings the run was recorded with (defaults for a trace file,
+    /// which does not record them).
     pub recorded: AllocatorConfig,
     pub load_seconds: f64,
 }
 
-/// Loads `input` (or the bundled snapshot) and picks the device's trace.
+/// Loads `input` (a snapshot or a trace file; default: the bundled snapshot) and picks
+/// the device's trace.
 pub fn load_input(input: Option<&Path>, device: Option<i32>) -> Result<Loaded> {
     let t0 = Instant::now();
-    let (source, snap) = match input {
-        Some(p) => (p.display().to_string(), load_snapshot(p)?),
+    let (source, loaded) = match input {
+        Some(p) => (
+            p.display().to_string(),
+            stweaver_planner::input::load_input(p)?,
+        ),
         None => (
             BUNDLED_NAME.to_string(),
-            load_snapshot_from_bytes(BUNDLED).context(BUNDLED_NAME)?,
+            LoadedInput::Snapshot(Box::new(
+                load_snapshot_from_bytes(BUNDLED).context(BUNDLED_NAME)?,
+            )),
         ),
     };
     let load_seconds = t0.elapsed().as_secs_f64();
-    let recorded = AllocatorConfig::from_snapshot_settings(&snap.settings)
-        .with_context(|| format!("{source}: allocator_settings"))?;
-    let devices: Vec<String> = snap.traces.iter().map(|t| t.device.to_string()).collect();
+    let recorded = match &loaded {
+        LoadedInput::Snapshot(snap) => AllocatorConfig::from_snapshot_settings(&snap.settings)
+            .with_context(|| format!("{source}: allocator_settings"))?,
+        LoadedInput::TraceFile(_) => AllocatorConfig::default(),
+    };
+    let traces = loaded.into_traces();
+    let devices: Vec<String> = traces.iter().map(|t| t.device.to_string()).collect();
     let trace = match device {
-        None => snap.traces.into_iter().next(),
-        Some(d) => snap.traces.into_iter().find(|t| t.device.0 == d),
+        None => traces.into_iter().next(),
+        Some(d) => traces.into_iter().find(|t| t.device.0 == d),
     };
     let Some(trace) = trace else {
         bail!(
@@ -90,8 +110,23 @@ pub fn run(args: CompareArgs) -> Result<()> {
         Some(s) => AllocatorConfig::parse(s).context("--conf")?,
         None => loaded.recorded.clone(),
     };
+    if !(args.plan_budget.is_finite() && args.plan_budget > 0.0) {
+        bail!("--plan-budget must be a positive number of seconds");
+    }
     let t0 = Instant::now();
-    let sources: Vec<&dyn StweaverRow> = Vec::new();
+    // stweaver rows: the offline plan of the whole trace. The online engine's replay
+    // will be a second source here.
+    let offline = OfflinePlanRow {
+        options: SolveOptions {
+            threads: 0,
+            time_budget: Some(Duration::from_secs_f64(args.plan_budget)),
+            ..SolveOptions::default()
+        },
+    };
+    let mut sources: Vec<&dyn StweaverRow> = Vec::new();
+    if !args.no_plan {
+        sources.push(&offline);
+    }
     let cmp = report::compare(
         &loaded.source,
         &loaded.trace,

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod compare;
 mod convert;
 mod inspect;
+mod viz;
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +28,9 @@ enum Command {
     /// Lower bound, PyTorch native, expandable segments and stweaver, side by side
     /// (default input: a bundled real GPT-2 XL snapshot).
     Compare(compare::CompareArgs),
+    /// Address x time pictures (.svg, .png, .html) of PyTorch's replayed allocator and
+    /// of stweaver's plan, side by side.
+    Viz(viz::VizArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -35,6 +39,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(args) => inspect::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Compare(args) => compare::run(args),
+        Command::Viz(args) => viz::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
