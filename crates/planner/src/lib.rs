@@ -14,5 +14,6 @@ pub mod planning;
 pub mod replay;
 pub mod report;
 pub mod snapshot;
+pub mod solver;
 pub mod summary;
 pub mod viz;

@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 mod compare;
 mod convert;
 mod inspect;
+mod plan;
+mod verify;
 mod viz;
 
 #[derive(Parser)]
@@ -25,12 +27,18 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Write one device's trace of a snapshot (or trace) as a stweaver trace file (.stwt).
     Convert(convert::ConvertArgs),
+    /// Plan a snapshot or trace file into a plan file (or solve a CSV instance) and
+    /// report the pool vs the lower bound.
+    Plan(plan::PlanArgs),
     /// Lower bound, PyTorch native, expandable segments and stweaver, side by side
     /// (default input: a bundled real GPT-2 XL snapshot).
     Compare(compare::CompareArgs),
     /// Address x time pictures (.svg, .png, .html) of PyTorch's replayed allocator and
     /// of stweaver's plan, side by side.
     Viz(viz::VizArgs),
+    /// Check a plan file (and, with --trace, that it matches and covers a trace), or a
+    /// CSV solution (`id,lower,upper,size,offset`) with the independent checker.
+    Verify(verify::VerifyArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,8 +46,10 @@ fn main() -> std::process::ExitCode {
     let result: anyhow::Result<()> = match cli.command {
         Command::Inspect(args) => inspect::run(args),
         Command::Convert(args) => convert::run(args),
+        Command::Plan(args) => plan::run(args),
         Command::Compare(args) => compare::run(args),
         Command::Viz(args) => viz::run(args),
+        Command::Verify(args) => verify::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -1,0 +1,244 @@
+//! `stweaver plan INPUT`: solve the packing problem of an input and report it.
+//!
+//! The input kind is detected first ([`InputKind::detect`]), then each kind has its
+//! own path: minimalloc CSV instances (`id,lower,upper,size`), and recorded traces
+//! (PyTorch snapshots, `.stwt` trace files), which are classified and planned into a
+//! plan file ([`trace`]). A new kind adds a variant, a detection rule and a function.
+
+mod trace;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use stweaver_planner::solver::{self, Progress, SolveOptions, csv};
+
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// The input: a PyTorch memory snapshot (`.pickle[.gz]`), a stweaver trace file
+    /// (`.stwt`), or a minimalloc CSV instance (`id,lower,upper,size`, upper exclusive).
+    pub input: PathBuf,
+    /// Write the plan file here (snapshot and trace inputs).
+    #[arg(short, long, value_name = "PLAN")]
+    pub output: Option<PathBuf>,
+    /// The device to plan when the snapshot has several.
+    #[arg(long, value_name = "N")]
+    pub device: Option<i32>,
+    /// Write the solution as CSV (`id,lower,upper,size,offset`, minimalloc's format).
+    #[arg(long, value_name = "FILE")]
+    pub csv_out: Option<PathBuf>,
+    /// Seed of the randomised orderings and restarts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Worker threads (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Stop searching after this many seconds and keep the best plan found.
+    #[arg(long, value_name = "SECS")]
+    pub time_budget: Option<f64>,
+    /// Treat the input as one iteration of a loop with this period: lifetimes are taken
+    /// modulo it and may cross the boundary.
+    #[arg(long, value_name = "L")]
+    pub period: Option<u64>,
+    /// Greedy portfolio only (no exact / neighbourhood improvement).
+    #[arg(long)]
+    pub no_improve: bool,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What an input file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputKind {
+    /// A minimalloc-style CSV instance.
+    Csv,
+    /// A PyTorch memory snapshot or a stweaver trace file.
+    Trace,
+}
+
+impl InputKind {
+    /// By extension, else by the first line of the file.
+    pub fn detect(path: &Path) -> Result<InputKind> {
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        if ext.as_deref() == Some("csv") {
+            return Ok(InputKind::Csv);
+        }
+        let mut head = [0u8; 256];
+        let n = {
+            use std::io::Read;
+            let mut f = std::fs::File::open(path)
+                .with_context(|| format!("{}: cannot open", path.display()))?;
+            f.read(&mut head)
+                .with_context(|| format!("{}: cannot read", path.display()))?
+        };
+        if stweaver_planner::input::sniff(&head[..n]).is_some() {
+            return Ok(InputKind::Trace);
+        }
+        let first = String::from_utf8_lossy(&head[..n]);
+        let first = first.lines().next().unwrap_or("").to_ascii_lowercase();
+        if first.contains(',') && first.contains("size") {
+            return Ok(InputKind::Csv);
+        }
+        bail!(
+            "{}: unrecognised input (expected a PyTorch snapshot, a stweaver trace file, or a CSV instance with an `id,lower,upper,size` header)",
+            path.display()
+        )
+    }
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    match InputKind::detect(&args.input)? {
+        InputKind::Csv => plan_csv(&args),
+        InputKind::Trace => trace::run(&args),
+    }
+}
+
+/// The options every input kind shares.
+fn solve_options(args: &PlanArgs) -> Result<SolveOptions> {
+    let time_budget = match args.time_budget {
+        None => None,
+        Some(s) if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s)),
+        Some(s) => bail!("--time-budget must be a positive number of seconds, not {s}"),
+    };
+    Ok(SolveOptions {
+        seed: args.seed,
+        threads: args.threads,
+        time_budget,
+        improve: !args.no_improve,
+        progress: None,
+    })
+}
+
+fn plan_csv(args: &PlanArgs) -> Result<()> {
+    if args.output.is_some() || args.device.is_some() {
+        bail!(
+            "{}: -o and --device are for snapshots and trace files; write a CSV solution with --csv-out",
+            args.input.display()
+        );
+    }
+    let mut csv = csv::read_instance(&args.input)?;
+    csv.instance.period = args.period;
+    let inst = &csv.instance;
+    if let Err(e) = inst.validate() {
+        bail!("{}: {}", args.input.display(), located(&e, &csv.lines));
+    }
+    let lb = solver::lower_bound(inst);
+    let mut opts = solve_options(args)?;
+    let started = Instant::now();
+    let spinner = Spinner::start(&mut opts, !args.json);
+    let result = solver::solve(inst, &opts);
+    spinner.stop();
+    let elapsed = started.elapsed();
+    let solution = result.with_context(|| format!("{}: planning failed", args.input.display()))?;
+    if let Some(out) = &args.csv_out {
+        csv::write_solution_file(out, &csv.ids, inst, &solution)?;
+    }
+    let ratio = solution.peak.ratio(lb);
+    if args.json {
+        let v = serde_json::json!({
+            "input": args.input.display().to_string(),
+            "buffers": inst.len(),
+            "lower_bound": lb.get(),
+            "peak": solution.peak.get(),
+            "peak_over_lb": ratio,
+            "seconds": elapsed.as_secs_f64(),
+        });
+        println!("{v}");
+    } else {
+        println!("plan {}", args.input.display());
+        println!("  buffers      {}", inst.len());
+        println!("  lower bound  {} ({})", lb.get(), lb);
+        println!("  peak         {} ({})", solution.peak.get(), solution.peak);
+        println!("  peak/LB      {ratio:.5}");
+        println!("  time         {:.3} s", elapsed.as_secs_f64());
+        if let Some(out) = &args.csv_out {
+            println!("  written      {}", out.display());
+        }
+    }
+    Ok(())
+}
+
+/// An instance error with the CSV line of the buffer it names.
+fn located(e: &solver::InstanceError, lines: &[usize]) -> String {
+    use solver::InstanceError as E;
+    let index = match e {
+        E::EmptyLifetime { index, .. }
+        | E::BadAlign { index, .. }
+        | E::LongerThanPeriod { index, .. } => Some(*index),
+        _ => None,
+    };
+    match index.and_then(|i| lines.get(i)) {
+        Some(line) => format!("line {line}: {e}"),
+        None => e.to_string(),
+    }
+}
+
+/// Progress on stderr for runs longer than a second (terminals only).
+struct Spinner {
+    done: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Spinner {
+    fn start(opts: &mut SolveOptions, enabled: bool) -> Spinner {
+        let done = Arc::new(AtomicBool::new(false));
+        if !enabled || !std::io::stderr().is_terminal() {
+            return Spinner { done, thread: None };
+        }
+        let latest: Arc<Mutex<Option<Progress>>> = Arc::new(Mutex::new(None));
+        let sink = latest.clone();
+        opts.progress = Some(Arc::new(move |p: &Progress| {
+            if let Ok(mut l) = sink.lock() {
+                *l = Some(p.clone());
+            }
+        }));
+        let flag = done.clone();
+        let thread = std::thread::spawn(move || {
+            let begun = Instant::now();
+            while begun.elapsed() < Duration::from_secs(1) {
+                if flag.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let bar = indicatif::ProgressBar::new_spinner();
+            bar.enable_steady_tick(Duration::from_millis(120));
+            while !flag.load(Ordering::Relaxed) {
+                let msg = match latest.lock().ok().and_then(|l| l.clone()) {
+                    Some(p) => match p.best_peak {
+                        Some(best) => format!(
+                            "{}: best {} = {:.5}×LB ({:.1} s)",
+                            p.stage,
+                            best,
+                            best.ratio(p.lower_bound),
+                            p.elapsed.as_secs_f64()
+                        ),
+                        None => format!("{} ({:.1} s)", p.stage, p.elapsed.as_secs_f64()),
+                    },
+                    None => "planning".to_string(),
+                };
+                bar.set_message(msg);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            bar.finish_and_clear();
+        });
+        Spinner {
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    fn stop(mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
