@@ -229,8 +229,8 @@ fn sort_by_offset(
     }
     // counts[b] is now the end of bucket b; bucket b starts at the end of b - 1.
     let mut begin = 0usize;
-    for &count in counts.iter().take(buckets) {
-        let end = count as usize;
+    for &end in &counts[..buckets] {
+        let end = end as usize;
         if end - begin > 1 {
             tmp[begin..end].sort_unstable_by_key(|e| e.0);
         }

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use super::bestfit::align_up;
-use super::problem::Problem;
+use super::problem::{Problem, Span};
 
 /// Address ranges that free buffers must avoid, in the problem's slot coordinates.
 #[derive(Debug, Clone, Default)]
@@ -102,6 +102,8 @@ pub(crate) struct Exact<'p> {
     /// Identical buffers form chains; `twin[i]` is the previous member of `i`'s chain
     /// in index order (`u32::MAX` if none).
     twin_prev: Vec<u32>,
+    /// Per buffer: its spans in section indices, and how many.
+    sec_spans: Vec<([Span; 2], u8)>,
     /// Some buffer has two spans (no decomposition then: a wrapped buffer joins the
     /// two ends of the slot line).
     wrapped: bool,
@@ -137,16 +139,45 @@ impl<'p> Exact<'p> {
     /// buffers per slot).
     pub fn new(p: &'p Problem, obstacles: Option<Obstacles>) -> Exact<'p> {
         let n = p.len();
-        let slots = p.slots as usize;
-        // Slots of each buffer, buffers of each slot.
+        // Sections: the slots right before some lifetime ends. The buffers live in any
+        // other slot are live in the next such slot too, so these maximal sets carry
+        // every constraint (minimalloc's sweep).
+        let mut marked = vec![false; p.slots as usize];
+        for i in 0..n {
+            for s in p.spans(i) {
+                marked[s.hi as usize - 1] = true;
+            }
+        }
+        let mut before = Vec::with_capacity(marked.len() + 1); // sections before slot t
+        let mut section_slot = Vec::new();
+        before.push(0u32);
+        for (t, &m) in marked.iter().enumerate() {
+            if m {
+                section_slot.push(t);
+            }
+            before.push(section_slot.len() as u32);
+        }
+        let slots = section_slot.len();
+        let mut sec_spans = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut sp = [Span::default(); 2];
+            for (k, s) in p.spans(i).iter().enumerate() {
+                sp[k] = Span {
+                    lo: before[s.lo as usize],
+                    hi: before[s.hi as usize],
+                };
+            }
+            sec_spans.push((sp, p.spans(i).len() as u8));
+        }
+        // Sections of each buffer, buffers of each section.
         let mut buf_slots = Csr {
             start: Vec::with_capacity(n + 1),
             items: Vec::new(),
         };
         buf_slots.start.push(0);
         let mut count = vec![0u32; slots + 1];
-        for i in 0..n {
-            for s in p.spans(i) {
+        for (sp, k) in &sec_spans {
+            for s in &sp[..*k as usize] {
                 for t in s.lo..s.hi {
                     buf_slots.items.push(t);
                     count[t as usize + 1] += 1;
@@ -194,9 +225,8 @@ impl<'p> Exact<'p> {
             .collect();
         let lower_bound = slot_total.iter().copied().max().unwrap_or(0);
         // Identical buffers.
-        // (size, alignment, lifetime spans, index): equal keys are identical buffers.
-        type Key = (u64, u64, [(u32, u32); 2], u32);
-        let mut keyed: Vec<Key> = (0..n)
+        type TwinKey = (u64, u64, [(u32, u32); 2], u32);
+        let mut keyed: Vec<TwinKey> = (0..n)
             .map(|i| {
                 let mut sp = [(0, 0); 2];
                 for (k, s) in p.spans(i).iter().enumerate() {
@@ -214,8 +244,11 @@ impl<'p> Exact<'p> {
         }
         let (slot_obstacles, per_buffer_obstacles) = match obstacles {
             Some(o) if o.per_slot.iter().any(|r| !r.is_empty()) => {
-                let suffix = o
-                    .per_slot
+                let per_section: Vec<Vec<(u64, u64)>> = section_slot
+                    .iter()
+                    .map(|&t| o.per_slot[t].clone())
+                    .collect();
+                let suffix = per_section
                     .iter()
                     .map(|r| {
                         let mut s = vec![0u64; r.len() + 1];
@@ -227,7 +260,7 @@ impl<'p> Exact<'p> {
                     .collect();
                 (
                     Some(SlotObstacles {
-                        ranges: o.per_slot,
+                        ranges: per_section,
                         suffix,
                     }),
                     o.per_buffer,
@@ -248,6 +281,7 @@ impl<'p> Exact<'p> {
             per_buffer_obstacles,
             twin_prev,
             wrapped: (0..n).any(|i| p.spans(i).len() > 1),
+            sec_spans,
             lower_bound,
         }
     }
@@ -255,6 +289,12 @@ impl<'p> Exact<'p> {
     /// Number of free buffers.
     pub fn len(&self) -> usize {
         self.size.len()
+    }
+
+    #[inline]
+    fn sections_of(&self, i: usize) -> &[Span] {
+        let (sp, k) = &self.sec_spans[i];
+        &sp[..*k as usize]
     }
 
     /// The lowest offset `>= at` (aligned) where buffer `i` avoids its obstacles.
@@ -276,16 +316,17 @@ impl<'p> Exact<'p> {
         at
     }
 
-    /// The pre-order rank of each buffer for `heuristic`.
-    fn ranks(&self, heuristic: Preorder) -> Vec<u32> {
-        let n = self.size.len();
+    /// Writes into `rank` the pre-order position of each of `members` for
+    /// `heuristic` (0 = first), taking section totals from `totals` (minimalloc
+    /// re-ranks every sub-problem with the totals left in it).
+    fn rank_members(&self, heuristic: Preorder, members: &[u32], totals: &[u64], rank: &mut [u32]) {
         let len = |i: usize| self.p.raw[i].len as u128;
         let area = |i: usize| len(i) * self.size[i] as u128;
         let total = |i: usize| {
             self.buf_slots
                 .row(i)
                 .iter()
-                .map(|&t| self.slot_total[t as usize])
+                .map(|&t| totals[t as usize])
                 .max()
                 .unwrap_or(0) as u128
         };
@@ -297,15 +338,14 @@ impl<'p> Exact<'p> {
                 Preorder::Zwa => [self.size[i] as u128, len(i), area(i)],
             }
         };
-        let mut idx: Vec<(std::cmp::Reverse<[u128; 3]>, u32)> = (0..n)
-            .map(|i| (std::cmp::Reverse(key(i)), i as u32))
+        let mut idx: Vec<(std::cmp::Reverse<[u128; 3]>, u32)> = members
+            .iter()
+            .map(|&i| (std::cmp::Reverse(key(i as usize)), i))
             .collect();
         idx.sort_unstable();
-        let mut rank = vec![0u32; n];
         for (r, (_, i)) in idx.into_iter().enumerate() {
             rank[i as usize] = r as u32;
         }
-        rank
     }
 
     /// Searches for a packing of the free buffers below `capacity`.
@@ -317,7 +357,9 @@ impl<'p> Exact<'p> {
         if self.lower_bound > capacity {
             return Outcome::Infeasible;
         }
-        let rank = self.ranks(heuristic);
+        let mut rank = vec![0u32; n];
+        let everyone: Vec<u32> = (0..n as u32).collect();
+        self.rank_members(heuristic, &everyone, &self.slot_total, &mut rank);
         // Symmetry chains must follow the pre-order: re-link twins by rank.
         let mut twin_prev = vec![u32::MAX; n];
         {
@@ -344,7 +386,7 @@ impl<'p> Exact<'p> {
         // Buffers crossing each slot boundary `t | t + 1`.
         let mut cuts = vec![0u32; slots.saturating_sub(1)];
         for i in 0..n {
-            for sp in self.p.spans(i) {
+            for sp in self.sections_of(i) {
                 for t in sp.lo..sp.hi.saturating_sub(1) {
                     cuts[t as usize] += 1;
                 }
@@ -353,6 +395,7 @@ impl<'p> Exact<'p> {
         let mut st = State {
             ex: self,
             capacity,
+            heuristic,
             rank,
             twin_prev,
             decompose: !self.wrapped,
@@ -388,7 +431,7 @@ impl<'p> Exact<'p> {
             lo: 0,
             hi: slots as u32,
         };
-        if !st.check(&all, 0) {
+        if st.check(&all, 0, None).is_err() {
             return Outcome::Infeasible;
         }
         // Split at boundaries no buffer crosses, then search.
@@ -424,6 +467,7 @@ struct Part {
 struct State<'e, 'p> {
     ex: &'e Exact<'p>,
     capacity: u64,
+    heuristic: Preorder,
     rank: Vec<u32>,
     twin_prev: Vec<u32>,
     decompose: bool,
@@ -447,23 +491,35 @@ struct State<'e, 'p> {
 }
 
 impl State<'_, '_> {
-    /// Section inference over the part's slots that still have unplaced bytes.
-    fn check(&self, part: &Part, cur: u64) -> bool {
+    /// Section inference over the part's sections that still have unplaced bytes:
+    /// `Err(s)` names a section whose bytes cannot fit.
+    fn check(&self, part: &Part, cur: u64, hint: Option<usize>) -> Result<(), usize> {
+        if let Some(t) = hint
+            && (part.lo as usize..part.hi as usize).contains(&t)
+            && !self.fits(t, cur)
+        {
+            return Err(t);
+        }
         for t in part.lo as usize..part.hi as usize {
-            let total = self.total[t];
-            if total == 0 {
-                continue;
-            }
-            let f = self.floor[t].max(cur);
-            let mut need = f + total;
-            if let Some(o) = &self.ex.obstacles {
-                need += o.above(t, f);
-            }
-            if need > self.capacity {
-                return false;
+            if !self.fits(t, cur) {
+                return Err(t);
             }
         }
-        true
+        Ok(())
+    }
+
+    #[inline]
+    fn fits(&self, t: usize, cur: u64) -> bool {
+        let total = self.total[t];
+        if total == 0 {
+            return true;
+        }
+        let f = self.floor[t].max(cur);
+        let mut need = f + total;
+        if let Some(o) = &self.ex.obstacles {
+            need += o.above(t, f);
+        }
+        need <= self.capacity
     }
 
     fn out_of_budget(&mut self) -> bool {
@@ -471,16 +527,13 @@ impl State<'_, '_> {
             return true;
         }
         self.nodes += 1;
-        if self.nodes > self.limits.nodes
-            || (self.nodes & 1023 == 0
-                && (self.limits.deadline.is_some_and(|d| Instant::now() >= d)
-                    || self
-                        .limits
-                        .cancel
-                        .is_some_and(|c| c.load(Ordering::Relaxed))))
-        {
-            self.stopped = true;
-        }
+        let timed = self.nodes & 1023 == 0
+            && (self.limits.deadline.is_some_and(|d| Instant::now() >= d)
+                || self
+                    .limits
+                    .cancel
+                    .is_some_and(|c| c.load(Ordering::Relaxed)));
+        self.stopped = self.nodes > self.limits.nodes || timed;
         self.stopped
     }
 
@@ -527,21 +580,48 @@ impl State<'_, '_> {
         self.cands[base..].sort_unstable();
         let mut k = base;
         let mut found = false;
+        // A section that cannot take its bytes above the offset of a candidate even
+        // before that candidate is placed dooms every later candidate (offset no lower)
+        // that does not live in it: placing such a buffer only raises floors there.
+        let mut blocked: Option<usize> = None;
         while k < self.cands.len() && !found && !self.stopped {
             let (o, r, i) = self.cands[k];
             k += 1;
+            if let Some(t) = blocked
+                && !ex
+                    .sections_of(i as usize)
+                    .iter()
+                    .any(|s| s.lo as usize <= t && t < s.hi as usize)
+            {
+                continue;
+            }
             let cut_mark = self.cut_points.len();
-            let marks = self.place(i as usize, o, part);
-            if self.check(part, o) {
-                found = if self.cut_points.len() > cut_mark {
-                    let points: Vec<u32> = self.cut_points[cut_mark..].to_vec();
-                    self.split(part, &points)
-                } else {
-                    self.search(part, o, Some(r), left - 1)
-                };
+            let (marks, hatless) = self.place(i as usize, o, part);
+            let mut failed = None;
+            match self.check(part, o, blocked) {
+                Ok(()) => {
+                    found = if self.cut_points.len() > cut_mark {
+                        let points: Vec<u32> = self.cut_points[cut_mark..].to_vec();
+                        self.split(part, &points)
+                    } else {
+                        self.search(part, o, Some(r), left - 1)
+                    };
+                }
+                Err(t) => failed = Some(t),
             }
             self.unplace(i as usize, marks);
             self.cut_points.truncate(cut_mark);
+            if let Some(t) = failed
+                && !self.fits(t, o)
+            {
+                blocked = Some(t);
+            }
+            if hatless && !found {
+                // `i` constrains no unplaced buffer: the failure below is not its
+                // doing, and placing another buffer first cannot help (minimalloc's
+                // hatless pruning).
+                break;
+            }
         }
         self.cands.truncate(base);
         found
@@ -560,7 +640,7 @@ impl State<'_, '_> {
             if self.placed[i as usize] {
                 continue;
             }
-            let lo = self.ex.p.spans(i as usize)[0].lo;
+            let lo = self.ex.sections_of(i as usize)[0].lo;
             let last = groups.len() - 1;
             let g = (bounds.partition_point(|&b| b <= lo) - 1).min(last);
             groups[g].push(i);
@@ -570,21 +650,29 @@ impl State<'_, '_> {
                 continue;
             }
             let left = members.len();
+            let saved: Vec<u32> = members.iter().map(|&i| self.rank[i as usize]).collect();
+            self.ex
+                .rank_members(self.heuristic, &members, &self.total, &mut self.rank);
             let sub = Part {
                 members,
                 lo: bounds[g],
                 hi: bounds[g + 1],
             };
-            if !self.search(&sub, 0, None, left) {
+            let ok = self.search(&sub, 0, None, left);
+            for (k, &i) in sub.members.iter().enumerate() {
+                self.rank[i as usize] = saved[k];
+            }
+            if !ok {
                 return false;
             }
         }
         true
     }
 
-    /// Places `i` at `o`; returns the log marks to undo it. New zero-crossing slot
-    /// boundaries inside `part` are pushed on `cut_points`.
-    fn place(&mut self, i: usize, o: u64, part: &Part) -> (usize, usize) {
+    /// Places `i` at `o`; returns the log marks to undo it and whether `i` overlaps
+    /// no unplaced buffer. New zero-crossing section boundaries inside `part` are
+    /// pushed on `cut_points`.
+    fn place(&mut self, i: usize, o: u64, part: &Part) -> ((usize, usize), bool) {
         let ex = self.ex;
         let marks = (self.log_min.len(), self.log_slot.len());
         self.placed[i] = true;
@@ -596,9 +684,14 @@ impl State<'_, '_> {
             self.epoch = 1;
         }
         self.affected.clear();
+        let mut hatless = true;
         for &j in ex.overlaps.row(i) {
             let j = j as usize;
-            if self.placed[j] || self.min_off[j] >= top {
+            if self.placed[j] {
+                continue;
+            }
+            hatless = false;
+            if self.min_off[j] >= top {
                 continue;
             }
             self.log_min.push((j as u32, self.min_off[j]));
@@ -634,7 +727,7 @@ impl State<'_, '_> {
             }
         }
         if self.decompose {
-            for sp in ex.p.spans(i) {
+            for sp in ex.sections_of(i) {
                 for t in sp.lo..sp.hi.saturating_sub(1) {
                     let c = &mut self.cuts[t as usize];
                     *c -= 1;
@@ -644,7 +737,7 @@ impl State<'_, '_> {
                 }
             }
         }
-        marks
+        (marks, hatless)
     }
 
     fn unplace(&mut self, i: usize, (m_min, m_slot): (usize, usize)) {
@@ -658,7 +751,7 @@ impl State<'_, '_> {
             self.min_off[j as usize] = v;
         }
         if self.decompose {
-            for sp in self.ex.p.spans(i) {
+            for sp in self.ex.sections_of(i) {
                 for t in sp.lo..sp.hi.saturating_sub(1) {
                     self.cuts[t as usize] += 1;
                 }
@@ -738,6 +831,130 @@ mod tests {
             Outcome::Found(_)
         ));
         assert_eq!(ex.decide(3, Preorder::Wat, limits()), Outcome::Infeasible);
+    }
+
+    /// Exhaustive search over every offset: the independent reference.
+    fn brute(p: &Problem, cap: u64) -> bool {
+        fn go(p: &Problem, cap: u64, i: usize, off: &mut Vec<u64>) -> bool {
+            if i == p.len() {
+                return true;
+            }
+            for o in 0..=cap.saturating_sub(p.size(i)) {
+                if o % p.align(i) != 0 {
+                    continue;
+                }
+                let ok = (0..i).all(|j| {
+                    !p.conflict(i, j) || o + p.size(i) <= off[j] || off[j] + p.size(j) <= o
+                });
+                if ok {
+                    off.push(o);
+                    if go(p, cap, i + 1, off) {
+                        return true;
+                    }
+                    off.pop();
+                }
+            }
+            false
+        }
+        go(p, cap, 0, &mut Vec::new())
+    }
+
+    #[test]
+    fn agrees_with_exhaustive_search_on_small_instances() {
+        let mut rng = crate::solver::order::Rng::new(11);
+        for case in 0..400 {
+            let n = 2 + rng.below(5) as usize;
+            let period = if case % 3 == 0 { Some(8) } else { None };
+            let raw: Vec<RawBuf> = (0..n)
+                .map(|_| RawBuf {
+                    start: rng.below(8),
+                    len: 1 + rng.below(6),
+                    size: 1 + rng.below(4),
+                    align: if rng.below(4) == 0 { 2 } else { 1 },
+                })
+                .collect();
+            let p = Problem::build(raw, period);
+            let ex = Exact::new(&p, None);
+            let lb = p.lower_bound();
+            for cap in lb..lb + 4 {
+                let want = brute(&p, cap);
+                for h in Preorder::ALL {
+                    match ex.decide(cap, h, limits()) {
+                        Outcome::Found(off) => {
+                            assert!(want, "case {case} cap {cap}: found but brute force says no");
+                            assert!(valid(&p, &off, cap), "case {case}: invalid packing");
+                        }
+                        Outcome::Infeasible => {
+                            assert!(
+                                !want,
+                                "case {case} cap {cap} {h:?}: missed a packing of {p:?}"
+                            )
+                        }
+                        Outcome::Stopped => panic!("node limit on a tiny instance"),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Cuts the rectangle `[t0, t1) x [a0, a1)` (time x address) into `pieces`
+    /// rectangles at random: a perfect packing whose load is `a1 - a0` everywhere.
+    fn guillotine(
+        rng: &mut crate::solver::order::Rng,
+        t: (u64, u64),
+        a: (u64, u64),
+        pieces: usize,
+        out: &mut Vec<RawBuf>,
+    ) {
+        let can_t = t.1 - t.0 >= 2;
+        let can_a = a.1 - a.0 >= 2;
+        if pieces <= 1 || (!can_t && !can_a) {
+            out.push(RawBuf {
+                start: t.0,
+                len: t.1 - t.0,
+                size: a.1 - a.0,
+                align: 1,
+            });
+            return;
+        }
+        let left = 1 + rng.below(pieces as u64 - 1) as usize;
+        if can_t && (!can_a || rng.below(2) == 0) {
+            let cut = t.0 + 1 + rng.below(t.1 - t.0 - 1);
+            guillotine(rng, (t.0, cut), a, left, out);
+            guillotine(rng, (cut, t.1), a, pieces - left, out);
+        } else {
+            let cut = a.0 + 1 + rng.below(a.1 - a.0 - 1);
+            guillotine(rng, t, (a.0, cut), left, out);
+            guillotine(rng, t, (cut, a.1), pieces - left, out);
+        }
+    }
+
+    #[test]
+    fn finds_perfect_packings_that_exist() {
+        let mut rng = crate::solver::order::Rng::new(5);
+        for case in 0..200 {
+            let mut raw = Vec::new();
+            let pieces = 8 + rng.below(40) as usize;
+            guillotine(&mut rng, (0, 64), (0, 1000), pieces, &mut raw);
+            let p = Problem::build(raw, None);
+            let ex = Exact::new(&p, None);
+            assert_eq!(ex.lower_bound, 1000);
+            let mut found = false;
+            for h in Preorder::ALL {
+                match ex.decide(1000, h, limits()) {
+                    Outcome::Found(off) => {
+                        assert!(valid(&p, &off, 1000));
+                        found = true;
+                    }
+                    Outcome::Infeasible => {
+                        panic!("case {case} {h:?}: a perfect packing was missed")
+                    }
+                    Outcome::Stopped => {}
+                }
+            }
+            assert!(found, "case {case}: no pre-order found the packing");
+            assert_eq!(ex.decide(999, Preorder::Taw, limits()), Outcome::Infeasible);
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! is never lost. Larger components go to the neighbourhood search ([`super::lns`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use super::exact::{Exact, Limits, Outcome, Preorder};
 use super::lns;
@@ -20,8 +21,12 @@ use super::problem::Problem;
 /// Components up to this many buffers are searched whole.
 pub(crate) const EXACT_MAX: usize = 1_500;
 
-/// Node budget of a whole-component descent (absent a time budget).
-const DESCENT_NODES: u64 = 60_000_000;
+/// Node budget of a whole-component descent.
+const DESCENT_NODES: u64 = 24_000_000;
+/// Node budget of the first probe (at the target, usually the optimum).
+const FIRST_PROBE_NODES: u64 = 6_000_000;
+/// Node budget of each later probe.
+const PROBE_NODES: u64 = 1_500_000;
 
 /// Improves `inc`, a packing of `p` (component `comp`), aiming at `target`.
 pub(crate) fn improve(
@@ -63,9 +68,20 @@ fn descent(
         } else {
             failed + 1 + (inc.peak - 1 - (failed + 1)) / 2
         };
-        let share = if first { budget / 2 } else { budget / 4 }.max(10_000);
+        let share = if first {
+            FIRST_PROBE_NODES
+        } else {
+            PROBE_NODES
+        }
+        .min(budget);
+        // With a time budget, a probe may take a share of the time left, so that a
+        // hopeless probe at the lower bound cannot starve the bisection.
+        let deadline = ctx.deadline.map(|d| {
+            let left = d.saturating_duration_since(Instant::now());
+            Instant::now() + left.mul_f64(if first { 0.4 } else { 0.25 })
+        });
         first = false;
-        let (outcome, used) = probe(ctx, &ex, cap, share, threads);
+        let (outcome, used) = probe(ctx, &ex, cap, share, deadline, threads);
         budget = budget.saturating_sub(used);
         match outcome {
             Outcome::Found(offsets) => {
@@ -90,8 +106,10 @@ pub(crate) fn probe(
     ex: &Exact<'_>,
     capacity: u64,
     budget: u64,
+    deadline: Option<Instant>,
     threads: usize,
 ) -> (Outcome, u64) {
+    let expired = || deadline.is_some_and(|d| Instant::now() >= d) || ctx.expired();
     let heuristics = Preorder::ALL;
     let mut limit = (2 * ex.len() as u64).max(1_000);
     let mut used = 0u64;
@@ -100,7 +118,7 @@ pub(crate) fn probe(
         let results = par_tasks(ctx, threads, heuristics.len(), &|k| {
             let limits = Limits {
                 nodes: limit,
-                deadline: ctx.deadline,
+                deadline,
                 cancel: Some(&cancel[k]),
             };
             let out = ex.decide(capacity, heuristics[k], limits);
@@ -124,7 +142,7 @@ pub(crate) fn probe(
         if proven {
             return (Outcome::Infeasible, used);
         }
-        if used >= budget || ctx.expired() {
+        if used >= budget || expired() {
             return (Outcome::Stopped, used);
         }
         limit = (2 * limit).min(budget - used);

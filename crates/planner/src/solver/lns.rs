@@ -170,7 +170,7 @@ fn repack_window(
 
     // Obstacles: the fixed buffers, indexed by time.
     let mut fixed = Placer::new(p);
-    for (i, &is_free) in free.iter().enumerate().take(n) {
+    for (i, &is_free) in free.iter().enumerate() {
         if !is_free {
             fixed.fix(i, inc.offsets[i]);
         }
@@ -199,7 +199,7 @@ fn repack_window(
             per_slot,
         }),
     );
-    let (outcome, _) = probe(ctx, &ex, cap, WINDOW_NODES, threads);
+    let (outcome, _) = probe(ctx, &ex, cap, WINDOW_NODES, ctx.deadline, threads);
     match outcome {
         Outcome::Found(off) => {
             for (k, &i) in cands.iter().enumerate() {
