@@ -1254,6 +1254,10 @@ impl Core {
                     let Some(e) = self.slot(d)?.default.get() else {
                         continue;
                     };
+                    // At an iteration boundary the online cache holds the last iteration's
+                    // activations, all free: give it back before mapping the plan's pool,
+                    // so the switch does not hold both (the peak would double).
+                    e.empty_cache()?;
                     match e.load_plan(&plan, EnginePlanOptions::default()) {
                         Ok(()) => {
                             // We are at an iteration boundary: start at the iteration section.

@@ -137,6 +137,8 @@ def test_auto_mode_then_plan_mode_match_native_bitwise(tmp_path, metric):
     metric("auto_max_reserved_MiB", auto["max_reserved"] / 2**20)
     assert p["hits"] > 0, p
     assert auto["losses"] == native["losses"], "auto mode changed the losses"
+    # The switch must not hold the online cache and the plan's pool at once.
+    assert auto["max_reserved"] <= 1.25 * native["max_reserved"], (auto["max_reserved"], native["max_reserved"])
 
     served = last_json(run(["-m", "stweaver", "run", "--mode", "plan", "--plan", str(plan), script], env))
     info = served["stweaver"]
