@@ -60,5 +60,6 @@ fn ci() -> Result<()> {
     let mut test = cargo();
     test.args(["test", "--workspace"]);
     run(test)?;
-    codegen::run(&["--check".to_owned()])
+    codegen::run(&["--check".to_owned()])?;
+    torch_ext::python_tests()
 }

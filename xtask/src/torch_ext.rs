@@ -104,9 +104,39 @@ pub fn build_torch_ext() -> Result<()> {
     Ok(())
 }
 
+// ------------------------------------------------------------------ ci: python tests
+
+/// CI's Python step: `pytest python/tests` with `$PYTHON` when it has pytest. What needs
+/// torch skips cleanly without it, what needs a GPU skips without one; an interpreter
+/// without pytest skips the step with a notice (CI installs none by itself).
+pub fn python_tests() -> Result<()> {
+    let py = python();
+    let has_pytest = Command::new(&py)
+        .args(["-c", "import pytest"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has_pytest {
+        eprintln!("python tests: skipped ({py} has no pytest; `pip install pytest` to run them)");
+        return Ok(());
+    }
+    let mut c = Command::new(&py);
+    c.current_dir(root())
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "python/tests",
+        ])
+        .env("TORCH_CUDA_ARCH_LIST", "9.0");
+    run(c)
+}
+
 // ------------------------------------------------------------------ gpu-test
 
-fn copy_resolved(src: &Path, dst: &Path) -> Result<u64> {
+pub(crate) fn copy_resolved(src: &Path, dst: &Path) -> Result<u64> {
     let mut bytes = 0;
     fs::create_dir_all(dst)?;
     for entry in fs::read_dir(src).with_context(|| format!("reading {}", src.display()))? {
