@@ -1254,14 +1254,12 @@ impl Core {
                     let Some(e) = self.slot(d)?.default.get() else {
                         continue;
                     };
-                    // At an iteration boundary the online cache holds the last iteration's
-                    // activations, all free: give it back before mapping the plan's pool,
-                    // so the switch does not hold both (the peak would double).
-                    e.empty_cache()?;
-                    match e.load_plan(&plan, EnginePlanOptions::default()) {
+                    // The engine serves the plan's steady iteration from here on (the
+                    // prologue already ran online; the persistent tensors' room is squeezed
+                    // out of the pool) and releases the online cache first, so the pool
+                    // replaces it instead of adding to it. step() marked the iteration.
+                    match e.switch_to_plan(&plan, EnginePlanOptions::default()) {
                         Ok(()) => {
-                            // We are at an iteration boundary: start at the iteration section.
-                            e.mark_iteration()?;
                             serving.push(d);
                             pc.settle.push(d);
                         }

@@ -509,8 +509,12 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
     assert_eq!(rt.mode().unwrap(), "auto (recording)");
     let mut steps = 0;
+    let mut online_peak = 0;
     while !rt.mode().unwrap().starts_with("auto (plan)") {
         iteration(&rt);
+        // Peaks of the online phase; the step that switches starts a fresh peak.
+        online_peak = online_peak.max(rt.device_stats(0).unwrap().reserved_bytes.all.peak);
+        rt.reset_peak_stats(0).unwrap();
         rt.step().unwrap();
         steps += 1;
         assert!(
@@ -529,12 +533,19 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     }
     assert!(steps > iters, "planned before recording {iters} iterations");
     assert!(plan_path.is_file() && trace_path.is_file());
-    for _ in 0..5 {
+    for _ in 0..6 {
         iteration(&rt);
         rt.step().unwrap();
     }
+    // From the switch on, the pool replaced the online cache instead of adding to it (the
+    // weights stay online; the plan's room for them is squeezed out by the switch).
+    let plan_peak = rt.device_stats(0).unwrap().reserved_bytes.all.peak;
+    assert!(
+        plan_peak * 4 <= online_peak * 5,
+        "reserved peak {plan_peak} after the switch, {online_peak} while online"
+    );
     let p = plan_stats(&rt);
-    assert!(p["hits"].as_u64().unwrap() >= 5 * 5, "plan hits: {p}");
+    assert!(p["hits"].as_u64().unwrap() >= 6 * 5, "plan hits: {p}");
     assert_eq!(p["conflicts"], 0, "{p}");
     // One iteration after the switch the online cache was emptied: only the weights'
     // arena granules and the plan pool stay mapped.
