@@ -4,12 +4,14 @@
 //! - `codegen [--check]`: regenerate the committed generated code (see `codegen.rs`).
 //! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
 //!   extension (see `torch_ext.rs`).
+//! - `gpu-bench [--dry-run | --report RESULT.json]`: the GPU benchmark (see `gpu_bench.rs`).
 
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
 mod codegen;
+mod gpu_bench;
 mod torch_ext;
 
 fn main() -> Result<()> {
@@ -20,9 +22,10 @@ fn main() -> Result<()> {
         Some("build-torch-ext") => torch_ext::build_torch_ext(),
         Some("gpu-test") => torch_ext::gpu_test(&args[1..]),
         Some("cpp-check") => torch_ext::cpp_check(&args[1..]),
+        Some("gpu-bench") => gpu_bench::gpu_bench(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here]|cpp-check [VERSION...]>"
+                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here]|cpp-check [VERSION...]|gpu-bench [--dry-run|--report JSON]>"
             );
             bail!("unknown or missing task")
         }

@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::{cargo, run};
 
-fn root() -> PathBuf {
+pub(crate) fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("xtask lives in the workspace")
@@ -29,7 +29,7 @@ fn root() -> PathBuf {
 }
 
 /// Cargo's target directory (`CARGO_TARGET_DIR` if set, else `<workspace>/target`).
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(d) => {
             let d = PathBuf::from(d);
@@ -39,7 +39,7 @@ fn target_dir() -> PathBuf {
     }
 }
 
-fn python() -> String {
+pub(crate) fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
@@ -56,7 +56,7 @@ fn output(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-fn build_staticlib(release: bool) -> Result<PathBuf> {
+pub(crate) fn build_staticlib(release: bool) -> Result<PathBuf> {
     let mut c = cargo();
     c.current_dir(root())
         .args(["build", "-p", "stweaver-torch"]);
@@ -154,7 +154,7 @@ pub(crate) fn copy_resolved(src: &Path, dst: &Path) -> Result<u64> {
     Ok(bytes)
 }
 
-fn strip_debug(path: &Path) {
+pub(crate) fn strip_debug(path: &Path) {
     // Best effort: smaller carry; a missing `strip` only costs size.
     let _ = Command::new("strip")
         .arg("--strip-debug")
@@ -162,7 +162,7 @@ fn strip_debug(path: &Path) {
         .status();
 }
 
-fn ensure_excluded(entry: &str) -> Result<()> {
+pub(crate) fn ensure_excluded(entry: &str) -> Result<()> {
     // `--git-path` also resolves the shared exclude file of a linked worktree.
     let rel = output(Command::new("git").current_dir(root()).args([
         "rev-parse",

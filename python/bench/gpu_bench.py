@@ -1,0 +1,979 @@
+#!/usr/bin/env python3
+"""stweaver GPU benchmark: real training loops under PyTorch native, expandable segments and
+stweaver (auto; trace -> `stweaver plan` -> plan), each in a fresh process, on one GPU.
+
+    python python/bench/gpu_bench.py run --out DIR --stweaver-bin PATH [--budget-s S]
+    python python/bench/gpu_bench.py run --dry-run --out DIR     (CPU, tiny models, fake stweaver)
+    python python/bench/gpu_bench.py report DIR/gpu_bench.json [--markdown]
+
+`cargo xtask gpu-bench` prepares what the GPU machine needs and prints the device command
+(`scripts/gpu_bench.sh`, which builds the extension and calls `run`).
+
+Workloads: the training configs of ../shared/traces/make_traces.py (Hugging Face transformers
+models, random init, bf16, AdamW, random token ids), plus a variable-sequence-length loop. Per
+workload and allocator one fresh process trains N iterations and reports peak reserved / peak
+allocated (PyTorch's own counters), per-iteration step times (synchronised), the losses (bitwise,
+as float.hex) and a digest of the parameters after iteration N-1. stweaver auto runs go on past N
+(up to `max_iters`) until the plan has served a few iterations after the online cache was
+released; its peaks are also reported over that window ("after switch"). Finally, for one dense
+workload, the largest micro-batch that fits under a fixed cap
+(`torch.cuda.set_per_process_memory_fraction`) per allocator, and tokens/s at it.
+
+Fresh processes are spawned ahead (they import torch and transformers while the previous run
+trains, then wait for their spec on stdin); nothing touches CUDA before the spec arrives, so
+stweaver can still be installed and PYTORCH_CUDA_ALLOC_CONF (set at spawn) applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PY_DIR = os.path.join(REPO, "python")
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+# ------------------------------------------------------------------ workloads
+
+# The configs of make_traces.py (same names, sizes and loops); iterations scaled to fit one call.
+WORKLOADS = [
+    dict(name="llama1b_rcp", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
+         batch=8, seq=2048, ckpt=True, micro=2, iters=16, est_s=12,
+         note="Llama 1B, 8 x 2048 tokens in 2 micro-batches, activation checkpointing"),
+    dict(name="gpt2xl_rcp", family="gpt2", hidden=1600, layers=24, heads=25, inter=6400,
+         batch=8, seq=1024, ckpt=True, micro=2, iters=16, est_s=10,
+         note="GPT-2 XL, 8 x 1024 in 2 micro-batches, checkpointing"),
+    dict(name="qwenmoe_eager_rcp", family="qwen2moe", hidden=1024, layers=12, heads=16, inter=2816,
+         batch=8, seq=1024, ckpt=True, micro=2, experts=16, topk=4, moe_inter=1408,
+         experts_impl="eager", iters=10, max_iters=24, est_s=16,
+         note="Qwen2-MoE 16 experts top-4, eager experts (token-dependent shapes), checkpointing"),
+    # make_traces' llama1b_1f1b is batch 16 (8 micro-batches of 2); halved here to fit the call.
+    dict(name="llama1b_1f1b", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
+         batch=8, seq=2048, ckpt=True, micro=8, inflight=4, iters=12, est_s=12,
+         note="Llama 1B, 1F1B-style: 8 micro-batches of 1 x 2048, 4 in flight (batch 16 -> 8)"),
+    # Added: every micro-batch has its own sequence length (uniform in [256, 2048]), so the
+    # request sizes change every iteration and never repeat with a short period.
+    dict(name="llama1b_varlen", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
+         batch=8, seq=2048, seq_min=256, ckpt=True, micro=2, iters=16, est_s=10,
+         note="Llama 1B, 2 micro-batches of 4 x L, L uniform in [256, 2048] per micro-batch"),
+]
+
+# The dense workload of the "memory you can spend" search: Llama 1B, one micro-batch of
+# B x 2048 per iteration, checkpointing, under a fixed cap.
+CAP_WORKLOAD = dict(name="llama1b_cap", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
+                    batch=1, seq=2048, ckpt=True, micro=1, iters=6, max_iters=18, est_s=10)
+CAP_BYTES = 16 * (1 << 30)
+CAP_ALLOCATORS = ("native", "expandable", "auto")
+
+# Tiny shapes for --dry-run (CPU).
+DRY = dict(hidden=64, layers=2, heads=4, inter=128, moe_inter=32, experts=4, topk=2, vocab=1000,
+           seq=32, seq_min=8, batch=4, iters=5, max_iters=10)
+
+ALLOCATORS = ("native", "expandable", "trace", "plan", "auto")
+LABELS = {
+    "native": "PyTorch native",
+    "expandable": "expandable segments",
+    "trace": "stweaver online (trace run)",
+    "auto": "stweaver auto (whole run)",
+    "auto_steady": "stweaver auto (after switch)",
+    "plan": "stweaver plan (trace -> plan)",
+}
+WARMUP = 3  # iterations left out of step-time medians
+
+
+def dry_workloads() -> List[dict]:
+    out = []
+    for w in WORKLOADS:
+        d = dict(w)
+        for k in ("hidden", "layers", "heads", "inter", "moe_inter", "experts", "topk", "seq", "batch"):
+            if k in d:
+                d[k] = DRY[k]
+        if "seq_min" in d:
+            d["seq_min"] = DRY["seq_min"]
+        d["vocab"] = DRY["vocab"]
+        d["iters"] = DRY["iters"]
+        if "max_iters" in d:
+            d["max_iters"] = DRY["max_iters"]
+        d["micro"] = min(d["micro"], d["batch"])
+        out.append(d)
+    return out
+
+
+# ------------------------------------------------------------------ child (one training run)
+
+
+class _FakeStweaver:
+    """--dry-run stand-in for the stweaver module (CPU has no CUDA allocator to replace)."""
+
+    def __init__(self, mode: str, trace: Optional[str]):
+        self._mode, self._trace, self._steps = mode, trace, 0
+
+    def step(self):
+        self._steps += 1
+
+    def mode(self) -> str:
+        if self._mode != "auto":
+            return self._mode
+        if self._steps <= 4:
+            return "auto (recording)"
+        return "auto (planning)" if self._steps <= 5 else "auto (plan)"
+
+    def stats(self) -> dict:
+        return {"mode": self.mode(), "dry_run": True, "devices": []}
+
+    def flush_trace(self) -> List[str]:
+        return [self._trace] if self._trace and os.path.isfile(self._trace) else []
+
+
+def _build_model(c: dict, device, torch):
+    import transformers as tf
+
+    fam = c["family"]
+    if fam == "llama":
+        cfg = tf.LlamaConfig(hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                             num_attention_heads=c["heads"], num_key_value_heads=c["heads"],
+                             intermediate_size=c["inter"], vocab_size=c.get("vocab", 32000),
+                             max_position_embeddings=c["seq"])
+        cls = tf.LlamaForCausalLM
+    elif fam == "gpt2":
+        cfg = tf.GPT2Config(n_embd=c["hidden"], n_layer=c["layers"], n_head=c["heads"],
+                            n_inner=c["inter"], vocab_size=c.get("vocab", 50257), n_positions=c["seq"])
+        cls = tf.GPT2LMHeadModel
+    elif fam == "qwen2moe":
+        cfg = tf.Qwen2MoeConfig(hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                                num_attention_heads=c["heads"], num_key_value_heads=c["heads"],
+                                intermediate_size=c["inter"], vocab_size=c.get("vocab", 32000),
+                                num_experts=c["experts"], num_experts_per_tok=c["topk"],
+                                moe_intermediate_size=c["moe_inter"],
+                                shared_expert_intermediate_size=c["moe_inter"],
+                                max_position_embeddings=c["seq"])
+        if c.get("experts_impl"):
+            cfg._experts_implementation = c["experts_impl"]
+        cls = tf.Qwen2MoeForCausalLM
+    else:
+        raise ValueError(fam)
+    # Initialised directly on the device in bf16 (seeded; the same bits under every allocator).
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            m = cls(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    m = m.to(device=device, dtype=torch.bfloat16)
+    if c["ckpt"]:
+        m.gradient_checkpointing_enable()
+    m.config.use_cache = False
+    m.train()
+    return m, getattr(m.config, "_experts_implementation", None)
+
+
+def _median(xs: List[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def run_spec(spec: dict) -> dict:
+    """One training run in this (fresh) process. CUDA is first touched here."""
+    import warnings
+
+    dry = spec.get("dry_run", False)
+    alloc = spec["alloc"]
+    c = spec["workload"]
+    res: dict = {"alloc": alloc, "workload": c["name"], "batch": c["batch"], "ok": False}
+    st = None
+    if alloc in ("auto", "trace", "plan"):
+        if dry:
+            st = _FakeStweaver(alloc, spec.get("trace"))
+        else:
+            import stweaver
+
+            stweaver.install(alloc, plan=spec.get("plan"), trace=spec.get("trace"), hook_optimizer=True)
+            st = stweaver
+    import torch
+
+    nondet: set = set()
+    _show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "determinis" in text.lower():
+            nondet.add(text.splitlines()[0][:200])
+        else:
+            _show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    # Strict: SDPA's flash / memory-efficient backward only run their deterministic variants
+    # when warn_only is off. An op with no deterministic implementation then raises; the
+    # driver reruns the workload with warn_only (and the JSON says so).
+    strict = c.get("strict", True)
+    res["determinism"] = "strict" if strict else "warn_only"
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # no NaN fill of torch.empty
+    torch.backends.cudnn.benchmark = False
+    device = "cpu" if dry else "cuda"
+    cuda = device == "cuda"
+    res["backend"] = torch.cuda.memory.get_allocator_backend() if cuda else "cpu"
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        res["device"] = props.name
+        res["total_memory"] = props.total_memory
+        if spec.get("cap_bytes"):
+            torch.cuda.set_per_process_memory_fraction(spec["cap_bytes"] / props.total_memory, 0)
+    fake_cap = {"native": 3, "expandable": 4, "auto": 5}  # dry-run: simulated OOM above these
+
+    torch.manual_seed(0)
+    t_build = time.perf_counter()
+    model, experts_impl = _build_model(c, device, torch)
+    res["experts_impl"] = experts_impl
+    res["params"] = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if isinstance(st, _FakeStweaver):
+        opt.register_step_post_hook(lambda *a: st.step())  # as stweaver's optimizer hook
+    if cuda:
+        torch.cuda.synchronize()
+    res["build_s"] = time.perf_counter() - t_build
+
+    vocab = model.config.vocab_size
+    micro, seq = c["micro"], c["seq"]
+    mb = c["batch"] // micro
+    inflight = c.get("inflight", 1)
+    gen = torch.Generator().manual_seed(1234)
+    base_n = c["iters"]
+    max_n = c.get("max_iters", 2 * base_n) if alloc == "auto" else base_n
+    deadline = spec.get("deadline", time.time() + 3600)
+    steps, losses, seqlens, reserved, allocated, max_res, dev_used, modes = [], [], [], [], [], [], [], []
+    switched_at = steady_from = None
+    steady_peaks = pre_peaks = None
+    digest = None
+    i = 0
+    try:
+        while True:
+            lens = []
+            batches = []
+            for _ in range(micro):
+                L = seq
+                if c.get("seq_min"):
+                    L = int(torch.randint(c["seq_min"], seq + 1, (1,), generator=gen))
+                lens.append(L)
+                batches.append(torch.randint(0, vocab, (mb, L), generator=gen))
+            if dry and spec.get("cap_bytes") and c["batch"] > fake_cap.get(alloc, 0) and i == 1:
+                raise MemoryError("simulated out of memory (dry run)")
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pending, it_losses = [], []
+            for x in batches:
+                # 1F1B-like: keep up to `inflight` micro-batch graphs alive, backward the oldest
+                x = x.to(device)
+                loss = model(input_ids=x, labels=x).loss / micro
+                it_losses.append(loss.detach())
+                pending.append(loss)
+                if len(pending) >= inflight:
+                    pending.pop(0).backward()
+            while pending:
+                pending.pop(0).backward()
+            opt.step()  # stweaver's optimizer hook marks the iteration here
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t0)
+            losses.append([float(v).hex() for v in torch.stack(it_losses).float().tolist()])
+            seqlens.append(lens)
+            if cuda:
+                reserved.append(torch.cuda.memory_reserved())
+                allocated.append(torch.cuda.memory_allocated())
+                max_res.append(torch.cuda.max_memory_reserved())
+                free, total = torch.cuda.mem_get_info()
+                dev_used.append(total - free)
+            if i == base_n - 1:
+                # Bitwise digest of every parameter (int64 sums of the bf16 bit patterns).
+                with torch.no_grad():
+                    acc = torch.zeros((), dtype=torch.int64, device=device)
+                    for p in model.parameters():
+                        acc += torch.sum(p.view(torch.int16), dtype=torch.int64)
+                    digest = int(acc)
+            mode = None
+            if st is not None:
+                mode = st.mode()
+                modes.append(mode)
+                if alloc == "auto":
+                    if switched_at is None and mode == "auto (plan)":
+                        switched_at = i
+                    elif switched_at is not None and i == switched_at + 1:
+                        # The plan served iteration i and the online cache was released at
+                        # its end: measure the peaks from here on.
+                        if cuda:
+                            steady_peaks = (torch.cuda.memory_reserved(), torch.cuda.memory_allocated())
+                            pre_peaks = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated())
+                            torch.cuda.reset_peak_memory_stats()
+                        steady_from = i + 1
+            i += 1
+            if i < base_n:
+                continue
+            if alloc != "auto" or i >= max_n or time.time() > deadline:
+                break
+            if steady_from is not None and i - steady_from >= 4:
+                break
+            if mode is not None and mode.startswith("auto (online"):
+                break
+        res["ok"] = True
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        res["oom"] = True
+        res["oom_iter"] = i
+        res["error"] = str(e).splitlines()[0][:300]
+    except RuntimeError as e:
+        if not (strict and "determinis" in str(e).lower()):
+            raise
+        res["determinism_error"] = str(e)[:500]
+        res["error"] = "no deterministic implementation: " + str(e).splitlines()[0][:200]
+        return res
+    res["iterations"] = i
+    res["base_iters"] = base_n
+    res["step_s"] = steps
+    res["losses"] = losses
+    res["seqlens"] = seqlens if c.get("seq_min") else None
+    res["param_digest"] = digest
+    res["tokens_per_iter"] = [sum(L * mb for L in ls) for ls in seqlens]
+    res["reserved"] = reserved
+    res["allocated"] = allocated
+    res["max_reserved_by_iter"] = max_res
+    res["device_used"] = dev_used
+    res["modes"] = modes
+    res["nondeterministic_ops"] = sorted(nondet)
+    if cuda:
+        res["max_reserved"] = torch.cuda.max_memory_reserved()
+        res["max_allocated"] = torch.cuda.max_memory_allocated()
+    else:
+        res["max_reserved"] = res["max_allocated"] = 0
+    res["switched_at"] = switched_at
+    res["steady_from"] = steady_from
+    if alloc == "auto":
+        if steady_from is not None and cuda:
+            # reset_peak_memory_stats ran after iteration steady_from - 1: the peaks since
+            # then are the window's (and the whole-run peaks are from the history below).
+            res["steady_max_reserved"] = res["max_reserved"]
+            res["steady_max_allocated"] = res["max_allocated"]
+            res["steady_start_reserved"], res["steady_start_allocated"] = steady_peaks
+            res["max_reserved"] = max(pre_peaks[0], res["max_reserved"])
+            res["max_allocated"] = max(pre_peaks[1], res["max_allocated"])
+        elif steady_from is not None:
+            res["steady_max_reserved"] = res["steady_max_allocated"] = 0
+    if st is not None:
+        try:
+            res["stweaver"] = st.stats()
+        except Exception as e:  # report, do not lose the run
+            res["stweaver"] = {"error": str(e)}
+        if alloc == "trace":
+            res["trace_files"] = st.flush_trace()
+    return res
+
+
+def child_main() -> int:
+    # Phase 1, before the spec arrives: imports only (no CUDA).
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2MoeForCausalLM  # noqa: F401
+
+    if PY_DIR not in sys.path:
+        sys.path.insert(0, PY_DIR)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # not needed: the driver closed stdin
+    spec = json.loads(line)
+    t0 = time.time()
+    try:
+        res = run_spec(spec)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        res = {"ok": False, "alloc": spec.get("alloc"), "workload": spec["workload"]["name"],
+               "error": f"{type(e).__name__}: {e}"[:2000]}
+    res["child_wall_s"] = time.time() - t0
+    with open(spec["result"], "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+# ------------------------------------------------------------------ driver
+
+
+class Pool:
+    """Children spawned ahead, per environment class (PYTORCH_CUDA_ALLOC_CONF differs)."""
+
+    def __init__(self, logdir: str, dry: bool):
+        self.logdir, self.dry, self.ready, self.n = logdir, dry, {}, 0
+
+    def _env(self, kind: str) -> dict:
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith("STWEAVER_") or k == "PYTORCH_CUDA_ALLOC_CONF":
+                del env[k]
+        if kind == "expandable":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        env["PYTHONUNBUFFERED"] = "1"
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        env["PYTHONPATH"] = PY_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def _spawn(self, kind: str):
+        self.n += 1
+        log = open(os.path.join(self.logdir, f"child{self.n:03d}.log"), "w")
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child"], stdin=subprocess.PIPE,
+                             stdout=log, stderr=subprocess.STDOUT, env=self._env(kind), text=True)
+        return (p, log)
+
+    def warm(self, kinds):
+        for kind in kinds:
+            if kind not in self.ready:
+                self.ready[kind] = self._spawn(kind)
+
+    def take(self, alloc: str):
+        kind = "expandable" if alloc == "expandable" else "default"
+        child = self.ready.pop(kind, None) or self._spawn(kind)
+        self.ready[kind] = self._spawn(kind)  # the next run of this kind imports meanwhile
+        return child
+
+    def close(self):
+        for p, log in self.ready.values():
+            try:
+                p.stdin.close()
+                p.wait(timeout=60)
+            except Exception:
+                p.kill()
+            log.close()
+        self.ready = {}
+
+
+class Driver:
+    def __init__(self, args):
+        self.args = args
+        self.dry = args.dry_run
+        self.t_start = time.time()
+        self.deadline = self.t_start + args.budget_s
+        self.tmp = tempfile.mkdtemp(prefix="stweaver-bench-")
+        self.logdir = os.path.join(self.tmp, "logs")
+        os.makedirs(self.logdir)
+        self.pool = Pool(self.logdir, self.dry)
+        self.out = args.out
+        os.makedirs(self.out, exist_ok=True)
+        self.doc: dict = {
+            "schema": 1,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "dry_run": self.dry,
+            "host": platform.node(),
+            "python": sys.version.split()[0],
+            "workloads": [],
+            "cap_search": None,
+            "skipped": [],
+        }
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self):
+        path = os.path.join(self.out, "gpu_bench.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.doc, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    def run_one(self, workload: dict, alloc: str, est_s: float, extra: Optional[dict] = None) -> dict:
+        if self.remaining() < est_s + 15:
+            msg = f"{workload['name']}/{alloc}: skipped, {self.remaining():.0f} s left (needs ~{est_s:.0f} s)"
+            print(msg, flush=True)
+            self.doc["skipped"].append(msg)
+            return {"ok": False, "alloc": alloc, "workload": workload["name"], "skipped": True,
+                    "error": "out of time"}
+        result = os.path.join(self.tmp, f"{workload['name']}_{alloc}_{workload['batch']}_{time.time_ns()}.json")
+        spec = {"alloc": alloc, "workload": workload, "result": result, "dry_run": self.dry,
+                "deadline": min(self.deadline - 10, time.time() + 4 * est_s)}
+        spec.update(extra or {})
+        p, log = self.pool.take(alloc)
+        t0 = time.time()
+        limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
+        rc, done_at = None, None
+        try:
+            p.stdin.write(json.dumps(spec) + "\n")
+            p.stdin.close()
+        except OSError:
+            pass  # the child died during its imports; its log says why
+        while rc is None:
+            try:
+                rc = p.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                now = time.time()
+                if done_at is None and os.path.exists(result):
+                    done_at = now
+                # A child that wrote its result gets 20 s to exit (a hung teardown must not
+                # eat the budget); any child is stopped at the run's limit.
+                if now > limit or (done_at is not None and now > done_at + 20):
+                    p.kill()
+                    p.wait()
+                    rc = "killed after its result" if done_at is not None else "timeout"
+        log.close()
+        wall = (done_at or time.time()) - t0
+        try:
+            with open(result) as f:
+                res = json.load(f)
+        except (OSError, ValueError):
+            res = {"ok": False, "alloc": alloc, "workload": workload["name"], "error": f"no result (rc={rc})"}
+        res["wall_s"] = wall
+        res["rc"] = rc
+        if not res.get("ok") and not res.get("oom"):
+            with open(log.name) as f:
+                res["log_tail"] = f.read()[-4000:]
+        return res
+
+    def plan_trace(self, trace: str, plan: str) -> dict:
+        cmd = [self.args.stweaver_bin, "plan", trace, "-o", plan, "--json", "--time-budget", "15"]
+        t0 = time.time()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, min(120.0, self.remaining() - 20)))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return {"ok": False, "error": str(e), "wall_s": time.time() - t0}
+        out = {"ok": r.returncode == 0, "wall_s": time.time() - t0, "rc": r.returncode}
+        try:
+            out["summary"] = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out["stdout"] = r.stdout[-2000:]
+        if r.returncode != 0:
+            out["error"] = r.stderr[-2000:]
+        return out
+
+    def workload(self, w: dict) -> dict:
+        entry = {"config": w, "runs": {}, "planner": None}
+        self.doc["workloads"].append(entry)
+        est = float(w.get("est_s", 15))
+        trace = os.path.join(self.tmp, f"{w['name']}.stwt")
+        plan = os.path.join(self.tmp, f"{w['name']}.stwp")
+        for alloc in ALLOCATORS:
+            extra = {}
+            if alloc == "trace":
+                extra = {"trace": self.args.dry_trace if self.dry else trace}
+            if alloc == "plan":
+                t = entry["runs"].get("trace", {})
+                files = t.get("trace_files") or []
+                if not (t.get("ok") and files):
+                    entry["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no trace to plan"}
+                    continue
+                if not self.args.stweaver_bin or not os.path.isfile(self.args.stweaver_bin):
+                    entry["planner"] = {"ok": False, "error": f"no stweaver binary at {self.args.stweaver_bin!r}"}
+                    entry["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no planner binary"}
+                    continue
+                entry["planner"] = self.plan_trace(files[0], plan)
+                pl = entry["planner"]
+                print(f"  stweaver plan: {'ok' if pl['ok'] else 'FAILED'} in {pl['wall_s']:.1f} s"
+                      + (f", LB {pl['summary']['lower_bound'] / GiB:.3f} GiB, pool {pl['summary']['pool'] / GiB:.3f} GiB"
+                         if pl.get("summary") else f" {pl.get('error', '')[-300:]}"), flush=True)
+                if not pl["ok"] or self.dry:
+                    entry["runs"]["plan"] = {"ok": False, "alloc": "plan",
+                                             "error": "planning failed" if not pl["ok"] else "dry run"}
+                    continue
+                extra = {"plan": plan}
+            r = self.run_one(w, alloc, est * (2 if alloc == "auto" else 1), extra)
+            if r.get("determinism_error") and w.get("strict", True):
+                print(f"{w['name']}: strict determinism failed ({r['error']}); rerunning with warn_only",
+                      flush=True)
+                self.doc["workloads"].remove(entry)
+                return self.workload(dict(w, strict=False, strict_error=r["determinism_error"]))
+            entry["runs"][alloc] = r
+            if r.get("ok"):
+                est = max(est, r["wall_s"])
+            print(self.progress_line(w["name"], alloc, r), flush=True)
+            self.save()
+        finalize_workload(entry)
+        self.save()
+        return entry
+
+    @staticmethod
+    def progress_line(name: str, alloc: str, r: dict) -> str:
+        if not r.get("ok"):
+            extra = ""
+            if r.get("log_tail"):
+                extra = " | " + r["log_tail"].strip().splitlines()[-1][-200:]
+            return f"{name:18s} {alloc:10s} FAILED: {r.get('error', '')[:300]}{extra}"
+        med = _median(r["step_s"][WARMUP:]) or _median(r["step_s"])
+        s = (f"{name:18s} {alloc:10s} res={r['max_reserved'] / GiB:7.3f}G "
+             f"alloc={(r.get('max_allocated') or 0) / GiB:7.3f}G step={med * 1e3:8.1f}ms "
+             f"iters={r['iterations']} wall={r['wall_s']:.0f}s")
+        if r.get("steady_max_reserved") is not None:
+            s += f" steady_res={r['steady_max_reserved'] / GiB:.3f}G from_it={r['steady_from']}"
+        if r.get("stweaver"):
+            s += f" mode={r['stweaver'].get('mode')!r}"
+        return s
+
+    # ---------------------------------------------------------- memory you can spend
+
+    def cap_search(self):
+        w0 = dict(DRY_CAP if self.dry else CAP_WORKLOAD)
+        doc = {"workload": w0, "cap_bytes": CAP_BYTES, "allocators": {}, "note": ""}
+        self.doc["cap_search"] = doc
+        guess = self.cap_guess()
+        doc["first_guess"] = guess
+        for alloc in CAP_ALLOCATORS:
+            tried: Dict[int, dict] = {}
+            b = guess
+            while len(tried) < 5 and b >= 1 and b not in tried:
+                w = dict(w0, batch=b)
+                est = w0["est_s"] * (2 if alloc == "auto" else 1)
+                r = self.run_one(w, alloc, est, {"cap_bytes": CAP_BYTES})
+                if r.get("skipped"):
+                    break
+                tried[b] = r
+                fits = bool(r.get("ok"))
+                print(f"cap {CAP_BYTES / GiB:.0f} GiB {alloc:10s} micro-batch {b:3d}: "
+                      + ("fits" if fits else ("OOM" if r.get("oom") else "FAILED " + str(r.get("error", ""))[:200]))
+                      + (f", peak reserved {r['max_reserved'] / GiB:.2f} GiB" if fits else ""), flush=True)
+                if not fits and not r.get("oom"):
+                    break  # a crash is not an answer
+                nb = next_probe(b, fits, {k: bool(v.get("ok")) for k, v in tried.items()})
+                if nb is None:
+                    break
+                b = nb
+            summary = cap_summary(tried)
+            doc["allocators"][alloc] = summary
+            self.save()
+            if summary.get("largest"):
+                guess = summary["largest"] + 1
+        doc["note"] = ("stweaver row: auto mode (records 4 iterations online, then serves its plan); "
+                       "a batch fits when every iteration ran without an out-of-memory error")
+
+    def cap_guess(self) -> int:
+        """First micro-batch to try: from llama1b_rcp's native run (persistent bytes from the
+        parameter count, activation bytes per sample from its lower bound), else 6."""
+        if self.dry:
+            return 2
+        for e in self.doc["workloads"]:
+            if e["config"]["name"] != "llama1b_rcp":
+                continue
+            n = e["runs"].get("native", {})
+            lb = e.get("lower_bound")
+            if not (n.get("ok") and lb and n.get("params")):
+                break
+            persistent = 8 * n["params"]  # bf16 params, grads, exp_avg, exp_avg_sq
+            per_sample = (lb - persistent) / (e["config"]["batch"] // e["config"]["micro"])
+            util = lb / n["max_reserved"]
+            if per_sample <= 0:
+                break
+            return max(1, min(32, int((CAP_BYTES * util - persistent) / per_sample)))
+        return 6
+
+    def main(self):
+        self.pool.warm(["default", "expandable"])
+        ws = dry_workloads() if self.dry else WORKLOADS
+        if self.args.only:
+            ws = [w for w in ws if w["name"] in self.args.only.split(",")]
+        for w in ws:
+            print(f"== {w['name']}: {w['note']}", flush=True)
+            self.workload(w)
+        if not self.args.no_cap:
+            print("== memory you can spend", flush=True)
+            if self.remaining() > 120 or self.dry:
+                self.cap_search()
+            else:
+                msg = f"cap search: skipped, {self.remaining():.0f} s left"
+                print(msg, flush=True)
+                self.doc["skipped"].append(msg)
+        self.pool.close()
+        if not self.args.keep_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.doc["wall_s"] = time.time() - self.t_start
+        for e in self.doc["workloads"]:
+            for r in e["runs"].values():
+                dev = r.get("device")
+                if dev:
+                    self.doc["device"] = dev
+                    break
+        self.save()
+        text = render_table(self.doc, markdown=False)
+        with open(os.path.join(self.out, "table.txt"), "w") as f:
+            f.write(text)
+        print("\n" + text, flush=True)
+        return 0
+
+
+DRY_CAP = dict(CAP_WORKLOAD, hidden=64, layers=2, heads=4, inter=128, vocab=1000, seq=32, iters=4, max_iters=8)
+
+
+def next_probe(b: int, fits: bool, tried: Dict[int, bool]) -> Optional[int]:
+    """Galloping search by one: up while it fits, down while it does not; stop at the edge."""
+    if fits:
+        if tried.get(b + 1) is False:
+            return None
+        return b + 1 if (b + 1) not in tried else None
+    if b - 1 < 1 or tried.get(b - 1) is True:
+        return None
+    return b - 1 if (b - 1) not in tried else None
+
+
+def cap_summary(tried: Dict[int, dict]) -> dict:
+    ok = {b: r for b, r in tried.items() if r.get("ok")}
+    out = {"probes": [{"batch": b, "fits": bool(r.get("ok")), "oom_iter": r.get("oom_iter"),
+                       "max_reserved": r.get("max_reserved"), "steady_max_reserved": r.get("steady_max_reserved"),
+                       "mode": (r.get("stweaver") or {}).get("mode"), "error": None if r.get("ok") else r.get("error"),
+                       "wall_s": r.get("wall_s")}
+                      for b, r in sorted(tried.items())]}
+    if not ok:
+        out["largest"] = None
+        return out
+    b = max(ok)
+    # The edge is proven only if b + 1 was tried and did not fit.
+    out["largest"] = b
+    out["edge_proven"] = (b + 1) in tried and not tried[b + 1].get("ok")
+    r = ok[b]
+    steady = steady_indices(r)
+    times = [r["step_s"][i] for i in steady]
+    toks = [r["tokens_per_iter"][i] for i in steady]
+    if times:
+        out["step_s"] = statistics.median(times)
+        out["tokens_per_s"] = statistics.median([t / s for t, s in zip(toks, times)])
+    out["max_reserved"] = r.get("max_reserved")
+    return out
+
+
+# ------------------------------------------------------------------ analysis and report
+
+
+def steady_indices(r: dict) -> List[int]:
+    """Iterations whose step time counts: after warm-up; for auto, after the switch."""
+    n = len(r.get("step_s") or [])
+    if r.get("alloc") == "auto":
+        start = r.get("steady_from")
+        if start is None:
+            start = n  # never served a plan: no steady window
+        return list(range(start, n))
+    return list(range(min(WARMUP, max(0, n - 1)), n))
+
+
+def finalize_workload(entry: dict) -> None:
+    """Derived numbers: lower bound, utilization, waste, step ratios, bitwise loss match."""
+    runs = entry["runs"]
+    pl = (entry.get("planner") or {}).get("summary") or {}
+    lb = pl.get("lower_bound")
+    basis = "stweaver plan on the trace run's trace (peak of live requested bytes)"
+    if not lb:
+        allocs = [r.get("max_allocated") for r in runs.values() if r.get("ok") and r.get("max_allocated")]
+        lb = min(allocs) if allocs else None
+        basis = "smallest max_memory_allocated among the runs (no trace planned)"
+    entry["lower_bound"] = lb
+    entry["lower_bound_basis"] = basis
+    native = runs.get("native") or {}
+    rows = []
+    for alloc in ALLOCATORS:
+        r = runs.get(alloc)
+        if r is None:
+            continue
+        variants = [(alloc, "max_reserved", "max_allocated")]
+        if alloc == "auto":
+            variants.append(("auto_steady", "steady_max_reserved", "steady_max_allocated"))
+        for key, rk, ak in variants:
+            row = {"key": key, "alloc": alloc, "label": LABELS[key], "ok": bool(r.get("ok"))}
+            if not r.get("ok"):
+                row["error"] = r.get("error", "failed")
+                rows.append(row)
+                continue
+            res, al = r.get(rk), r.get(ak)
+            row["reserved"], row["allocated"] = res, al
+            if key == "auto_steady" and res is None:
+                row["ok"] = False
+                row["error"] = f"no plan served after {r['iterations']} iterations (mode {r.get('modes', ['?'])[-1]!r})"
+                rows.append(row)
+                continue
+            if res:
+                row["utilization"] = al / res if al else None
+                if lb:
+                    row["lb_over_reserved"] = lb / res
+                    row["waste"] = res - lb
+            if key == "auto_steady":
+                idx = steady_indices(r)
+            elif key == "auto":
+                idx = list(range(min(WARMUP, len(r["step_s"]) - 1), len(r["step_s"])))
+            else:
+                idx = steady_indices(r)
+            times = [r["step_s"][i] for i in idx]
+            row["step_s"] = _median(times)
+            row["steady_iters"] = [idx[0], idx[-1]] if idx else None
+            if native.get("ok") and times:
+                both = [i for i in idx if i < len(native["step_s"]) and i >= WARMUP]
+                if len(both) >= 3:
+                    row["step_ratio"] = _median([r["step_s"][i] for i in both]) / _median(
+                        [native["step_s"][i] for i in both])
+                    row["step_ratio_basis"] = f"same iterations {both[0]}..{both[-1]}"
+                else:
+                    row["step_ratio"] = row["step_s"] / _median(native["step_s"][WARMUP:])
+                    row["step_ratio_basis"] = "different iterations (native ran fewer)"
+            if native.get("ok"):
+                n = min(len(native["losses"]), len(r["losses"]))
+                row["losses_compared"] = n
+                row["losses_match"] = n > 0 and native["losses"][:n] == r["losses"][:n]
+                if r.get("param_digest") is not None and native.get("param_digest") is not None:
+                    row["params_match"] = r["param_digest"] == native["param_digest"]
+            if r.get("stweaver"):
+                row["mode"] = r["stweaver"].get("mode")
+                devs = r["stweaver"].get("devices") or []
+                if devs and devs[0].get("plan"):
+                    row["plan_stats"] = devs[0]["plan"]
+            if r.get("nondeterministic_ops"):
+                row["nondeterministic_ops"] = r["nondeterministic_ops"]
+            rows.append(row)
+    entry["rows"] = rows
+
+
+def _gib(x) -> str:
+    return "–" if x is None else f"{x / GiB:.3f}"
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.2f} %"
+
+
+def _ratio(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def render_table(doc: dict, markdown: bool) -> str:
+    head = ["workload", "allocator", "peak reserved GiB", "peak alloc GiB", "util", "LB/res",
+            "waste GiB", "step ms", "vs native", "losses = native"]
+    lines = []
+    for e in doc["workloads"]:
+        for row in e.get("rows", []):
+            name = e["config"]["name"]
+            if not row["ok"]:
+                lines.append([name, row["label"], "failed: " + str(row.get("error", ""))[:60]] + [""] * 7)
+                continue
+            match = row.get("losses_match")
+            m = "–" if match is None else ("yes" if match else "NO")
+            if match and row.get("params_match") is False:
+                m = "losses yes, params NO"
+            lines.append([
+                name, row["label"], _gib(row.get("reserved")), _gib(row.get("allocated")),
+                _pct(row.get("utilization")), _pct(row.get("lb_over_reserved")), _gib(row.get("waste")),
+                "–" if row.get("step_s") is None else f"{row['step_s'] * 1e3:.1f}",
+                _ratio(row.get("step_ratio")), m,
+            ])
+    cap = doc.get("cap_search")
+    cap_lines = []
+    if cap:
+        for alloc, s in cap["allocators"].items():
+            probes = ", ".join(f"{p['batch']}{'+' if p['fits'] else '-'}" for p in s["probes"])
+            cap_lines.append([alloc, str(s.get("largest") or "none") + ("" if s.get("edge_proven", True) else " (edge not probed)"),
+                              "–" if s.get("tokens_per_s") is None else f"{s['tokens_per_s']:.0f}",
+                              _gib(s.get("max_reserved")), probes])
+    out = []
+    if markdown:
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        out += ["| " + " | ".join(l) + " |" for l in lines]
+        if cap_lines:
+            out.append("")
+            out.append(f"Largest micro-batch under a {cap['cap_bytes'] / GiB:.0f} GiB cap "
+                       f"({cap['workload']['name']}: Llama 1B, B x {cap['workload']['seq']} tokens, checkpointing):")
+            out.append("")
+            out.append("| allocator | largest micro-batch | tokens/s at it | peak reserved GiB | probes (+ fits, - OOM) |")
+            out.append("|---|---|---|---|---|")
+            out += ["| " + " | ".join(l) + " |" for l in cap_lines]
+    else:
+        short = ["workload", "allocator", "reserved", "alloc", "util", "LB/res", "waste", "step ms", "vs nat", "loss="]
+        rows = [short] + [l for l in lines]
+        good = [r for r in rows if not r[2].startswith("failed")]
+        widths = [max(len(r[i]) for r in good) for i in range(len(short))]
+        widths[1] = min(widths[1], 30)
+        for r in rows:
+            if r[2].startswith("failed"):
+                out.append(f"{r[0]:<{widths[0]}}  {r[1][:30]:<{widths[1]}}  {r[2]}")
+                continue
+            out.append("  ".join(r[i][:30].ljust(widths[i]) for i in range(len(short))).rstrip())
+        if cap_lines:
+            out.append(f"cap {cap['cap_bytes'] / GiB:.0f} GiB, {cap['workload']['name']}: allocator, largest micro-batch, tokens/s, reserved, probes")
+            out += ["  " + "  ".join(l) for l in cap_lines]
+        if doc.get("skipped"):
+            out.append("skipped: " + "; ".join(doc["skipped"]))
+    return "\n".join(out) + "\n"
+
+
+def targets(doc: dict) -> List[str]:
+    """The issue's targets, each with the measured number and met / missed."""
+    out = []
+    for e in doc["workloads"]:
+        rows = {r["key"]: r for r in e.get("rows", []) if r["ok"]}
+        name = e["config"]["name"]
+        need = 0.98 if "moe" in name else 0.99
+        exp = rows.get("expandable", {}).get("reserved")
+        for key in ("plan", "auto_steady"):
+            r = rows.get(key)
+            if not r:
+                out.append(f"{name} {key}: no result")
+                continue
+            u = r.get("utilization")
+            lbu = r.get("lb_over_reserved")
+            parts = [f"util {_pct(u)} (LB/res {_pct(lbu)}) {'met' if u and u >= need else 'MISSED'} (>= {need:.0%})"]
+            if exp:
+                parts.append(f"reserved {_gib(r['reserved'])} vs expandable {_gib(exp)} GiB: "
+                             f"{'met' if r['reserved'] < exp else 'MISSED'}")
+            if r.get("step_ratio") is not None:
+                parts.append(f"step x{r['step_ratio']:.3f}: {'met' if r['step_ratio'] <= 1.01 else 'MISSED'}")
+            if r.get("losses_match") is not None:
+                parts.append(f"losses {'identical' if r['losses_match'] else 'DIFFER'}")
+            out.append(f"{name} {key}: " + "; ".join(parts))
+    cap = doc.get("cap_search")
+    if cap:
+        a = cap["allocators"]
+        n, s = (a.get("native") or {}).get("largest"), (a.get("auto") or {}).get("largest")
+        if n is not None and s is not None:
+            out.append(f"cap: stweaver {s} vs native {n}: {'met' if s > n else 'MISSED'}")
+    return out
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["child"]:
+        return child_main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the benchmark")
+    r.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    r.add_argument("--stweaver-bin", default=os.path.join(REPO, "target/release/stweaver"))
+    r.add_argument("--budget-s", type=float, default=480.0, help="stop starting runs after this")
+    r.add_argument("--dry-run", action="store_true", help="CPU, tiny models, stweaver faked")
+    r.add_argument("--dry-trace", default=None, help="dry run: a .stwt to feed `stweaver plan`")
+    r.add_argument("--only", default=None, help="comma-separated workload names")
+    r.add_argument("--no-cap", action="store_true", help="skip the memory-cap search")
+    r.add_argument("--keep-tmp", action="store_true", help="keep traces, plans and child logs")
+    p = sub.add_parser("report", help="print the table of a result file")
+    p.add_argument("json")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--targets", action="store_true")
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        return Driver(a).main()
+    with open(a.json) as f:
+        doc = json.load(f)
+    for e in doc["workloads"]:
+        if "rows" not in e:
+            finalize_workload(e)
+    print(render_table(doc, a.markdown), end="")
+    if a.targets:
+        print("\n".join(targets(doc)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The GPU benchmark's pure-Python parts (no torch, no GPU): the cap search's probe order,
+the derived numbers (lower bound, utilization, step ratios over the same iterations, bitwise
+loss match, auto's after-switch window) and the tables."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+import gpu_bench as gb  # noqa: E402
+
+G = 1 << 30
+
+
+def run(alloc, reserved, allocated, steps, losses, **kw):
+    r = {"ok": True, "alloc": alloc, "max_reserved": reserved, "max_allocated": allocated,
+         "step_s": steps, "losses": losses, "iterations": len(steps), "param_digest": 7,
+         "tokens_per_iter": [1000] * len(steps)}
+    r.update(kw)
+    return r
+
+
+def entry():
+    losses = [["0x1.0p+0"]] * 8
+    steps = [0.5, 0.4] + [0.30] * 6
+    return {
+        "config": {"name": "llama1b_rcp", "batch": 8, "micro": 2},
+        "planner": {"ok": True, "summary": {"lower_bound": 10 * G}},
+        "runs": {
+            "native": run("native", 12 * G, 10.2 * G, steps, losses),
+            "expandable": run("expandable", 11 * G, 10.1 * G, steps, losses),
+            "trace": run("trace", 10.6 * G, 10.05 * G, [0.5, 0.4] + [0.303] * 6, losses),
+            "plan": run("plan", 10.01 * G, 10.0 * G, [0.5, 0.4] + [0.301] * 6, losses),
+            # switched after iteration 3, cache released after 4, window from 5 on; ran longer
+            "auto": run("auto", 11.5 * G, 10.1 * G, [0.5, 0.4] + [0.302] * 8,
+                        losses + [["0x1.8p+0"]] * 2, steady_from=5, switched_at=3,
+                        steady_max_reserved=10.02 * G, steady_max_allocated=10.0 * G,
+                        modes=["auto (recording)"] * 3 + ["auto (plan)"] * 7,
+                        stweaver={"mode": "auto (plan)", "devices": [{"plan": {"hits": 5}}]}),
+        },
+    }
+
+
+def test_derived_numbers():
+    e = entry()
+    gb.finalize_workload(e)
+    rows = {r["key"]: r for r in e["rows"]}
+    assert e["lower_bound"] == 10 * G
+    assert set(rows) == {"native", "expandable", "trace", "plan", "auto", "auto_steady"}
+    assert abs(rows["native"]["utilization"] - 0.85) < 1e-9
+    assert rows["plan"]["waste"] == int(0.01 * G) or abs(rows["plan"]["waste"] - 0.01 * G) < 1
+    assert abs(rows["plan"]["step_ratio"] - 0.301 / 0.30) < 1e-9
+    assert rows["plan"]["losses_match"] and rows["plan"]["params_match"]
+    # auto's window: iterations 5..9, compared with native's 5..7 (native ran 8)
+    st = rows["auto_steady"]
+    assert st["reserved"] == 10.02 * G and st["steady_iters"] == [5, 9]
+    assert st["step_ratio_basis"] == "same iterations 5..7"
+    assert st["losses_compared"] == 8 and st["losses_match"]
+    assert st["plan_stats"] == {"hits": 5}
+
+
+def test_losses_that_differ_are_reported():
+    e = entry()
+    e["runs"]["expandable"]["losses"] = [["0x1.0p+0"]] * 7 + [["0x1.0000000000001p+0"]]
+    gb.finalize_workload(e)
+    rows = {r["key"]: r for r in e["rows"]}
+    assert rows["expandable"]["losses_match"] is False
+    assert "NO" in gb.render_table({"workloads": [e]}, markdown=False)
+
+
+def test_auto_without_a_switch_has_no_window():
+    e = entry()
+    a = e["runs"]["auto"]
+    for k in ("steady_from", "switched_at", "steady_max_reserved", "steady_max_allocated"):
+        a.pop(k)
+    a["modes"] = ["auto (planning)"] * 10
+    gb.finalize_workload(e)
+    rows = {r["key"]: r for r in e["rows"]}
+    assert not rows["auto_steady"]["ok"] and "no plan served" in rows["auto_steady"]["error"]
+    assert rows["auto"]["ok"]
+
+
+def test_lower_bound_falls_back_to_max_allocated():
+    e = entry()
+    e["planner"] = None
+    gb.finalize_workload(e)
+    assert e["lower_bound"] == 10.0 * G  # the plan run's max_allocated, the smallest
+    assert "max_memory_allocated" in e["lower_bound_basis"]
+
+
+def test_failed_runs_render():
+    e = entry()
+    e["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no trace to plan"}
+    gb.finalize_workload(e)
+    doc = {"workloads": [e], "cap_search": None, "skipped": ["x: skipped"]}
+    text = gb.render_table(doc, markdown=False)
+    assert "failed: no trace to plan" in text and "skipped: x: skipped" in text
+    md = gb.render_table(doc, markdown=True)
+    assert md.splitlines()[0].startswith("| workload |")
+    assert any("llama1b_rcp" in t and "auto_steady" in t for t in gb.targets(doc))
+
+
+def test_next_probe_gallops_to_the_edge():
+    # fits at 7, 8; not at 9 -> stop at 8
+    assert gb.next_probe(7, True, {7: True}) == 8
+    assert gb.next_probe(8, True, {7: True, 8: True}) == 9
+    assert gb.next_probe(9, False, {7: True, 8: True, 9: False}) is None
+    # does not fit at 7: go down until one fits
+    assert gb.next_probe(7, False, {7: False}) == 6
+    assert gb.next_probe(6, True, {7: False, 6: True}) is None
+    assert gb.next_probe(1, False, {1: False}) is None
+
+
+def test_cap_summary():
+    ok = run("native", 15 * G, 14 * G, [0.5, 0.4, 0.3, 0.3, 0.3, 0.3], [["0x1p+0"]] * 6)
+    ok["tokens_per_iter"] = [2048 * 7] * 6
+    s = gb.cap_summary({7: ok, 8: {"ok": False, "oom": True, "oom_iter": 1}})
+    assert s["largest"] == 7 and s["edge_proven"]
+    assert abs(s["tokens_per_s"] - 2048 * 7 / 0.3) < 1e-6
+    assert [p["fits"] for p in s["probes"]] == [True, False]
+    assert gb.cap_summary({5: {"ok": False, "oom": True}})["largest"] is None

@@ -1,0 +1,134 @@
+//! `gpu-bench`: the GPU benchmark (`python/bench/gpu_bench.py`) as one device call.
+//!
+//! - `cargo xtask gpu-bench` — builds the `stweaver-torch` staticlib and the `stweaver` CLI
+//!   (the planner of the trace -> plan -> plan-run path) in release, prepares `.bench-carry/`
+//!   the way `gpu-test` prepares `.carry/` (stripped staticlib, cxx headers with symlinks
+//!   resolved) plus `bin/stweaver`, and prints the device command and its carry. The GPU
+//!   machine has no Rust: `scripts/gpu_bench.sh` builds the extension there with
+//!   `python -m stweaver build` (as `gpu_test.sh` does) and runs the harness, which writes
+//!   `gpu_bench.json`, `table.txt` and the child logs' tails to `$OUT`.
+//! - `cargo xtask gpu-bench --dry-run` — the harness on the CPU with tiny models and a fake
+//!   stweaver (needs `$PYTHON` with torch and transformers); checks the orchestration, the
+//!   five training loops, the cap search and the report, not the allocator.
+//! - `cargo xtask gpu-bench --report RESULT.json` — the Markdown table and the targets
+//!   (met / missed) for BENCHMARKS.md, and `docs/gpu_bench.png` (needs matplotlib).
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::torch_ext::{
+    build_staticlib, copy_resolved, ensure_excluded, python, root, strip_debug, target_dir,
+};
+use crate::{cargo, run};
+
+const CARRY: &str = ".bench-carry";
+/// The device call's limit, and the harness's own budget inside it (build included).
+const DEVICE_TIMEOUT_S: u32 = 540;
+
+fn build_cli() -> Result<PathBuf> {
+    let mut c = cargo();
+    c.current_dir(root()).args([
+        "build",
+        "--release",
+        "-p",
+        "stweaver-planner",
+        "--bin",
+        "stweaver",
+    ]);
+    run(c)?;
+    let bin = target_dir().join("release/stweaver");
+    if !bin.is_file() {
+        bail!("{} was not produced", bin.display());
+    }
+    Ok(bin)
+}
+
+fn prepare() -> Result<()> {
+    let lib = build_staticlib(true)?;
+    let cli = build_cli()?;
+    let carry = root().join(CARRY);
+    if carry.exists() {
+        fs::remove_dir_all(&carry)?;
+    }
+    fs::create_dir_all(carry.join("bin"))?;
+    let lib_dst = carry.join("libstweaver_torch.a");
+    fs::copy(&lib, &lib_dst)?;
+    strip_debug(&lib_dst);
+    let hdr = copy_resolved(&target_dir().join("cxxbridge"), &carry.join("cxxbridge"))?;
+    let cli_dst = carry.join("bin/stweaver");
+    fs::copy(&cli, &cli_dst)?;
+    strip_debug(&cli_dst);
+    ensure_excluded(&format!("/{CARRY}/"))?;
+    let total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len();
+    eprintln!(
+        "gpu-bench: {} ready ({:.1} MiB: staticlib, cxx headers, stweaver CLI)",
+        carry.display(),
+        total as f64 / (1 << 20) as f64
+    );
+    println!(
+        "device command: set -o pipefail; bash scripts/gpu_bench.sh {CARRY} 2>&1 | tee $OUT/log"
+    );
+    println!("carry: [\"{CARRY}\"]   timeout_s: {DEVICE_TIMEOUT_S}");
+    Ok(())
+}
+
+fn dry_run(args: &[String]) -> Result<()> {
+    let out = target_dir().join("gpu-bench-dry");
+    let mut c = Command::new(python());
+    c.current_dir(root())
+        .arg("python/bench/gpu_bench.py")
+        .args(["run", "--dry-run", "--budget-s", "3600", "--out"])
+        .arg(&out)
+        .args(args);
+    // The trace of the planner step: any real `.stwt` (the GPU tests write one), else none.
+    if !args.iter().any(|a| a == "--dry-trace") {
+        let cli = target_dir().join("release/stweaver");
+        if cli.is_file() {
+            c.arg("--stweaver-bin").arg(cli);
+        }
+    }
+    run(c)?;
+    eprintln!(
+        "gpu-bench --dry-run: {}",
+        out.join("gpu_bench.json").display()
+    );
+    Ok(())
+}
+
+fn report(json: &str) -> Result<()> {
+    let json = fs::canonicalize(json).with_context(|| format!("{json}: no such result file"))?;
+    let mut c = Command::new(python());
+    c.current_dir(root())
+        .arg("python/bench/gpu_bench.py")
+        .arg("report")
+        .arg(&json)
+        .args(["--markdown", "--targets"]);
+    run(c)?;
+    let png = root().join("docs/gpu_bench.png");
+    let mut c = Command::new(python());
+    c.current_dir(root())
+        .arg("python/bench/plot_bench.py")
+        .arg(&json)
+        .arg("-o")
+        .arg(&png);
+    run(c)?;
+    eprintln!("gpu-bench --report: {}", png.display());
+    Ok(())
+}
+
+pub fn gpu_bench(args: &[String]) -> Result<()> {
+    match args.first().map(String::as_str) {
+        None => prepare(),
+        Some("--dry-run") => dry_run(&args[1..]),
+        Some("--report") => match args.get(1) {
+            Some(json) => report(json),
+            None => bail!("usage: cargo xtask gpu-bench --report RESULT.json"),
+        },
+        Some(other) => bail!(
+            "gpu-bench: unknown argument {other:?} (usage: gpu-bench [--dry-run [HARNESS ARGS...] | --report RESULT.json])"
+        ),
+    }
+}
