@@ -21,7 +21,8 @@
 //! - **online**: the engine alone;
 //! - **plan**: a [`Plan`] loaded before the first request (for example one made by
 //!   [`plan_first_iterations`] from the first iterations of the same trace: "plan from
-//!   the first iterations, serve the whole run");
+//!   the first iterations, serve the whole run"); a plan the engine refuses is
+//!   reported ([`EngineReplayReport::plan_error`]) and the run is served online;
 //! - **auto**: the engine records its own trace online ([`Engine::start_trace`]) for the
 //!   first `record_iterations` boundaries, a planner callback turns that recording into
 //!   a plan (in a real run: a background thread), and the engine switches to it at that
@@ -156,6 +157,8 @@ pub struct EngineReplayReport {
     pub peak_requested: Bytes,
     /// Where each allocation was served, by `AllocId`.
     pub served: Vec<Served>,
+    /// The address each allocation got (0 if never allocated), by `AllocId`.
+    pub addrs: Vec<u64>,
     pub counts: ServedCounts,
     /// The engine's plan statistics at the end (`None` if no plan was served).
     pub plan_stats: Option<PlanStats>,
@@ -165,8 +168,9 @@ pub struct EngineReplayReport {
     pub iterations_marked: usize,
     /// Event index where the plan was switched in (auto mode), if it was.
     pub switched_at: Option<usize>,
-    /// Why auto mode kept serving online, if it did (the planner's or the engine's
-    /// refusal).
+    /// Why the run was served online although a plan was given, if it was: the
+    /// engine refused the plan (plan mode), or the planner failed or the engine refused
+    /// its plan (auto mode).
     pub plan_error: Option<String>,
     /// Overlap checks made (one per allocation).
     pub overlap_checks: u64,
@@ -407,6 +411,7 @@ struct Replayer<'t> {
     dev: Arc<VirtualMemory>,
     ptr: Vec<Option<DevicePtr>>,
     served: Vec<Served>,
+    addrs: Vec<u64>,
     counts: ServedCounts,
     live: LiveRanges,
     plan_base: Option<(u64, u64)>,
@@ -448,6 +453,7 @@ impl Replayer<'_> {
             _ => self.counts.online += 1,
         }
         self.served[id.index()] = served;
+        self.addrs[id.index()] = p.get();
         self.ptr[id.index()] = Some(p);
         Ok(())
     }
@@ -501,15 +507,19 @@ pub fn replay_engine(
         dev,
         ptr: vec![None; n],
         served: vec![Served::NotServed; n],
+        addrs: vec![0; n],
         counts: ServedCounts::default(),
         live: LiveRanges::default(),
         plan_base: None,
     };
+    let mut plan_error = None;
     if let ServeMode::Plan(plan) = mode {
-        r.engine
-            .load_plan(plan, opts.serve)
-            .map_err(Replayer::err(0, "load the plan"))?;
-        r.plan_base = r.pool()?;
+        // A plan the engine refuses is reported, and the run is served online, as in
+        // a real run (training never dies because of a plan).
+        match r.engine.load_plan(plan, opts.serve) {
+            Ok(()) => r.plan_base = r.pool()?,
+            Err(e) => plan_error = Some(e.to_string()),
+        }
     }
     // The free that ends each lifetime.
     let ends: Vec<Option<usize>> = trace
@@ -526,7 +536,6 @@ pub fn replay_engine(
     let mut next_bound = 0;
     let mut marked = 0;
     let mut switched_at = None;
-    let mut plan_error = None;
     for (i, e) in trace.events.iter().enumerate() {
         if next_bound < bounds.len() && bounds[next_bound] == i {
             next_bound += 1;
@@ -601,6 +610,7 @@ pub fn replay_engine(
         peak_allocated: Bytes(stats.allocated_bytes[0].peak as u64),
         peak_requested: Bytes(stats.requested_bytes[0].peak as u64),
         served: r.served,
+        addrs: r.addrs,
         counts: r.counts,
         plan_stats,
         pool_size: Bytes(r.plan_base.map_or(0, |(_, l)| l)),

@@ -129,6 +129,12 @@ pub(crate) struct Expected {
     /// Another stream of the plan uses part of this request's range: its free must
     /// wait for its own stream (module `crate::engine` docs, multi-stream plans).
     pub cross: bool,
+    /// Planned lifetime on the section's clock (`end` may be [`crate::plan::NEVER_FREED`]).
+    pub start: u64,
+    pub end: u64,
+    /// For a match returned by [`Cursor::next`]: the planned free on the cursor's
+    /// virtual clock ([`Cursor::vtick`]); 0 in the stored sequence.
+    pub vend: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -157,6 +163,9 @@ pub(crate) struct Cursor {
     n: usize,
     streak: u32,
     window: u64,
+    /// Section lengths on the plan clock.
+    prologue_len: u64,
+    iteration_len: u64,
     /// Requests offered since load.
     seen: u64,
     /// The last operation was a resynchronisation to an iteration start.
@@ -183,6 +192,9 @@ impl Cursor {
                     offset: r.offset,
                     len: r.size.get().div_ceil(512) * 512,
                     cross: flags.next().unwrap_or(false),
+                    start: r.start,
+                    end: r.end,
+                    vend: 0,
                 })
                 .collect()
         };
@@ -196,6 +208,8 @@ impl Cursor {
             n: 1,
             streak: 0,
             window: window.max(1) as u64,
+            prologue_len: plan.prologue_len,
+            iteration_len: plan.iteration_len,
             seen: 0,
             at_start: starts_in_iteration,
             stats: PlanStats {
@@ -254,6 +268,49 @@ impl Cursor {
         (0..h as u64).map_while(move |k| self.entry(v + k))
     }
 
+    /// The expected request at the best hypothesis's position, its virtual planned
+    /// end filled in.
+    pub fn peek(&self) -> Option<Expected> {
+        self.matched(self.best())
+    }
+
+    /// Expected requests in the plan: the prologue's plus one iteration's.
+    pub fn len(&self) -> usize {
+        self.prologue.len() + self.iteration.len()
+    }
+
+    /// The expected requests after the best hypothesis's position that are planned to
+    /// start before virtual tick `until`, at most `cap` of them.
+    pub fn upcoming_until(&self, until: u64, cap: usize) -> impl Iterator<Item = &Expected> + '_ {
+        let v = self.best();
+        (0..cap as u64)
+            .map_while(move |k| self.entry(v + k).map(|e| (v + k, e)))
+            .take_while(move |&(w, e)| self.vtick(w, e.start) < until)
+            .map(|(_, e)| e)
+    }
+
+    /// Tick `t` of the section that virtual position `v` is in, on one clock for the
+    /// whole unrolled plan (the prologue's ticks, then each iteration's). Saturating;
+    /// a never-freed end stays at the top.
+    pub fn vtick(&self, v: u64, t: u64) -> u64 {
+        let p = self.p();
+        if v < p || self.l() == 0 || t == crate::plan::NEVER_FREED {
+            return t;
+        }
+        let k = (v - p) / self.l();
+        self.prologue_len
+            .saturating_add(k.saturating_mul(self.iteration_len))
+            .saturating_add(t)
+    }
+
+    /// The stored entry at `j`, with its virtual planned end filled in.
+    fn matched(&self, j: u64) -> Option<Expected> {
+        self.entry(j).map(|e| Expected {
+            vend: self.vtick(j, e.end),
+            ..*e
+        })
+    }
+
     /// The expected request for a request of `size` requested bytes on `stream`, or
     /// `None` if it is not planned (see the module documentation).
     pub fn next(&mut self, size: u64, stream: StreamId) -> Option<Expected> {
@@ -270,7 +327,10 @@ impl Cursor {
             self.streak = self.streak.saturating_add(1);
             self.at_start = false;
             self.stats.hits += 1;
-            return Some(e);
+            return Some(Expected {
+                vend: self.vtick(v, e.end),
+                ..e
+            });
         }
         self.step(size, stream)
     }
@@ -396,7 +456,7 @@ impl Cursor {
                 self.note_consumed(from.min(j), j);
                 self.at_start = false;
                 self.stats.hits += 1;
-                self.entry(j).copied()
+                self.matched(j)
             }
             None => {
                 self.stats.unplanned += 1;

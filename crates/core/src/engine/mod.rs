@@ -261,6 +261,9 @@ impl Default for PlanOptions {
 
 /// Free blocks of the pool looked at for one hole placement (best fit first).
 const HOLE_CANDIDATES: usize = 8;
+/// Expected requests a hole is checked against, at most, for a request whose planned
+/// lifetime is known (a conflict).
+const HOLE_SPAN_CAP: usize = 4096;
 
 /// A plan being served: its cursor and the placement arena of its pool.
 #[derive(Debug)]
@@ -274,6 +277,10 @@ struct PlanServing {
     /// sorted, disjoint).
     streams: plan_pool::StreamRanges,
     options: PlanOptions,
+    /// For the request being served: the virtual tick until which a hole must stay
+    /// free (its planned end, for a conflict), or `None` (unplanned: the next
+    /// `hole_horizon` expected requests).
+    until: Option<u64>,
 }
 
 /// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
@@ -299,15 +306,19 @@ impl PlanServing {
     }
 
     /// Whether a request on `stream` may take the hole `[lo, lo + len)` (offsets): on a
-    /// multi-stream plan no other stream plans anything there, and none of the next
-    /// expected requests is planned on it.
+    /// multi-stream plan no other stream plans anything there, and no expected request
+    /// coming before the request's planned end (a conflict: its lifetime is known; one
+    /// taken to live forever is checked against a whole prologue and iteration), or
+    /// among the next `hole_horizon` (an unplanned request), is planned on it.
     fn hole_ok(&self, stream: StreamId, lo: u64, len: u64) -> bool {
         let hi = lo + len;
+        let clear = |e: &cursor::Expected| e.offset.get() >= hi || e.offset.get() + e.len <= lo;
         (!self.multi_stream() || self.exclusive(stream, lo, hi))
-            && self
-                .cursor
-                .upcoming(self.options.hole_horizon)
-                .all(|e| e.offset.get() >= hi || e.offset.get() + e.len <= lo)
+            && match self.until {
+                Some(u64::MAX) => self.cursor.upcoming(self.cursor.len()).all(clear),
+                Some(until) => self.cursor.upcoming_until(until, HOLE_SPAN_CAP).all(clear),
+                None => self.cursor.upcoming(self.options.hole_horizon).all(clear),
+            }
     }
 }
 
@@ -399,6 +410,13 @@ impl State {
         if !p.serves(stream) {
             return Ok(None);
         }
+        // An unplanned request where the plan expects a tensor that lives forever
+        // (setup: parameters, optimizer state) is taken to live forever too.
+        p.until = p
+            .cursor
+            .peek()
+            .filter(|e| e.end == crate::plan::NEVER_FREED)
+            .map(|_| u64::MAX);
         if let Some(e) = p.cursor.next(size.get(), stream) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
             if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
@@ -410,6 +428,7 @@ impl State {
             }
             if let Some(p) = self.plan.as_mut() {
                 p.cursor.conflict();
+                p.until = Some(e.vend);
             }
         }
         self.alloc_in_hole(size, rounded, stream)
@@ -1248,6 +1267,7 @@ impl<D: DeviceMemory> Engine<D> {
             len,
             streams,
             options,
+            until: None,
         });
         Ok(())
     }
