@@ -810,9 +810,10 @@ std::shared_ptr<CCA::AllocatorState> StweaverAllocator::getCheckpointState(
     c10::MempoolId_t /*id*/) {
   TORCH_CHECK(
       false,
-      "stweaver does not support checkpointing CUDA graph pools (cudagraph trees, as used by "
-      "torch.compile(mode=\"reduce-overhead\")); use torch.cuda.graph / CUDAGraph directly, "
-      "or compile without reduce-overhead");
+      "stweaver does not support checkpointing CUDA graph pools (getCheckpointState, called by "
+      "the cudagraph trees of torch.compile(mode=\"reduce-overhead\")). Set "
+      "torch._inductor.config.triton.cudagraph_trees = False to use plain CUDA graphs (each in "
+      "its own stweaver private pool), or use torch.cuda.graph / CUDAGraph directly");
   throw std::logic_error("unreachable");
 }
 
@@ -821,8 +822,10 @@ CCA::CheckpointDelta StweaverAllocator::setCheckpointPoolState(
     std::shared_ptr<CCA::AllocatorState> /*pps*/) {
   TORCH_CHECK(
       false,
-      "stweaver does not support restoring CUDA graph pool checkpoints (cudagraph trees, as "
-      "used by torch.compile(mode=\"reduce-overhead\"))");
+      "stweaver does not support restoring CUDA graph pool checkpoints (setCheckpointPoolState, "
+      "called by the cudagraph trees of torch.compile(mode=\"reduce-overhead\")). Set "
+      "torch._inductor.config.triton.cudagraph_trees = False to use plain CUDA graphs (each in "
+      "its own stweaver private pool)");
   throw std::logic_error("unreachable");
 }
 
