@@ -1,6 +1,7 @@
 //! Project automation: `cargo xtask <task>`.
 //!
-//! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, codegen --check).
+//! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, codegen --check,
+//!   python tests, cpp-check).
 //! - `codegen [--check]`: regenerate the committed generated code (see `codegen.rs`).
 //! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
 //!   extension (see `torch_ext.rs`).
@@ -64,5 +65,8 @@ fn ci() -> Result<()> {
     test.args(["test", "--workspace"]);
     run(test)?;
     codegen::run(&["--check".to_owned()])?;
-    torch_ext::python_tests()
+    torch_ext::python_tests()?;
+    // The C++ allocator compiles and links against the real torch 2.11 and the newest
+    // torch wheels from PyPI (no GPU needed).
+    torch_ext::cpp_check(&[])
 }
