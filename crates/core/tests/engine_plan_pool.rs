@@ -346,13 +346,17 @@ fn a_large_request_without_a_hole_grows_the_pool_at_its_tail() {
     let st = r.engine.plan_stats().unwrap().unwrap();
     assert_eq!((st.grown, st.holes, st.unplanned), (1, 1, 1));
     let reserved = r.engine.stats().unwrap().reserved_bytes[0].current as u64;
-    assert_eq!(reserved, 4 * G + (2 << 20), "only the granules it needs");
+    // The pool maps granules as they are first used: the parameter's 3, and the big
+    // request's own, not yet the activation's.
+    assert_eq!(reserved, 3 * G + (2 << 20), "only the granules used");
     let act = r.alloc(G, S1);
     assert_eq!(
         act.get(),
         base.get() + 3 * G,
         "the planned request still hits"
     );
+    let reserved = r.engine.stats().unwrap().reserved_bytes[0].current as u64;
+    assert_eq!(reserved, 4 * G + (2 << 20));
     r.free(act);
     r.free(big);
     // The grown tail is a hole now: the next big request reuses it, no growth.
@@ -361,6 +365,44 @@ fn a_large_request_without_a_hole_grows_the_pool_at_its_tail() {
     assert_eq!(again, big);
     assert_eq!(r.engine.plan_stats().unwrap().unwrap().grown, 1);
     r.free(again);
+    r.free(param);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn a_spent_prologue_only_plan_gives_back_its_free_granules_and_grows_like_an_arena() {
+    // Prologue only: a parameter (never freed) at the top, a 2 MiB temporary below.
+    const M2: u64 = 2 << 20;
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(M2 + G),
+        prologue: vec![req(G, M2, 0, NEVER_FREED, S1), req(M2, 0, 1, 2, S1)],
+        prologue_len: 3,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let param = r.alloc(G, S1);
+    let tmp = r.alloc(M2, S1);
+    assert_eq!(tmp, base);
+    r.free(tmp);
+    let reserved = |r: &Run| r.engine.stats().unwrap().reserved_bytes[0].current as u64;
+    assert_eq!(reserved(&r), M2 + G);
+    // The run goes on past the plan: at the next boundary the free granules go back.
+    r.engine.mark_iteration().unwrap();
+    assert_eq!(reserved(&r), G, "only the parameter's granule stays mapped");
+    // A large request now goes at the lowest free-and-unmapped run of the pool.
+    let big = r.alloc(M2, S1);
+    assert_eq!(big, base, "the lowest run: the temporary's old place");
+    assert_eq!(reserved(&r), G + M2);
+    // Larger than that run: above the parameter.
+    let bigger = r.alloc(M2 + G, S1);
+    assert_eq!(bigger.get(), base.get() + M2 + G);
+    r.free(bigger);
+    r.free(big);
     r.free(param);
     r.engine.check_invariants().unwrap();
 }

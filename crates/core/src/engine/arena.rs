@@ -137,6 +137,18 @@ pub(crate) struct Arena {
     pub pinned: bool,
 }
 
+/// What placing a block at a given range of a placement arena needs
+/// (`Heap::placeable`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Placeable {
+    /// The range lies in one free block.
+    Free,
+    /// The range is free, but some of its granules are not mapped yet.
+    NeedsMapping,
+    /// Something else is there.
+    Occupied,
+}
+
 /// Why `Heap::carve_growth` could not carve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GrowthFailure {
@@ -205,12 +217,6 @@ impl Heap {
             inactive_bytes: [0; 2],
             inactive_count: [0; 2],
         }
-    }
-
-    /// The mapping unit.
-    #[inline]
-    pub fn granule(&self) -> u64 {
-        self.granule
     }
 
     #[inline]
@@ -604,6 +610,165 @@ impl Heap {
         Some((start, end))
     }
 
+    /// Whether `[addr, addr + size)` in placement arena `a` can take a block: wholly
+    /// free, free and unmapped (some granules must be mapped first:
+    /// `Heap::carve_range`), or not (something allocated, pending, being mapped or
+    /// unmapped there, or outside the arena). O(log n + blocks in the range).
+    pub fn placeable(&self, a: ArenaId, addr: u64, size: u64) -> Placeable {
+        let Some(arena) = self.arena(a) else {
+            return Placeable::Occupied;
+        };
+        let Some(by_addr) = arena.free_by_addr.as_ref() else {
+            return Placeable::Occupied;
+        };
+        let Some(end) = addr.checked_add(size) else {
+            return Placeable::Occupied;
+        };
+        if addr < arena.base || end > arena.base + arena.len {
+            return Placeable::Occupied;
+        }
+        let contains = |b: Idx| {
+            let blk = &self.blocks[b as usize];
+            blk.addr <= addr && addr < blk.addr + blk.size
+        };
+        let first = by_addr
+            .range(..=addr)
+            .next_back()
+            .map(|(_, &b)| b)
+            .filter(|&b| contains(b))
+            .or_else(|| {
+                arena
+                    .unmapped
+                    .range(..=addr)
+                    .next_back()
+                    .map(|(_, &b)| b)
+                    .filter(|&b| contains(b))
+            });
+        let Some(mut b) = first else {
+            return Placeable::Occupied;
+        };
+        let mut unmapped = false;
+        loop {
+            let blk = &self.blocks[b as usize];
+            match blk.state {
+                BlockState::Free => {}
+                BlockState::Unmapped => unmapped = true,
+                _ => return Placeable::Occupied,
+            }
+            if blk.addr + blk.size >= end {
+                break;
+            }
+            b = blk.next;
+            if b == NIL {
+                return Placeable::Occupied;
+            }
+        }
+        if unmapped {
+            Placeable::NeedsMapping
+        } else {
+            Placeable::Free
+        }
+    }
+
+    /// Carves the unmapped parts of the granules covering `[addr, addr + size)` of arena
+    /// `a` out as `Mapping` blocks (returned in address order), for the caller to map
+    /// and finish with `Heap::finish_mapping`. O(log n + blocks carved).
+    pub fn carve_range(&mut self, a: ArenaId, addr: u64, size: u64) -> Result<Vec<Idx>, SlabFull> {
+        let g = self.granule;
+        let (lo, hi) = (addr / g * g, (addr + size).div_ceil(g) * g);
+        let Some(arena) = self.arena(a) else {
+            return Ok(Vec::new());
+        };
+        let mut hit: Vec<Idx> = arena
+            .unmapped
+            .range(..hi)
+            .rev()
+            .map(|(_, &b)| b)
+            .take_while(|&b| {
+                let blk = &self.blocks[b as usize];
+                blk.addr + blk.size > lo
+            })
+            .collect();
+        hit.reverse();
+        // Slab slots first (a piece and a right remainder per block at most), so a full
+        // slab changes nothing.
+        let mut spares = Vec::with_capacity(2 * hit.len());
+        for _ in 0..2 * hit.len() {
+            match self.new_block(0, 0, BlockState::Unmapped, a) {
+                Ok(s) => spares.push(s),
+                Err(e) => {
+                    spares.into_iter().for_each(|s| self.drop_block(s));
+                    return Err(e);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(hit.len());
+        for b in hit {
+            let (bs, be) = (
+                self.blocks[b as usize].addr,
+                self.blocks[b as usize].addr + self.blocks[b as usize].size,
+            );
+            let (cs, ce) = (bs.max(lo), be.min(hi));
+            self.arena_mut(a).unmapped.remove(&bs);
+            // `b` keeps the left remainder if there is one, else becomes the piece.
+            let piece = if bs < cs {
+                self.blocks[b as usize].size = cs - bs;
+                self.arena_mut(a).unmapped.insert(bs, b);
+                let Some(m) = spares.pop() else {
+                    unreachable!("two spares per block")
+                };
+                self.blocks[m as usize].addr = cs;
+                self.link_after(b, m);
+                m
+            } else {
+                b
+            };
+            self.blocks[piece as usize].size = ce - cs;
+            self.blocks[piece as usize].state = BlockState::Mapping;
+            if ce < be {
+                let Some(r) = spares.pop() else {
+                    unreachable!("two spares per block")
+                };
+                self.blocks[r as usize].addr = ce;
+                self.blocks[r as usize].size = be - ce;
+                self.blocks[r as usize].state = BlockState::Unmapped;
+                self.link_after(piece, r);
+                self.arena_mut(a).unmapped.insert(ce, r);
+            }
+            out.push(piece);
+        }
+        spares.into_iter().for_each(|s| self.drop_block(s));
+        Ok(out)
+    }
+
+    /// The start of the lowest-addressed run of free and unmapped space in arena `a`
+    /// that holds `size` bytes (where `Heap::carve_growth` would grow), or `None`.
+    /// O(unmapped blocks + run length).
+    pub fn lowest_run(&self, a: ArenaId, size: u64) -> Option<u64> {
+        let arena = self.arena(a)?;
+        for &u in arena.unmapped.values() {
+            let prev = self.blocks[u as usize].prev;
+            let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+                prev
+            } else {
+                u
+            };
+            let (mut sum, mut b) = (0u64, s);
+            while b != NIL && sum < size {
+                let blk = &self.blocks[b as usize];
+                if !matches!(blk.state, BlockState::Free | BlockState::Unmapped) {
+                    break;
+                }
+                sum += blk.size;
+                b = blk.next;
+            }
+            if sum >= size {
+                return Some(self.blocks[s as usize].addr);
+            }
+        }
+        None
+    }
+
     // ---------------------------------------------------------------- serving
 
     /// Best fit for `size` bytes (a multiple of [`ALIGNMENT`]) in arena `a`: the block is
@@ -899,11 +1064,22 @@ impl Heap {
     /// Carves every granule that lies wholly inside a free block of arena `a` out as an
     /// `Unmapping` block (returned in address order). Free heads and tails that share a
     /// granule with something else stay free.
+    #[cfg(test)]
     pub fn carve_releasable(&mut self, a: ArenaId) -> Result<Vec<Idx>, SlabFull> {
+        self.carve_releasable_with(a, false)
+    }
+
+    /// `Heap::carve_releasable`, for a pinned arena too when `pinned_too` (its free
+    /// granules go; the arena itself stays).
+    pub fn carve_releasable_with(
+        &mut self,
+        a: ArenaId,
+        pinned_too: bool,
+    ) -> Result<Vec<Idx>, SlabFull> {
         let g = self.granule;
         let mut out = Vec::new();
         let mut b = match self.arena(a) {
-            Some(x) if !x.pinned => x.head,
+            Some(x) if !x.pinned || pinned_too => x.head,
             _ => NIL,
         };
         while b != NIL {

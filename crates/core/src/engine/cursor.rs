@@ -268,6 +268,12 @@ impl Cursor {
         (0..h as u64).map_while(move |k| self.entry(v + k))
     }
 
+    /// Whether every expected request is behind the cursor (a prologue-only plan the
+    /// run has gone past).
+    pub fn spent(&self) -> bool {
+        self.iteration.is_empty() && self.n == 1 && self.best() >= self.p()
+    }
+
     /// The expected request at the best hypothesis's position, its virtual planned
     /// end filled in.
     pub fn peek(&self) -> Option<Expected> {

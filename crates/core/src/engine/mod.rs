@@ -47,9 +47,10 @@
 //!
 //! # Plan mode
 //!
-//! [`Engine::load_plan`] maps a verified plan's pool as one more arena beside the
+//! [`Engine::load_plan`] reserves a verified plan's pool as one more arena beside the
 //! online ones: a *placement* arena (blocks go at given offsets, not by best fit;
-//! pinned, so `empty_cache` leaves it mapped). Each request on one of the plan's
+//! pinned, so `empty_cache` leaves it mapped). Its granules are mapped when a request
+//! first needs them, so reserved memory follows what the run has reached of the plan. Each request on one of the plan's
 //! streams is first offered to the plan's cursor (module `cursor`: a small beam of
 //! alignments between the run and the plan's request sequence, look-ahead across
 //! section ends, resynchronisation at `mark_iteration`); a planned offset is handed out
@@ -79,6 +80,11 @@
 //! reused in its stream's own order, which needs no event. On a multi-stream plan a
 //! request takes a hole only where no other stream plans anything, and its free is
 //! always deferred. Requests on streams the plan does not know are served online.
+//!
+//! **A spent plan** — a prologue-only plan the run has gone past — has nothing left to
+//! say: at the next iteration boundary its pool's free granules are given back, and
+//! from then on a large request without a hole grows the pool at its lowest run of
+//! free and unmapped space, as an online arena grows.
 //!
 //! **Switching mid-run** (auto mode: trace the first iterations online, plan them
 //! elsewhere, switch): [`Engine::switch_to_plan`] serves the plan's steady iteration
@@ -111,7 +117,7 @@ use crate::trace::{MarkerKind, Trace};
 use crate::units::{Bytes, DeviceId, StreamId};
 
 pub use self::arena::BlockState;
-use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, NIL, SlabFull};
+use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, NIL, Placeable, SlabFull};
 use self::cursor::Cursor;
 pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
@@ -259,11 +265,25 @@ impl Default for PlanOptions {
     }
 }
 
+/// Iteration boundaries after a switch to a plan during which online memory freed by
+/// the online phase's leftovers is given back (see [`Engine::switch_to_plan`]).
+const SWITCH_DRAIN_ITERATIONS: u32 = 2;
+
 /// Free blocks of the pool looked at for one hole placement (best fit first).
 const HOLE_CANDIDATES: usize = 8;
 /// Expected requests a hole is checked against, at most, for a request whose planned
 /// lifetime is known (a conflict).
 const HOLE_SPAN_CAP: usize = 4096;
+
+/// What the plan pool answers to a request ([`State::alloc_planned`]).
+enum PlanAnswer {
+    /// A block, placed.
+    Placed(Idx),
+    /// The planned place `addr` of `e` is free but partly unmapped: map it, then place.
+    Map { addr: u64, e: cursor::Expected },
+    /// Nothing: serve online.
+    Nothing,
+}
 
 /// A plan being served: its cursor and the placement arena of its pool.
 #[derive(Debug)]
@@ -271,12 +291,15 @@ struct PlanServing {
     cursor: Cursor,
     arena: ArenaId,
     base: u64,
-    /// Bytes of the pool (granule multiple).
+    /// Bytes of the planned part of the pool (granule multiple); the arena reaches
+    /// further, for growth at the tail.
     len: u64,
     /// The plan's streams, each with the union of its requests' pool ranges (offsets,
     /// sorted, disjoint).
     streams: plan_pool::StreamRanges,
     options: PlanOptions,
+    /// The pool's free granules were given back once the plan was spent.
+    released: bool,
     /// For the request being served: the virtual tick until which a hole must stay
     /// free (its planned end, for a conflict), or `None` (unplanned: the next
     /// `hole_horizon` expected requests).
@@ -336,6 +359,11 @@ struct State {
     events: EventQueue,
     recorder: Option<Recorder>,
     plan: Option<PlanServing>,
+    /// After a switch to a plan: iteration boundaries left during which freed online
+    /// memory is given back (the online phase's leftovers), and whether some is
+    /// waiting to be.
+    drain: u32,
+    drain_pending: bool,
 }
 
 /// The online engine. See the module documentation.
@@ -403,12 +431,12 @@ impl State {
         size: Bytes,
         rounded: u64,
         stream: StreamId,
-    ) -> Result<Option<Idx>, SlabFull> {
+    ) -> Result<PlanAnswer, SlabFull> {
         let Some(p) = self.plan.as_mut() else {
-            return Ok(None);
+            return Ok(PlanAnswer::Nothing);
         };
         if !p.serves(stream) {
-            return Ok(None);
+            return Ok(PlanAnswer::Nothing);
         }
         // An unplanned request where the plan expects a tensor that lives forever
         // (setup: parameters, optimizer state) is taken to live forever too.
@@ -419,19 +447,40 @@ impl State {
             .map(|_| u64::MAX);
         if let Some(e) = p.cursor.next(size.get(), stream) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
-            if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
-                if e.cross {
-                    // Another stream plans on this range: the free waits for ours.
-                    add_use(&mut self.heap.block_mut(i).uses, stream);
+            match self.heap.placeable(arena, addr, rounded) {
+                Placeable::Free => {
+                    if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
+                        self.planned_block(i, e.cross, stream);
+                        return Ok(PlanAnswer::Placed(i));
+                    }
                 }
-                return Ok(Some(i));
+                // First use of these granules: the caller maps them.
+                Placeable::NeedsMapping => return Ok(PlanAnswer::Map { addr, e }),
+                Placeable::Occupied => {}
             }
-            if let Some(p) = self.plan.as_mut() {
-                p.cursor.conflict();
-                p.until = Some(e.vend);
-            }
+            self.plan_conflict(&e);
         }
-        self.alloc_in_hole(size, rounded, stream)
+        Ok(match self.alloc_in_hole(size, rounded, stream)? {
+            Some(i) => PlanAnswer::Placed(i),
+            None => PlanAnswer::Nothing,
+        })
+    }
+
+    /// Block `i` was just placed at its planned offset.
+    fn planned_block(&mut self, i: Idx, cross: bool, stream: StreamId) {
+        if cross {
+            // Another stream plans on this range: the free waits for ours.
+            add_use(&mut self.heap.block_mut(i).uses, stream);
+        }
+    }
+
+    /// The planned range of `e` was occupied: counted as a conflict, and a hole for it
+    /// must stay free until its planned end.
+    fn plan_conflict(&mut self, e: &cursor::Expected) {
+        if let Some(p) = self.plan.as_mut() {
+            p.cursor.conflict();
+            p.until = Some(e.vend);
+        }
     }
 
     /// A free hole of the plan's pool for a request the plan does not serve: the free
@@ -483,32 +532,40 @@ impl State {
     /// the high end of the tail run if the next expected requests do not need that
     /// range, else wholly above the mapped end (never planned on). `None` without a
     /// plan serving `stream` with holes on.
-    fn pool_growth(&self, rounded: u64, stream: StreamId) -> Option<(ArenaId, u64, u64)> {
+    fn pool_growth(&self, rounded: u64, stream: StreamId) -> Option<u64> {
         let p = self.plan.as_ref()?;
         if !p.serves(stream) || !p.options.holes {
             return None;
         }
-        let (free_start, end) = self.heap.tail_run(p.arena)?;
-        let g = self.heap.granule();
-        let reuse_end = end.max((free_start + rounded).div_ceil(g) * g);
-        let reuse_at = reuse_end - rounded;
-        if reuse_at >= p.base && p.hole_ok(stream, reuse_at - p.base, rounded) {
-            return Some((p.arena, reuse_end - free_start, reuse_at));
+        if p.cursor.spent() {
+            // Nothing planned any more: the pool grows as an online arena does, at
+            // its lowest run of free and unmapped space.
+            return self.heap.lowest_run(p.arena, rounded);
         }
-        let above_end = end + rounded.div_ceil(g) * g;
-        Some((p.arena, above_end - free_start, above_end - rounded))
+        let (free_start, end) = self.heap.tail_run(p.arena)?;
+        let planned_end = p.base + p.len;
+        // The free tail (and the unmapped space after it) if the next expected requests
+        // do not need it, else above both the mapped end and the planned part.
+        let at = if free_start < end && p.hole_ok(stream, free_start - p.base, rounded) {
+            free_start
+        } else {
+            end.max(planned_end)
+        };
+        (self.heap.placeable(p.arena, at, rounded) != Placeable::Occupied).then_some(at)
     }
 
     /// Places a request at `at` in the pool arena after it grew (`None` if another
     /// thread took the range meanwhile).
     fn alloc_grown(
         &mut self,
-        pa: ArenaId,
         at: u64,
         size: Bytes,
         rounded: u64,
         stream: StreamId,
     ) -> Result<Option<Idx>, SlabFull> {
+        let Some(pa) = self.plan.as_ref().map(|p| p.arena) else {
+            return Ok(None);
+        };
         let placed = self.heap.alloc_at(pa, at, rounded, size.get())?;
         if let Some(i) = placed
             && let Some(p) = self.plan.as_mut()
@@ -599,6 +656,8 @@ impl<D: DeviceMemory> Engine<D> {
             events: EventQueue::default(),
             recorder: config.record_trace.then(|| Recorder::new(config.device)),
             plan: None,
+            drain: 0,
+            drain_pending: false,
         };
         Ok(Engine {
             dev,
@@ -638,20 +697,40 @@ impl<D: DeviceMemory> Engine<D> {
             .get();
         let kind = PoolKind::of(rounded);
         let mut st = self.lock()?;
+        if st.drain_pending {
+            st.drain_pending = false;
+            drop(st);
+            self.release_cached()?;
+            st = self.lock()?;
+        }
         if !st.events.is_empty() {
             st = self.process_events_locked(st)?;
         }
-        if let Some(i) = st.alloc_planned(size, rounded, stream)? {
-            return Ok(st.register(i, size, stream));
+        match st.alloc_planned(size, rounded, stream)? {
+            PlanAnswer::Placed(i) => return Ok(st.register(i, size, stream)),
+            PlanAnswer::Map { addr, e } => {
+                let (mapped, guard) = self.map_pool_range(st, addr, rounded)?;
+                st = guard;
+                if mapped
+                    && let Some(pa) = st.plan.as_ref().map(|p| p.arena)
+                    && let Some(i) = st.heap.alloc_at(pa, addr, rounded, size.get())?
+                {
+                    st.planned_block(i, e.cross, stream);
+                    return Ok(st.register(i, size, stream));
+                }
+                st.plan_conflict(&e);
+                if let Some(i) = st.alloc_in_hole(size, rounded, stream)? {
+                    return Ok(st.register(i, size, stream));
+                }
+            }
+            PlanAnswer::Nothing => {}
         }
         if kind == PoolKind::Large
-            && let Some((pa, grow_by, at)) = st.pool_growth(rounded, stream)
+            && let Some(at) = st.pool_growth(rounded, stream)
         {
-            let (grown, guard) = self.grow(st, pa, PoolKind::Large, grow_by)?;
+            let (mapped, guard) = self.map_pool_range(st, at, rounded)?;
             st = guard;
-            if matches!(grown, Growth::Retry)
-                && let Some(i) = st.alloc_grown(pa, at, size, rounded, stream)?
-            {
+            if mapped && let Some(i) = st.alloc_grown(at, size, rounded, stream)? {
                 return Ok(st.register(i, size, stream));
             }
         }
@@ -744,6 +823,18 @@ impl<D: DeviceMemory> Engine<D> {
                 return Ok((Growth::Refused, st));
             }
         };
+        self.map_carved(st, carved, kind)
+    }
+
+    /// Maps blocks carved out as `Mapping` (the lock released around the device calls)
+    /// and turns them into free memory; a block the device refuses goes back to
+    /// unmapped.
+    fn map_carved<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        carved: Vec<Idx>,
+        kind: PoolKind,
+    ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
         let ranges: Vec<(Idx, u64, u64)> = carved
             .iter()
             .map(|&i| (i, st.heap.block(i).addr, st.heap.block(i).size))
@@ -777,6 +868,31 @@ impl<D: DeviceMemory> Engine<D> {
         Ok((outcome?, st))
     }
 
+    /// Maps the granules of `[addr, addr + rounded)` of the plan pool that are not
+    /// mapped yet, within the memory limit (the lock released around the device calls).
+    /// Whether the range is mapped now.
+    fn map_pool_range<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        addr: u64,
+        rounded: u64,
+    ) -> Result<(bool, MutexGuard<'a, State>), EngineError> {
+        let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
+            return Ok((false, st));
+        };
+        let carved = st.heap.carve_range(pa, addr, rounded)?;
+        let total: u64 = carved.iter().map(|&i| st.heap.block(i).size).sum();
+        let reserved = st.stats.reserved_bytes[0].current as u64;
+        if reserved + st.mapping + total > st.limit {
+            for i in carved {
+                st.heap.finish_mapping(i, false);
+            }
+            return Ok((false, st));
+        }
+        let (grown, st) = self.map_carved(st, carved, PoolKind::Large)?;
+        Ok((matches!(grown, Growth::Retry), st))
+    }
+
     /// Frees the allocation at `ptr`. If other streams used it ([`Engine::record_stream`])
     /// the memory is reused only after they pass the events recorded now.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), EngineError> {
@@ -789,6 +905,14 @@ impl<D: DeviceMemory> Engine<D> {
         }
         let kind = st.kind_of(i);
         let (size, trace_id) = (st.heap.block(i).size, st.heap.block(i).trace_id);
+        if st.drain > 0
+            && st
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.arena != st.heap.block(i).arena)
+        {
+            st.drain_pending = true;
+        }
         stats::decrease(&mut st.stats.allocation, kind, 1);
         stats::decrease(&mut st.stats.allocated_bytes, kind, size);
         if let Some(r) = st.recorder.as_mut() {
@@ -936,9 +1060,15 @@ impl<D: DeviceMemory> Engine<D> {
         // 2. Carve out every wholly free granule.
         let ids: Vec<ArenaId> = st.heap.arena_ids().collect();
         let mut carved: Vec<(Idx, u64, u64, PoolKind)> = Vec::new();
+        // A plan with nothing left to serve gives its pool's free granules back too.
+        let spent_pool = st
+            .plan
+            .as_ref()
+            .filter(|p| p.cursor.spent())
+            .map(|p| p.arena);
         for &a in &ids {
             let kind = st.heap.arena(a).map_or(PoolKind::Small, |x| x.kind);
-            for i in st.heap.carve_releasable(a)? {
+            for i in st.heap.carve_releasable_with(a, spent_pool == Some(a))? {
                 let b = st.heap.block(i);
                 carved.push((i, b.addr, b.size, kind));
             }
@@ -1213,53 +1343,30 @@ impl<D: DeviceMemory> Engine<D> {
             st.mapping += len;
         }
         // The pool's address range reaches past the pool, as far as an online arena's,
-        // so that it can grow at its tail (module docs, dynamic space); only the pool
-        // is mapped now.
+        // so that it can grow at its tail (module docs, dynamic space). Nothing is
+        // mapped yet: each granule is mapped when a request first needs it, so memory
+        // is taken as the run reaches it (after a switch mid-run, while the online
+        // phase's leftovers are still being freed).
         let vlen = len.max(self.arena_size);
-        let mapped =
-            self.dev
-                .reserve(Bytes(vlen))
-                .and_then(|base| match self.dev.map(base, Bytes(len)) {
-                    Ok(()) => Ok(base),
-                    Err(e) => {
-                        let _ = self.dev.release(base, Bytes(vlen));
-                        Err(e)
-                    }
-                });
+        let reserved_va = self.dev.reserve(Bytes(vlen));
         let mut st = self.lock()?;
         st.mapping -= len;
-        let base = mapped?;
+        let base = reserved_va?;
         // The pool's arena is listed under the plan's first stream (snapshots, stats);
         // it is never reached through `arena_of`, so any stream may be served from it.
         let arena = st
             .heap
             .add_placement_arena(streams[0].0, PoolKind::Large, base.get(), vlen)
-            .map_err(EngineError::from)
-            .and_then(|a| match st.heap.carve_growth(a, len, u64::MAX)? {
-                // A fresh arena: the lowest run is its start, exactly the pool.
-                Ok(carved) => {
-                    for i in carved {
-                        st.heap.finish_mapping(i, true);
-                    }
-                    Ok(a)
-                }
-                Err(f) => Err(EngineError::Inconsistent(format!(
-                    "fresh plan pool cannot be carved: {f:?}"
-                ))),
-            });
+            .map_err(EngineError::from);
         let arena = match arena {
             Ok(a) => a,
             Err(e) => {
                 drop(st);
-                let _ = self.dev.unmap(base, Bytes(len));
                 let _ = self.dev.release(base, Bytes(vlen));
                 return Err(e);
             }
         };
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
-        stats::increase(&mut st.stats.reserved_bytes, PoolKind::Large, len);
-        st.stats.num_device_alloc += 1;
-        st.settle_inactive();
         st.plan = Some(PlanServing {
             cursor: Cursor::new(plan, options.window, &cross),
             arena,
@@ -1267,6 +1374,7 @@ impl<D: DeviceMemory> Engine<D> {
             len,
             streams,
             options,
+            released: false,
             until: None,
         });
         Ok(())
@@ -1280,8 +1388,12 @@ impl<D: DeviceMemory> Engine<D> {
     /// iteration is served ([`steady_slice`]: the iteration section, with the pool
     /// ranges no iteration request uses, such as the persistent tensors' room, squeezed
     /// out). Cached online memory is released first, so that the pool replaces it
-    /// rather than adds to it. The cursor starts at the beginning of an iteration, so
-    /// call this right after [`Engine::mark_iteration`].
+    /// rather than adds to it; and until the second iteration boundary after the switch,
+    /// online memory freed (the online phase's tensors that cross into the first
+    /// iterations, such as gradients freed by the next `zero_grad`) is given back at the
+    /// next `malloc` or boundary, so that the pool and those leftovers are not counted
+    /// twice for longer than they live. The cursor starts at the beginning of an
+    /// iteration, so call this right after [`Engine::mark_iteration`].
     ///
     /// A plan without an iteration section, or one [`Engine::load_plan`] refuses, is
     /// rejected and the engine goes on serving online.
@@ -1293,7 +1405,9 @@ impl<D: DeviceMemory> Engine<D> {
             ));
         }
         self.release_cached()?;
-        self.load_plan(&slice, options)
+        self.load_plan(&slice, options)?;
+        self.lock()?.drain = SWITCH_DRAIN_ITERATIONS;
+        Ok(())
     }
 
     /// The plan pool's base address and mapped length (`None` when no plan is served).
@@ -1362,6 +1476,24 @@ impl<D: DeviceMemory> Engine<D> {
         }
         if let Some(r) = st.recorder.as_mut() {
             r.marker(MarkerKind::IterationBegin, None);
+        }
+        let mut release = false;
+        if st.drain > 0 {
+            st.drain -= 1;
+            release = std::mem::take(&mut st.drain_pending);
+        }
+        // A plan whose requests are all behind (a prologue-only plan the run has
+        // passed): its pool's free granules go back at this boundary, once.
+        if let Some(p) = st.plan.as_mut()
+            && p.cursor.spent()
+            && !p.released
+        {
+            p.released = true;
+            release = true;
+        }
+        if release {
+            drop(st);
+            self.release_cached()?;
         }
         Ok(())
     }
