@@ -1,0 +1,162 @@
+//! `stweaver plan TRACE -o PLAN` and `stweaver verify PLAN --trace T` end to end: a
+//! plan verifies against its own trace and is refused, with a clear message and a
+//! non-zero exit, for another trace or another device.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use stweaver_core::trace_file::write_trace_file;
+use stweaver_core::{AllocId, Allocation, Bytes, DeviceId, Event, EventKind, StreamId, Trace};
+
+fn stweaver(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_stweaver"))
+        .args(args)
+        .output()
+        .expect("run stweaver")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Parameters, then `iterations` iterations of activations freed in reverse; `scale`
+/// changes the sizes (another workload).
+fn loop_trace(device: i32, iterations: usize, scale: u64) -> Trace {
+    let mut t = Trace {
+        device: DeviceId(device),
+        ..Trace::default()
+    };
+    let alloc = |t: &mut Trace, size: u64| {
+        let id = AllocId(t.allocations.len() as u32);
+        t.allocations.push(Allocation {
+            size: Bytes(size),
+            stream: StreamId(7),
+            addr: 0,
+            preexisting: false,
+        });
+        t.events.push(Event {
+            kind: EventKind::Alloc(id),
+            time_us: 0,
+        });
+        id
+    };
+    let free = |t: &mut Trace, id: AllocId| {
+        for kind in [EventKind::FreeRequested(id), EventKind::FreeCompleted(id)] {
+            t.events.push(Event { kind, time_us: 0 });
+        }
+    };
+    alloc(&mut t, 1 << 20);
+    for _ in 0..iterations {
+        let ids: Vec<AllocId> = [3000, 1 << 16, 5 << 10]
+            .iter()
+            .map(|&s| alloc(&mut t, s * scale))
+            .collect();
+        for id in ids.into_iter().rev() {
+            free(&mut t, id);
+        }
+    }
+    t.validate().unwrap();
+    t
+}
+
+fn write(dir: &Path, name: &str, t: &Trace) -> String {
+    let p = dir.join(name);
+    write_trace_file(&p, t).unwrap();
+    p.display().to_string()
+}
+
+#[test]
+fn plan_then_verify_against_the_right_and_the_wrong_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = write(dir.path(), "own.stwt", &loop_trace(0, 4, 1));
+    let other = write(dir.path(), "other.stwt", &loop_trace(0, 4, 2));
+    let other_device = write(dir.path(), "dev1.stwt", &loop_trace(1, 4, 1));
+    let plan = dir.path().join("own.stplan").display().to_string();
+
+    let o = stweaver(&["plan", &own, "-o", &plan, "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["classes"]["dynamic"], 0);
+    assert!(v["classes"]["per_iteration"].as_u64().unwrap() > 0);
+    assert!(v["pool"].as_u64().unwrap() >= v["lower_bound"].as_u64().unwrap());
+    assert!(v["pool_over_lb"].as_f64().unwrap() <= 1.01);
+    assert!(Path::new(&plan).exists());
+
+    let o = stweaver(&["plan", &own]);
+    assert!(o.status.success(), "{}", text(&o));
+    for key in [
+        "lower bound",
+        "planned LB",
+        "pool (peak)",
+        "pool/LB",
+        "classes",
+        "time",
+    ] {
+        assert!(text(&o).contains(key), "missing {key:?}: {}", text(&o));
+    }
+
+    let o = stweaver(&["verify", &plan]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("valid plan"), "{}", text(&o));
+
+    let o = stweaver(&["verify", &plan, "--trace", &own]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("covers it"), "{}", text(&o));
+
+    // Another workload: refused by the digest.
+    let o = stweaver(&["verify", &plan, "--trace", &other]);
+    assert!(!o.status.success(), "{}", text(&o));
+    let msg = text(&o);
+    assert!(
+        msg.contains("does not match") && msg.contains("made from trace"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("own.stplan") && msg.contains("other.stwt"),
+        "{msg}"
+    );
+
+    // Same workload recorded on another device: refused by the device.
+    let o = stweaver(&["verify", &plan, "--trace", &other_device]);
+    assert!(!o.status.success(), "{}", text(&o));
+    let msg = text(&o);
+    assert!(msg.contains("made for cuda:0, this is cuda:1"), "{msg}");
+}
+
+#[test]
+fn verify_reports_a_corrupt_plan_file_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = write(dir.path(), "own.stwt", &loop_trace(0, 4, 1));
+    let plan = dir.path().join("p.stplan");
+    let o = stweaver(&["plan", &own, "-o", &plan.display().to_string()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut bytes = std::fs::read(&plan).unwrap();
+    let n = bytes.len();
+    bytes.truncate(n / 2);
+    std::fs::write(&plan, bytes).unwrap();
+    let o = stweaver(&["verify", &plan.display().to_string()]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("p.stplan"), "{}", text(&o));
+}
+
+#[test]
+fn csv_only_options_are_refused_for_traces_and_vice_versa() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = write(dir.path(), "own.stwt", &loop_trace(0, 4, 1));
+    let o = stweaver(&["plan", &own, "--period", "10"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--period"), "{}", text(&o));
+    let csv = dir.path().join("i.csv");
+    std::fs::write(&csv, "id,lower,upper,size\n0,0,2,4\n1,1,3,4\n").unwrap();
+    let o = stweaver(&["plan", &csv.display().to_string(), "-o", "x.stplan"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--csv-out"), "{}", text(&o));
+    // The CSV path still works.
+    let o = stweaver(&["plan", &csv.display().to_string()]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("peak/LB"), "{}", text(&o));
+}
