@@ -6,6 +6,8 @@
 //! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
 //!   extension (see `torch_ext.rs`).
 //! - `gpu-bench [--dry-run | --report RESULT.json]`: the GPU benchmark (see `gpu_bench.rs`).
+//! - `planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]`: the
+//!   offline planner on the DSA instances and the bundled traces (see `planner_bench.rs`).
 
 use std::process::Command;
 
@@ -13,6 +15,7 @@ use anyhow::{Context, Result, bail};
 
 mod codegen;
 mod gpu_bench;
+mod planner_bench;
 mod torch_ext;
 
 fn main() -> Result<()> {
@@ -24,9 +27,10 @@ fn main() -> Result<()> {
         Some("gpu-test") => torch_ext::gpu_test(&args[1..]),
         Some("cpp-check") => torch_ext::cpp_check(&args[1..]),
         Some("gpu-bench") => gpu_bench::gpu_bench(&args[1..]),
+        Some("planner-bench") => planner_bench::planner_bench(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here]|cpp-check [VERSION...]|gpu-bench [--dry-run|--report JSON]>"
+                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here]|cpp-check [VERSION...]|gpu-bench [--dry-run|--report JSON]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>"
             );
             bail!("unknown or missing task")
         }
