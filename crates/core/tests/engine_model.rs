@@ -350,13 +350,26 @@ impl Model {
                 inc(&mut self.stats.segment, k, 1);
                 continue;
             };
+            let best_in = |segs: &[Seg]| {
+                segs.iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.st == St::Free && s.size >= rounded)
+                    .min_by_key(|(_, s)| (s.size, s.off))
+                    .map(|(i, _)| i)
+            };
+            // A small request that does not fit its arena takes a free block of the
+            // stream's large arena (counted there) before its own arena grows.
+            let (a, k, best) = match best_in(&self.arenas[a].segs) {
+                Some(i) => (a, k, Some(i)),
+                None => match (kind, self.arena_of(stream, PoolKind::Large)) {
+                    (PoolKind::Small, Some(la)) => match best_in(&self.arenas[la].segs) {
+                        Some(i) => (la, kidx(PoolKind::Large), Some(i)),
+                        None => (a, k, None),
+                    },
+                    _ => (a, k, None),
+                },
+            };
             let segs = &mut self.arenas[a].segs;
-            let best = segs
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.st == St::Free && s.size >= rounded)
-                .min_by_key(|(_, s)| (s.size, s.off))
-                .map(|(i, _)| i);
             if let Some(i) = best {
                 let h = self.next_handle;
                 self.next_handle += 1;

@@ -73,8 +73,23 @@ fn compare_json_has_the_ground_truth_figures() {
         st["saved_vs_native"].as_i64().unwrap(),
         11_337_203_712 - reserved as i64
     );
-    // --no-plan leaves the stweaver row out.
+    // The engine replay row: a plan of the first iterations served by the engine.
+    let en = row("stweaver_engine");
+    let reserved = en["peak_reserved"].as_u64().unwrap();
+    assert!(
+        reserved >= lb && (reserved as f64) <= 1.01 * lb as f64,
+        "{en}"
+    );
+    // --no-plan and --no-engine leave the stweaver rows out.
     let out = stdout(&stweaver(&["compare", "--json", "--no-plan"]));
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(j["rows"].as_array().unwrap().len(), 4);
+    let out = stdout(&stweaver(&[
+        "compare",
+        "--json",
+        "--no-plan",
+        "--no-engine",
+    ]));
     let j: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(j["rows"].as_array().unwrap().len(), 3);
 }
@@ -87,6 +102,7 @@ fn compare_takes_a_file_and_a_config() {
         snap.to_str().unwrap(),
         "--json",
         "--no-plan",
+        "--no-engine",
         "--conf",
         "max_split_size_mb:64",
     ]));
@@ -97,7 +113,13 @@ fn compare_takes_a_file_and_a_config() {
             .unwrap()
             .contains("max_split_size_mb:64")
     );
-    let o = stweaver(&["compare", "--conf", "max_split_size_mb:5", "--no-plan"]);
+    let o = stweaver(&[
+        "compare",
+        "--conf",
+        "max_split_size_mb:5",
+        "--no-plan",
+        "--no-engine",
+    ]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(

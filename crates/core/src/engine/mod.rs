@@ -4,7 +4,10 @@
 //!
 //! [`Engine::malloc`] rounds a request up to 512 B and serves it by best fit from the
 //! arena of its (stream, pool) — pool *small* for rounded sizes up to 1 MiB, *large*
-//! above — growing the arena by mapping granules when nothing fits
+//! above; a small request that does not fit its arena takes a free block of the
+//! stream's large arena if one fits, before the small arena grows (the block then
+//! counts in the large pool's stats, where it lives) — growing the arena by mapping
+//! granules when nothing fits
 //! ([`arena`] has the algorithm). [`Engine::free`] returns the block at
 //! once, or, when other streams used it ([`Engine::record_stream`]), once they pass the
 //! events recorded at the free (module `streams`). [`Engine::empty_cache`]
@@ -741,6 +744,14 @@ impl<D: DeviceMemory> Engine<D> {
                 continue;
             };
             if let Some(i) = st.heap.alloc(a, rounded, size.get())? {
+                return Ok(st.register(i, size, stream));
+            }
+            // Before the small arena grows, a free block of the stream's large arena
+            // will do (it counts in the large pool, where it lives).
+            if kind == PoolKind::Small
+                && let Some(&la) = st.arena_of.get(&(stream, PoolKind::Large))
+                && let Some(i) = st.heap.alloc(la, rounded, size.get())?
+            {
                 return Ok(st.register(i, size, stream));
             }
             let (grown, guard) = self.grow(st, a, kind, rounded)?;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use stweaver_core::Trace;
+use stweaver_planner::engine_replay::EngineReplayRow;
 use stweaver_planner::input::LoadedInput;
 use stweaver_planner::offline::OfflinePlanRow;
 use stweaver_planner::replay::{AllocatorConfig, ReplayOptions};
@@ -45,6 +46,9 @@ pub struct CompareArgs {
     /// Leave out the stweaver (offline plan) row.
     #[arg(long)]
     pub no_plan: bool,
+    /// Leave out the stweaver (engine replay) row.
+    #[arg(long)]
+    pub no_engine: bool,
 }
 
 /// A trace ready to compare or draw.
@@ -114,8 +118,8 @@ pub fn run(args: CompareArgs) -> Result<()> {
         bail!("--plan-budget must be a positive number of seconds");
     }
     let t0 = Instant::now();
-    // stweaver rows: the offline plan of the whole trace. The online engine's replay
-    // will be a second source here.
+    // stweaver rows: the offline plan of the whole trace, and the online engine serving
+    // a plan of the first iterations over the whole trace.
     let offline = OfflinePlanRow {
         options: SolveOptions {
             threads: 0,
@@ -123,9 +127,13 @@ pub fn run(args: CompareArgs) -> Result<()> {
             ..SolveOptions::default()
         },
     };
+    let engine = EngineReplayRow::default();
     let mut sources: Vec<&dyn StweaverRow> = Vec::new();
     if !args.no_plan {
         sources.push(&offline);
+    }
+    if !args.no_engine {
+        sources.push(&engine);
     }
     let cmp = report::compare(
         &loaded.source,
