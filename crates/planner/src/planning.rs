@@ -27,7 +27,7 @@
 //!    in the first steady iterations, the room the circular plan keeps for the previous
 //!    iteration's crossing tensors is free, because iteration −1 does not exist — that is
 //!    exactly where the first iteration's leftovers fit. The placer
-//!    ([`holes::place_best`]) keeps the best of a small portfolio of orders × fits.
+//!    (`holes::place_best`) keeps the best of a small portfolio of orders × fits.
 //! 3. If the prologue did not fit under `H`, the steady state is solved again with every
 //!    persistent tensor resident (their room is then reserved for good) and the smaller
 //!    pool of the two plans is kept.
@@ -56,7 +56,7 @@
 //!
 //! Classification (O(events), or the window alignments without a steady state), one or
 //! two solver runs (the solver's cost, bounded by [`SolveOptions::time_budget`]), the
-//! placer (module [`holes`]) and the verifier (O(N log N) on the unrolled timeline).
+//! placer (module `holes`) and the verifier (O(N log N) on the unrolled timeline).
 
 mod coverage;
 mod holes;
@@ -565,4 +565,99 @@ pub fn steady_lower_bound(trace: &Trace, c: &Classification) -> Bytes {
         buffers,
         period: Some(c.iteration_len),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stweaver_core::{AllocId, Allocation, Event, EventKind, StreamId};
+
+    /// Parameters, a first iteration whose gradient lives into the steady state, then
+    /// steady iterations with activations and a gradient crossing the boundary.
+    fn trace() -> Trace {
+        let mut t = Trace::default();
+        let mut alloc = |t: &mut Trace, size: u64| {
+            let id = AllocId(t.allocations.len() as u32);
+            t.allocations.push(Allocation {
+                size: Bytes(size),
+                stream: StreamId(0),
+                addr: 0,
+                preexisting: false,
+            });
+            t.events.push(Event {
+                kind: EventKind::Alloc(id),
+                time_us: 0,
+            });
+            id
+        };
+        let free = |t: &mut Trace, id: AllocId| {
+            t.events.push(Event {
+                kind: EventKind::FreeCompleted(id),
+                time_us: 0,
+            });
+        };
+        alloc(&mut t, 1 << 20);
+        let warm = alloc(&mut t, 9000);
+        let mut grad = alloc(&mut t, 1 << 19);
+        free(&mut t, warm);
+        for _ in 0..4 {
+            let a = alloc(&mut t, 1 << 18);
+            free(&mut t, grad);
+            let b = alloc(&mut t, 3 << 16);
+            free(&mut t, b);
+            free(&mut t, a);
+            grad = alloc(&mut t, 1 << 19);
+        }
+        t.validate().unwrap();
+        t
+    }
+
+    /// Both steady-state layouts give plans that pass the verifier and the coverage check.
+    #[test]
+    fn both_layouts_are_valid() {
+        let t = trace();
+        let opts = PlanOptions::default();
+        let c = classify_with(&t, &opts.classify);
+        assert!(matches!(c.steady, Steady::Periodic(_)));
+        let (ticks, total) = plan_clock(&t);
+        let life = tick_lifetimes(&t, &ticks);
+        let padded: Vec<u64> = t
+            .allocations
+            .iter()
+            .map(|a| a.size.align_up(ALIGNMENT).unwrap().get())
+            .collect();
+        let ctx = Ctx {
+            trace: &t,
+            c: &c,
+            life: &life,
+            padded: &padded,
+            total,
+            opts: &opts,
+        };
+        let steady_lb = steady_lower_bound(&t, &c);
+        for layout in [Layout::ResidentNeverFreed, Layout::ResidentAllPersistent] {
+            let mut timings = PlanTimings::default();
+            let built = ctx.periodic_with(layout, &mut timings).unwrap();
+            assert_eq!(built.layout, layout);
+            let plan = ctx.assemble(&built);
+            verify_plan(&plan).unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+            check_coverage(&t, &c, &plan).unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+            assert!(plan.pool_size >= steady_lb);
+        }
+        // The first gradient (persistent, freed in the steady state) fits where the
+        // previous iteration's gradient would be: the pool is the steady state's.
+        let out = plan_trace(&t, &opts).unwrap();
+        assert_eq!(out.report.layout, Layout::ResidentNeverFreed);
+        assert_eq!(out.report.pool_size, out.report.steady_peak);
+        assert_eq!(out.report.pool_size, out.report.trace_lower_bound);
+    }
+
+    #[test]
+    fn an_invalid_trace_is_an_error() {
+        let t = Trace::default();
+        assert!(matches!(
+            plan_trace(&t, &PlanOptions::default()),
+            Err(PlanBuildError::Trace(_))
+        ));
+    }
 }
