@@ -576,7 +576,7 @@ mod tests {
     /// steady iterations with activations and a gradient crossing the boundary.
     fn trace() -> Trace {
         let mut t = Trace::default();
-        let mut alloc = |t: &mut Trace, size: u64| {
+        let alloc = |t: &mut Trace, size: u64| {
             let id = AllocId(t.allocations.len() as u32);
             t.allocations.push(Allocation {
                 size: Bytes(size),
