@@ -725,7 +725,7 @@ def cap_summary(tried: Dict[int, dict]) -> dict:
     out = {"probes": [{"batch": b, "fits": bool(r.get("ok")), "oom_iter": r.get("oom_iter"),
                        "max_reserved": r.get("max_reserved"), "steady_max_reserved": r.get("steady_max_reserved"),
                        "mode": (r.get("stweaver") or {}).get("mode"), "error": None if r.get("ok") else r.get("error"),
-                       "wall_s": r.get("wall_s")}
+                       "wall_s": r.get("wall_s"), "step_s": r.get("step_s"), "tokens_per_iter": r.get("tokens_per_iter")}
                       for b, r in sorted(tried.items())]}
     if not ok:
         out["largest"] = None
@@ -736,6 +736,11 @@ def cap_summary(tried: Dict[int, dict]) -> dict:
     out["edge_proven"] = (b + 1) in tried and not tried[b + 1].get("ok")
     r = ok[b]
     steady = steady_indices(r)
+    out["tokens_basis"] = "steady iterations"
+    if not steady and r.get("step_s"):
+        # auto that never served a plan (e.g. rejected under the cap): its online iterations
+        steady = list(range(min(WARMUP, len(r["step_s"]) - 1), len(r["step_s"])))
+        out["tokens_basis"] = "iterations after warm-up (no plan served)"
     times = [r["step_s"][i] for i in steady]
     toks = [r["tokens_per_iter"][i] for i in steady]
     if times:
@@ -790,7 +795,10 @@ def finalize_workload(entry: dict) -> None:
             row["reserved"], row["allocated"] = res, al
             if key == "auto_steady" and res is None:
                 row["ok"] = False
-                row["error"] = f"no plan served after {r['iterations']} iterations (mode {r.get('modes', ['?'])[-1]!r})"
+                last = (r.get("modes") or ["?"])[-1]
+                if last.startswith("auto (online: "):
+                    last = "served online, " + last[len("auto (online: "):-1].replace("cuda:0: ", "")
+                row["error"] = f"no plan served in {r['iterations']} iterations ({last})"
                 rows.append(row)
                 continue
             if res:
@@ -853,7 +861,7 @@ def render_table(doc: dict, markdown: bool) -> str:
         for row in e.get("rows", []):
             name = e["config"]["name"]
             if not row["ok"]:
-                lines.append([name, row["label"], "failed: " + str(row.get("error", ""))[:60]] + [""] * 7)
+                lines.append([name, row["label"], "failed: " + str(row.get("error", ""))[:110]] + [""] * 7)
                 continue
             match = row.get("losses_match")
             m = "–" if match is None else ("yes" if match else "NO")
@@ -933,8 +941,10 @@ def targets(doc: dict) -> List[str]:
     if cap:
         a = cap["allocators"]
         n, s = (a.get("native") or {}).get("largest"), (a.get("auto") or {}).get("largest")
+        x = (a.get("expandable") or {}).get("largest")
         if n is not None and s is not None:
-            out.append(f"cap: stweaver {s} vs native {n}: {'met' if s > n else 'MISSED'}")
+            out.append(f"cap: stweaver {s} vs native {n}: {'met' if s > n else 'MISSED'}"
+                       + (f"; vs expandable {x}: {'larger' if s > x else 'not larger'}" if x is not None else ""))
     return out
 
 
@@ -967,8 +977,7 @@ def main(argv=None) -> int:
     with open(a.json) as f:
         doc = json.load(f)
     for e in doc["workloads"]:
-        if "rows" not in e:
-            finalize_workload(e)
+        finalize_workload(e)  # recomputed: the report's rules may be newer than the run
     print(render_table(doc, a.markdown), end="")
     if a.targets:
         print("\n".join(targets(doc)))

@@ -38,8 +38,7 @@ def main(argv=None) -> int:
         doc = json.load(f)
     ws = doc["workloads"]
     for e in ws:
-        if "rows" not in e:
-            finalize_workload(e)
+        finalize_workload(e)
     names = [e["config"]["name"] for e in ws]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [2.2, 1]})
     width = 0.8 / len(SERIES)
@@ -47,9 +46,14 @@ def main(argv=None) -> int:
         xs, ys, over, ratios = [], [], [], []
         for i, e in enumerate(ws):
             row = next((r for r in e.get("rows", []) if r["key"] == key and r["ok"] and r.get("reserved")), None)
-            if row is None:
-                continue
             x = i - 0.4 + width * (k + 0.5)
+            if row is None:
+                # say why the bar is missing instead of leaving a silent gap
+                lb = e.get("lower_bound")
+                if lb and any(r["key"] == key for r in e.get("rows", [])):
+                    ax.text(x, lb / GiB * 0.82, "no plan served", ha="center", va="bottom",
+                            fontsize=6.5, rotation=90, color=color)
+                continue
             xs.append(x)
             ys.append(row["reserved"] / GiB)
             lb = e.get("lower_bound")
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     if lbs:
         ax.set_ylim(min(lbs) / GiB * 0.8, None)
     ax.set_title("Peak reserved vs lower bound (% over the bound on each bar)", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     ax2.axhline(1.0, color="black", linewidth=1)
     ax2.axhspan(0.99, 1.01, color="green", alpha=0.12, label="±1 %")
