@@ -9,6 +9,11 @@
 //!   thread's finish.
 //! - `engine/plan_pair/<size>`: plan mode, every request a plan hit (cursor match,
 //!   occupancy-checked placement, free back into the plan pool).
+//! - `engine/plan_miss/<size>`: plan mode, every request a miss (a size the plan does
+//!   not have): the cursor's general step (beam, look-ahead over the window), then a
+//!   hole of the pool checked against the next expected requests (`hole_horizon`).
+//! - `engine/plan_contended_2t/<size>` and `engine/plan_miss_contended_2t/<size>`: the
+//!   same, two threads on one engine (per pair, per thread, as `contended_2t`).
 //!
 //! The device is [`HostMemory`]; in steady state the hot path makes no device call, so
 //! what is measured is the engine itself (PyTorch's native allocator takes ~1.5–1.7 µs
@@ -138,5 +143,96 @@ fn plan(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, single, contended, plan);
+/// A plan of `slots` requests of `size` at distinct offsets (a 2-entry iteration
+/// alternates between them), and a pool with room above them for misses.
+fn slots_plan(size: u64, slots: u64) -> Plan {
+    let len = size.div_ceil(512) * 512;
+    Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(2 * slots * len + (16 << 20)),
+        iteration: (0..slots)
+            .map(|k| PlannedRequest {
+                size: Bytes(size),
+                stream: StreamId(0),
+                offset: Offset(k * len),
+                start: k,
+                end: k + 1,
+            })
+            .collect(),
+        iteration_len: slots + 1,
+        ..Plan::default()
+    }
+}
+
+/// Serves the plan's slots once, so the pool's granules under them are mapped.
+fn map_slots(e: &Engine<HostMemory>, size: u64, slots: u64) {
+    let ptrs: Vec<_> = (0..slots)
+        .map(|_| e.malloc(Bytes(size), StreamId(0)).unwrap())
+        .collect();
+    for p in ptrs {
+        e.free(p).unwrap();
+    }
+}
+
+fn plan_more(c: &mut Criterion) {
+    const THREADS: usize = 2;
+    let mut g = c.benchmark_group("engine");
+    for (size, name) in SIZES {
+        // Misses: a size the plan does not have; served from a hole above the slots.
+        let e = engine();
+        e.load_plan(&slots_plan(size, 4), PlanOptions::default())
+            .unwrap();
+        map_slots(&e, size, 4);
+        let miss = size + 512;
+        warm(&e, miss);
+        let before = e.plan_stats().unwrap().unwrap();
+        g.bench_function(BenchmarkId::new("plan_miss", name), |b| {
+            b.iter(|| {
+                let p = e.malloc(black_box(Bytes(miss)), StreamId(0)).unwrap();
+                e.free(black_box(p)).unwrap();
+            })
+        });
+        let st = e.plan_stats().unwrap().unwrap();
+        assert_eq!(st.hits, before.hits, "every request a miss");
+        assert!(st.holes > before.holes, "served from the pool's holes");
+    }
+    for (label, delta) in [("plan_contended_2t", 0u64), ("plan_miss_contended_2t", 512)] {
+        for (size, name) in SIZES {
+            let e = Arc::new(engine());
+            e.load_plan(&slots_plan(size, 4), PlanOptions::default())
+                .unwrap();
+            map_slots(&e, size, 4);
+            let want = size + delta;
+            warm(&e, want);
+            g.bench_function(BenchmarkId::new(label, name), |b| {
+                b.iter_custom(|iters| {
+                    let start = Arc::new(Barrier::new(THREADS + 1));
+                    let workers: Vec<_> = (0..THREADS)
+                        .map(|_| {
+                            let (e, start) = (e.clone(), start.clone());
+                            thread::spawn(move || {
+                                start.wait();
+                                for _ in 0..iters {
+                                    let p = e.malloc(black_box(Bytes(want)), StreamId(0)).unwrap();
+                                    e.free(black_box(p)).unwrap();
+                                }
+                            })
+                        })
+                        .collect();
+                    start.wait();
+                    let t0 = Instant::now();
+                    for w in workers {
+                        w.join().unwrap();
+                    }
+                    t0.elapsed().max(Duration::from_nanos(1))
+                })
+            });
+            let st = e.plan_stats().unwrap().unwrap();
+            eprintln!("{label}/{name}: {st:?}");
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, single, contended, plan, plan_more);
 criterion_main!(benches);

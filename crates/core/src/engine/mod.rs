@@ -450,16 +450,14 @@ impl State {
             .map(|_| u64::MAX);
         if let Some(e) = p.cursor.next(size.get(), stream) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
-            match self.heap.placeable(arena, addr, rounded) {
-                Placeable::Free => {
-                    if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
-                        self.planned_block(i, e.cross, stream);
-                        return Ok(PlanAnswer::Placed(i));
-                    }
-                }
+            // The common case first: the range is mapped and free.
+            if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
+                self.planned_block(i, e.cross, stream);
+                return Ok(PlanAnswer::Placed(i));
+            }
+            if self.heap.placeable(arena, addr, rounded) == Placeable::NeedsMapping {
                 // First use of these granules: the caller maps them.
-                Placeable::NeedsMapping => return Ok(PlanAnswer::Map { addr, e }),
-                Placeable::Occupied => {}
+                return Ok(PlanAnswer::Map { addr, e });
             }
             self.plan_conflict(&e);
         }
