@@ -156,9 +156,13 @@ pub struct EngineReplayReport {
     /// Peak of mapped bytes (the engine's `reserved_bytes` peak, equal to the device's).
     pub peak_reserved: Bytes,
     /// Peaks of mapped bytes of the small-block and the large-block arenas (the plan
-    /// pool counts as large), each reached at its own time.
+    /// pool counts as large), each reached at its own time (auto mode: from the switch
+    /// on).
     pub peak_reserved_small: Bytes,
     pub peak_reserved_large: Bytes,
+    /// Auto mode: the peak of mapped bytes from the switch on (`None` without a
+    /// switch).
+    pub peak_reserved_after_switch: Option<Bytes>,
     /// Peak of allocated (512-B rounded) bytes.
     pub peak_allocated: Bytes,
     /// Peak of requested bytes.
@@ -544,6 +548,7 @@ pub fn replay_engine(
     let mut next_bound = 0;
     let mut marked = 0;
     let mut switched_at = None;
+    let mut before_switch: Option<(u64, u64, u64)> = None;
     for (i, e) in trace.events.iter().enumerate() {
         if next_bound < bounds.len() && bounds[next_bound] == i {
             next_bound += 1;
@@ -560,6 +565,14 @@ pub fn replay_engine(
             } = mode
                 && marked == *record_iterations
             {
+                // Peaks before the switch; the engine's peaks restart after it, so
+                // that what serving the plan costs is seen on its own.
+                let s = r.engine.stats().map_err(Replayer::err(i, "read stats"))?;
+                let pre = (
+                    s.reserved_bytes[0].peak as u64,
+                    s.allocated_bytes[0].peak as u64,
+                    s.requested_bytes[0].peak as u64,
+                );
                 let recorded = r
                     .engine
                     .take_trace()
@@ -571,6 +584,10 @@ pub fn replay_engine(
                         Ok(()) => {
                             switched_at = Some(i);
                             r.plan_base = r.pool()?;
+                            before_switch = Some(pre);
+                            r.engine
+                                .reset_peak_stats()
+                                .map_err(Replayer::err(i, "reset its peaks"))?;
                         }
                         Err(e) => plan_error = Some(e.to_string()),
                     },
@@ -597,7 +614,9 @@ pub fn replay_engine(
         .check_invariants()
         .map_err(Replayer::err(end, "check its invariants"))?;
     let stats = r.engine.stats().map_err(Replayer::err(end, "read stats"))?;
-    let peak_reserved = Bytes(stats.reserved_bytes[0].peak as u64);
+    let (pre_r, pre_a, pre_q) = before_switch.unwrap_or_default();
+    let after_switch = Bytes(stats.reserved_bytes[0].peak as u64);
+    let peak_reserved = Bytes(pre_r.max(after_switch.get()));
     let device = r.dev.peak_mapped();
     if device != peak_reserved {
         return Err(EngineReplayError::ReservedMismatch {
@@ -615,8 +634,9 @@ pub fn replay_engine(
         peak_reserved,
         peak_reserved_small: Bytes(stats.reserved_bytes[1].peak as u64),
         peak_reserved_large: Bytes(stats.reserved_bytes[2].peak as u64),
-        peak_allocated: Bytes(stats.allocated_bytes[0].peak as u64),
-        peak_requested: Bytes(stats.requested_bytes[0].peak as u64),
+        peak_reserved_after_switch: switched_at.map(|_| after_switch),
+        peak_allocated: Bytes(pre_a.max(stats.allocated_bytes[0].peak as u64)),
+        peak_requested: Bytes(pre_q.max(stats.requested_bytes[0].peak as u64)),
         served: r.served,
         addrs: r.addrs,
         counts: r.counts,

@@ -132,10 +132,17 @@ fn llama_auto_mode_records_plans_and_switches() {
         .iter()
         .filter(|e| matches!(e.kind, stweaver_core::EventKind::Alloc(_)))
         .count();
+    let after = r.peak_reserved_after_switch.unwrap();
     eprintln!(
-        "switched at event {at}: {served_after} allocations after it, pool {}",
-        r.pool_size
+        "switched at event {at}: {served_after} allocations after it, pool {}; peak reserved after the switch {} = {} B ({:.4} x LB)",
+        r.pool_size,
+        after,
+        after.get(),
+        after.ratio(r.lower_bound)
     );
+    // Serving the plan after the switch needs no more than the lower bound plus the
+    // online phase's leftovers' granule rounding.
+    assert!(after.ratio(r.lower_bound) <= 1.01, "{after}");
     let st = r.plan_stats.unwrap();
     assert!(st.hits as f64 >= 0.99 * served_after as f64, "{st:?}");
     assert_eq!(st.conflicts, 0);
