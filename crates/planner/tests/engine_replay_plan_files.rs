@@ -60,7 +60,7 @@ fn bad_plan_files_are_refused_and_the_run_is_served_online() {
     assert_eq!(outcome.plan.trace_digest, digest);
     let device = trace.device;
     let dir = tempfile::tempdir().unwrap();
-    let good = dir.path().join("llama.stplan");
+    let good = dir.path().join("llama.stwp");
     write_plan_file(&good, &outcome.plan).unwrap();
     let bytes = std::fs::read(&good).unwrap();
 
@@ -73,7 +73,7 @@ fn bad_plan_files_are_refused_and_the_run_is_served_online() {
     assert_eq!(r.counts.plan as usize, trace.alloc_event_count());
     assert!(r.peak_reserved < online.peak_reserved);
 
-    let corrupt = dir.path().join("corrupt.stplan");
+    let corrupt = dir.path().join("corrupt.stwp");
     let mut c = bytes.clone();
     let mid = c.len() / 2;
     for b in &mut c[mid..mid + 64] {
@@ -81,10 +81,10 @@ fn bad_plan_files_are_refused_and_the_run_is_served_online() {
     }
     std::fs::write(&corrupt, &c).unwrap();
 
-    let truncated = dir.path().join("truncated.stplan");
+    let truncated = dir.path().join("truncated.stwp");
     std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
 
-    let other_device = dir.path().join("other_device.stplan");
+    let other_device = dir.path().join("other_device.stwp");
     write_plan_file(
         &other_device,
         &Plan {
@@ -96,10 +96,10 @@ fn bad_plan_files_are_refused_and_the_run_is_served_online() {
 
     // A plan of the whole run (another trace: more iterations).
     let (whole, _) = plan_first_iterations(&trace, 4, &PlanOptions::default()).unwrap();
-    let other_trace = dir.path().join("other_trace.stplan");
+    let other_trace = dir.path().join("other_trace.stwp");
     write_plan_file(&other_trace, &whole.plan).unwrap();
 
-    let missing = dir.path().join("missing.stplan");
+    let missing = dir.path().join("missing.stwp");
 
     for (path, says) in [
         (&corrupt, ""),

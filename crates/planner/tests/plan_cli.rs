@@ -75,7 +75,7 @@ fn plan_then_verify_against_the_right_and_the_wrong_trace() {
     let own = write(dir.path(), "own.stwt", &loop_trace(0, 4, 1));
     let other = write(dir.path(), "other.stwt", &loop_trace(0, 4, 2));
     let other_device = write(dir.path(), "dev1.stwt", &loop_trace(1, 4, 1));
-    let plan = dir.path().join("own.stplan").display().to_string();
+    let plan = dir.path().join("own.stwp").display().to_string();
 
     let o = stweaver(&["plan", &own, "-o", &plan, "--json"]);
     assert!(o.status.success(), "{}", text(&o));
@@ -116,7 +116,7 @@ fn plan_then_verify_against_the_right_and_the_wrong_trace() {
         "{msg}"
     );
     assert!(
-        msg.contains("own.stplan") && msg.contains("other.stwt"),
+        msg.contains("own.stwp") && msg.contains("other.stwt"),
         "{msg}"
     );
 
@@ -131,7 +131,7 @@ fn plan_then_verify_against_the_right_and_the_wrong_trace() {
 fn verify_reports_a_corrupt_plan_file_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let own = write(dir.path(), "own.stwt", &loop_trace(0, 4, 1));
-    let plan = dir.path().join("p.stplan");
+    let plan = dir.path().join("p.stwp");
     let o = stweaver(&["plan", &own, "-o", &plan.display().to_string()]);
     assert!(o.status.success(), "{}", text(&o));
     let mut bytes = std::fs::read(&plan).unwrap();
@@ -140,7 +140,7 @@ fn verify_reports_a_corrupt_plan_file_by_name() {
     std::fs::write(&plan, bytes).unwrap();
     let o = stweaver(&["verify", &plan.display().to_string()]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("p.stplan"), "{}", text(&o));
+    assert!(text(&o).contains("p.stwp"), "{}", text(&o));
 }
 
 #[test]
@@ -152,7 +152,7 @@ fn csv_only_options_are_refused_for_traces_and_vice_versa() {
     assert!(text(&o).contains("--period"), "{}", text(&o));
     let csv = dir.path().join("i.csv");
     std::fs::write(&csv, "id,lower,upper,size\n0,0,2,4\n1,1,3,4\n").unwrap();
-    let o = stweaver(&["plan", &csv.display().to_string(), "-o", "x.stplan"]);
+    let o = stweaver(&["plan", &csv.display().to_string(), "-o", "x.stwp"]);
     assert!(!o.status.success());
     assert!(text(&o).contains("--csv-out"), "{}", text(&o));
     // The CSV path still works.

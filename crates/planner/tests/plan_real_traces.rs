@@ -53,7 +53,7 @@ fn plan_and_check(name: &str) -> (Trace, PlanOutcome) {
         t.allocations.len()
     );
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join(format!("{name}.stplan"));
+    let path = dir.path().join(format!("{name}.stwp"));
     write_plan_file(&path, &out.plan).unwrap();
     assert_eq!(
         read_plan_file(&path).unwrap(),

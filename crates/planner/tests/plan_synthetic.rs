@@ -153,7 +153,7 @@ fn plan_file_round_trip_then_verify_and_cover() {
     let trace = training_trace(4);
     let out = plan_trace(&trace, &opts()).expect("plan");
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("loop.stplan");
+    let path = dir.path().join("loop.stwp");
     write_plan_file(&path, &out.plan).expect("write");
     let back = read_plan_file(&path).expect("read (verifies)");
     assert_eq!(back, out.plan);
