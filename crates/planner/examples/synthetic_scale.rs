@@ -15,7 +15,9 @@
 use std::time::{Duration, Instant};
 
 use stweaver_core::Bytes;
-use stweaver_planner::solver::{Buffer, Instance, SolveOptions, check_solution, lower_bound, solve};
+use stweaver_planner::solver::{
+    Buffer, Instance, SolveOptions, check_solution, lower_bound, solve,
+};
 
 /// A small seeded generator (SplitMix64), enough for size jitter.
 struct Rng(u64);
@@ -46,7 +48,11 @@ fn synthetic(n: usize, seed: u64) -> Instance {
     // lifetimes are closed later at `end`.
     let persistent = (layers * 4) as usize;
     for _ in 0..persistent {
-        out.push(Buffer::new(t, 0, Bytes(rng.pick(&[24 * MIB, 48 * MIB, 96 * MIB]))));
+        out.push(Buffer::new(
+            t,
+            0,
+            Bytes(rng.pick(&[24 * MIB, 48 * MIB, 96 * MIB])),
+        ));
         t += 1;
     }
     while out.len() < n {
@@ -91,7 +97,11 @@ fn synthetic(n: usize, seed: u64) -> Instance {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let n: usize = args.first().map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
+    let n: usize = args
+        .first()
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(1_000_000);
     let seed: u64 = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(1);
     let budget: f64 = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(8.0);
 
@@ -112,7 +122,10 @@ fn main() -> anyhow::Result<()> {
     let checked = check_solution(&instance, &solution);
     let check_time = t2.elapsed();
     if let Err(errors) = &checked {
-        anyhow::bail!("the independent checker refused the solution: {:?}", errors.first());
+        anyhow::bail!(
+            "the independent checker refused the solution: {:?}",
+            errors.first()
+        );
     }
     println!(
         "n {} | LB {} | peak {} | peak/LB {:.5} | generate {:.2} s | solve {:.2} s (budget {budget} s) | check {:.2} s",
