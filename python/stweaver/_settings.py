@@ -13,6 +13,11 @@ with no arguments):
 ``STWEAVER_AUTO_ITERATIONS`` iterations ``auto`` records before planning (default 4)
 =========================  ==========================================================
 
+Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
+in a path are replaced, otherwise ``.rank{R}`` goes before the extension of the files written;
+plan mode reads ``NAME.rank{R}.EXT`` when it exists, else ``NAME.EXT`` as a plan shared by all
+ranks (``crates/torch-bridge/src/dist.rs``).
+
 Explicit arguments win over the environment.
 """
 
@@ -56,6 +61,40 @@ def _path(value: object, what: str) -> Optional[str]:
             return None
         return s
     raise SettingsError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}")
+
+
+def rank_of(env: Mapping[str, str]) -> Optional[tuple]:
+    """``(rank, local_rank)`` under ``torchrun`` (``WORLD_SIZE`` > 1 and ``RANK`` set), else None.
+    Mirrors ``crates/torch-bridge/src/dist.rs``, which decides the file names."""
+    try:
+        world = int(env.get("WORLD_SIZE") or 1)
+        rank = env.get("RANK")
+        if rank is None or rank.strip() == "" or world <= 1:
+            return None
+        r = int(rank)
+        return r, int(env.get("LOCAL_RANK") or r)
+    except ValueError:
+        return None
+
+
+def expand_rank(path: str, env: Mapping[str, str]) -> str:
+    """``{rank}`` / ``{local_rank}`` replaced (0 outside torchrun)."""
+    r, lr = rank_of(env) or (0, 0)
+    return path.replace("{local_rank}", str(lr)).replace("{rank}", str(r))
+
+
+def rank_plan_path(path: str, env: Mapping[str, str]) -> str:
+    """The plan file this rank reads (the Rust side decides; this is for the existence check):
+    a placeholder expanded, else ``NAME.rank{R}.EXT`` when it exists, else the file given
+    (a plan shared by all ranks, or a plan named for a rank, which Rust may refuse)."""
+    if "{rank}" in path or "{local_rank}" in path:
+        return expand_rank(path, env)
+    r = rank_of(env)
+    if r is None:
+        return path
+    root, ext = os.path.splitext(path)
+    mine = f"{root}.rank{r[0]}{ext}"
+    return mine if os.path.isfile(mine) else path
 
 
 def parse_bool(value: str, name: str) -> bool:
@@ -116,12 +155,12 @@ def resolve(
         raise SettingsError(f"STWEAVER_AUTO_ITERATIONS={raw_iters!r} is not a positive integer")
     if check_files:
         # plan mode reads the plan; auto mode writes the plan it makes (and the trace).
-        if mode == "plan" and not os.path.isfile(plan_s):
-            raise SettingsError(f"plan file {plan_s!r} does not exist")
+        if mode == "plan" and not os.path.isfile(rank_plan_path(plan_s, env)):
+            raise SettingsError(f"plan file {rank_plan_path(plan_s, env)!r} does not exist")
         outputs = [("trace", trace_s)] + ([("plan", plan_s)] if mode == "auto" else [])
         for what, path in outputs:
             if path is not None:
-                parent = os.path.dirname(os.path.abspath(path))
+                parent = os.path.dirname(os.path.abspath(expand_rank(path, env)))
                 if not os.path.isdir(parent):
                     raise SettingsError(f"{what} file {path!r}: folder {parent!r} does not exist")
     if hook_optimizer is None:

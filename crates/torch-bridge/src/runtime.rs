@@ -46,6 +46,7 @@ use stweaver_core::units::{Bytes, DeviceId, StreamId};
 use stweaver_planner::planning::{PlanOptions as PlannerOptions, plan_trace};
 use stweaver_planner::solver::SolveOptions;
 
+use crate::dist::{self, PlanSource, RankInfo};
 use crate::error::{BridgeError, Result};
 use crate::ffi::bridge as ffi;
 use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
@@ -91,6 +92,9 @@ pub struct Settings {
     pub plan_path: Option<PathBuf>,
     /// Auto mode: iterations recorded before planning.
     pub auto_iterations: u64,
+    /// Under `torchrun` (`WORLD_SIZE` > 1): this process's rank; file names carry it
+    /// (module [`crate::dist`]).
+    pub rank: Option<RankInfo>,
 }
 
 impl Settings {
@@ -110,11 +114,13 @@ impl Settings {
             },
             Err(_) => DEFAULT_AUTO_ITERATIONS,
         };
+        let rank = RankInfo::from_env().map_err(BridgeError::Settings)?;
         let settings = |mode| Settings {
             mode,
             trace_path: path(trace),
             plan_path: path(plan),
             auto_iterations,
+            rank,
         };
         match mode {
             "online" => {
@@ -154,30 +160,44 @@ impl Settings {
         }
     }
 
-    /// The trace file of device `d`.
+    /// These settings as rank `rank` of a `torchrun` job (`None`: a single process).
+    pub fn with_rank(mut self, rank: Option<RankInfo>) -> Settings {
+        self.rank = rank;
+        self
+    }
+
+    /// The trace file of device `d` (outside torchrun; see [`Settings::trace_path_on`]).
     pub fn trace_path_for(&self, d: i32) -> Option<PathBuf> {
-        per_device(self.trace_path.as_ref()?, d)
+        self.trace_path_on(d, None)
     }
 
-    /// Auto mode: the plan file of device `d`.
+    /// Auto mode: the plan file of device `d` (outside torchrun).
     pub fn plan_path_for(&self, d: i32) -> Option<PathBuf> {
-        per_device(self.plan_path.as_ref()?, d)
+        self.plan_path_on(d, None)
     }
-}
 
-fn per_device(p: &Path, d: i32) -> Option<PathBuf> {
-    if d == 0 {
-        return Some(p.to_path_buf());
+    /// The trace file of device `d` when the rank's home device is `home`: the rank in
+    /// the name under torchrun, `.cudaN` for a device other than the home device
+    /// (device 0 outside torchrun). See [`crate::dist`].
+    pub fn trace_path_on(&self, d: i32, home: Option<i32>) -> Option<PathBuf> {
+        Some(self.output_on(self.trace_path.as_ref()?, d, home))
     }
-    let stem = p
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name = match p.extension() {
-        Some(ext) => format!("{stem}.cuda{d}.{}", ext.to_string_lossy()),
-        None => format!("{stem}.cuda{d}"),
-    };
-    Some(p.with_file_name(name))
+
+    /// Auto mode: the plan file kept for device `d` (as [`Settings::trace_path_on`]).
+    pub fn plan_path_on(&self, d: i32, home: Option<i32>) -> Option<PathBuf> {
+        Some(self.output_on(self.plan_path.as_ref()?, d, home))
+    }
+
+    fn output_on(&self, p: &Path, d: i32, home: Option<i32>) -> PathBuf {
+        let p = dist::output_path(p, self.rank.as_ref());
+        dist::device_path(&p, d, home.filter(|_| self.rank.is_some()))
+    }
+
+    /// Plan mode: the plan file this process serves (per rank under torchrun).
+    pub fn plan_source(&self) -> Option<PlanSource> {
+        let p = self.plan_path.as_ref()?;
+        Some(dist::resolve_plan(p, self.rank.as_ref(), Path::is_file))
+    }
 }
 
 /// Where plan serving stands (plan and auto modes).
@@ -205,6 +225,8 @@ struct PlanControl {
     stage: PlanStage,
     /// Plan mode: the plan read at install (verified on read).
     file_plan: Option<Arc<Plan>>,
+    /// Plan mode: where it came from (per-rank, shared by all ranks).
+    source: Option<PlanSource>,
     jobs: Vec<PlanJob>,
     /// Engines to empty once, one iteration after they switched to a plan.
     settle: Vec<i32>,
@@ -260,6 +282,8 @@ pub struct Core {
     /// Devices whose default engine exists, and the last one opened.
     opened: AtomicUsize,
     last_opened: AtomicI32,
+    /// The first device whose default engine opened: a rank's home device.
+    first_opened: AtomicI32,
     iterations: AtomicU64,
     pending: Mutex<Vec<PendingFree>>,
     has_pending: AtomicBool,
@@ -450,6 +474,7 @@ impl Core {
         let mut control = PlanControl {
             stage: PlanStage::NotPlanning,
             file_plan: None,
+            source: None,
             jobs: Vec::new(),
             settle: Vec::new(),
         };
@@ -458,11 +483,19 @@ impl Core {
             Mode::Plan => {
                 // A bad plan never stops training: it is reported and serving is online
                 // (invariant 3). The file is verified once, here.
-                let path = settings.plan_path.clone().unwrap_or_default();
-                match read_plan_file(&path) {
-                    Ok(plan) => control.file_plan = Some(Arc::new(plan)),
-                    Err(e) => control.stage = PlanStage::Fallback(e.to_string()),
+                // Under torchrun, a plan named for another rank is refused (crate::dist).
+                let source = settings
+                    .plan_source()
+                    .unwrap_or_else(|| PlanSource::Own(PathBuf::new()));
+                if let Some(why) = source.refusal() {
+                    control.stage = PlanStage::Fallback(why);
+                } else {
+                    match read_plan_file(source.path()) {
+                        Ok(plan) => control.file_plan = Some(Arc::new(plan)),
+                        Err(e) => control.stage = PlanStage::Fallback(e.to_string()),
+                    }
                 }
+                control.source = Some(source);
             }
             Mode::Online | Mode::Trace => {}
         }
@@ -474,6 +507,7 @@ impl Core {
             private_pools: AtomicUsize::new(0),
             opened: AtomicUsize::new(0),
             last_opened: AtomicI32::new(-1),
+            first_opened: AtomicI32::new(-1),
             iterations: AtomicU64::new(0),
             pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
@@ -575,6 +609,12 @@ impl Core {
                 let _ = slot.default.set(engine);
                 self.opened.fetch_add(1, Ordering::AcqRel);
                 self.last_opened.store(slot.ordinal, Ordering::Release);
+                let _ = self.first_opened.compare_exchange(
+                    -1,
+                    slot.ordinal,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
                 true
             } else {
                 false
@@ -587,14 +627,52 @@ impl Core {
         Ok(e)
     }
 
-    /// Plan mode: serves the install-time plan on the device it was made for.
+    /// The rank's home device (the first device opened), under torchrun only.
+    fn home(&self) -> Option<i32> {
+        self.settings.rank?;
+        let d = self.first_opened.load(Ordering::Acquire);
+        (d >= 0).then_some(d)
+    }
+
+    /// Plan mode: serves the install-time plan on the device it was made for. Under
+    /// torchrun the rank's home device decides: a rank's own plan made for another
+    /// device is refused (with a warning), a shared plan is served there (crate::dist).
     fn serve_file_plan(&self, device: i32, e: &Engine<Tracked>) {
         let mut pc = lock(&self.plan);
-        let Some(plan) = pc.file_plan.clone() else {
+        let Some(mut plan) = pc.file_plan.clone() else {
             return;
         };
         if plan.device != DeviceId(device) {
-            return;
+            let Some(rank) = self.settings.rank else {
+                return; // a single process may open its plan's device later
+            };
+            if self.home() != Some(device) || pc.stage != PlanStage::NotPlanning {
+                return;
+            }
+            let path = pc
+                .source
+                .as_ref()
+                .map(|s| s.path().display().to_string())
+                .unwrap_or_default();
+            if matches!(pc.source, Some(PlanSource::Shared(_))) {
+                lock(&self.notes).push(format!(
+                    "rank {}: serving the shared plan {path} (recorded on {}) on cuda:{device}",
+                    rank.rank, plan.device
+                ));
+                let mut p = (*plan).clone();
+                p.device = DeviceId(device);
+                plan = Arc::new(p);
+            } else {
+                let why = format!(
+                    "rank {}: {path} was made for {} but this rank allocates on cuda:{device}: \
+                     refused, this rank trains online",
+                    rank.rank, plan.device
+                );
+                eprintln!("stweaver: warning: {why}");
+                pc.stage = PlanStage::Fallback(why);
+                pc.file_plan = None;
+                return;
+            }
         }
         match e.load_plan(&plan, EnginePlanOptions::default()) {
             Ok(()) => pc.stage = PlanStage::Serving(vec![device]),
@@ -1190,7 +1268,7 @@ impl Core {
                     let Some(trace) = e.take_trace()? else {
                         continue;
                     };
-                    if let Some(path) = self.settings.trace_path_for(slot.ordinal)
+                    if let Some(path) = self.settings.trace_path_on(slot.ordinal, self.home())
                         && let Err(err) = write_trace_file(&path, &trace)
                     {
                         lock(&self.notes).push(err.to_string());
@@ -1246,7 +1324,7 @@ impl Core {
                             continue;
                         }
                     };
-                    if let Some(path) = self.settings.plan_path_for(d)
+                    if let Some(path) = self.settings.plan_path_on(d, self.home())
                         && let Err(err) = write_plan_file(&path, &plan)
                     {
                         lock(&self.notes).push(err.to_string());
@@ -1336,7 +1414,7 @@ impl Core {
             };
             let path = self
                 .settings
-                .trace_path_for(slot.ordinal)
+                .trace_path_on(slot.ordinal, self.home())
                 .ok_or_else(|| BridgeError::Settings("trace mode without a path".into()))?;
             write_trace_file(Path::new(&path), &trace)?;
             written.push(path.display().to_string());
@@ -1396,6 +1474,16 @@ impl Core {
             "trace_path": self.settings.trace_path.as_ref().map(|p| p.display().to_string()),
             "plan_path": self.settings.plan_path.as_ref().map(|p| p.display().to_string()),
             "notes": *lock(&self.notes),
+            "rank": self.settings.rank.map(|r| serde_json::json!({
+                "rank": r.rank,
+                "local_rank": r.local_rank,
+                "world_size": r.world_size,
+            })),
+            "home_device": self.home(),
+            "plan_file": lock(&self.plan).source.as_ref().map(|s| match s {
+                PlanSource::Shared(p) => serde_json::json!({"path": p.display().to_string(), "shared": true}),
+                other => serde_json::json!({"path": other.path().display().to_string(), "shared": false}),
+            }),
             "devices": devices,
         });
         Ok(v.to_string())
