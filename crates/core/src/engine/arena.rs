@@ -855,6 +855,27 @@ impl Heap {
         if end > baddr + bsize {
             return Ok(None);
         }
+        self.take_range(b, addr, size, requested).map(Some)
+    }
+
+    /// Cuts `[addr, addr + size)` out of free block `b` (which holds it) as an
+    /// `Allocated` block of `requested` bytes; what is left on either side stays free.
+    /// O(log n).
+    fn take_range(
+        &mut self,
+        b: Idx,
+        addr: u64,
+        size: u64,
+        requested: u64,
+    ) -> Result<Idx, SlabFull> {
+        let a = self.blocks[b as usize].arena;
+        let (baddr, bsize) = (self.blocks[b as usize].addr, self.blocks[b as usize].size);
+        let end = addr + size;
+        debug_assert!(
+            self.blocks[b as usize].state == BlockState::Free
+                && baddr <= addr
+                && end <= baddr + bsize
+        );
         let (head, tail) = (addr - baddr, baddr + bsize - end);
         // Slots first, so a full slab changes nothing.
         let x = if head > 0 {
@@ -895,7 +916,57 @@ impl Heap {
             self.link_after(x, t);
             self.tree_insert(t);
         }
-        Ok(Some(x))
+        Ok(x)
+    }
+
+    /// Claims `[addr, addr + size)` of arena `a` (any arena, placement or not) as an
+    /// `Allocated` block of `requested` bytes at exactly that address, if the whole range
+    /// lies inside one `Free` block — i.e. nothing live, pending, in flight or unmapped
+    /// is there (free neighbours are always coalesced). Used to re-create checkpointed
+    /// blocks. The block holding `addr` is found by walking the arena in address order
+    /// from `from` (a block of `a` that starts at or below `addr`, such as the previous
+    /// claim; [`NIL`] or anything else starts at the arena's head), so a series of claims
+    /// in ascending address order walks each arena once: O(blocks walked + log n).
+    /// `Ok(None)` when the range is not wholly free and mapped.
+    pub fn claim(
+        &mut self,
+        a: ArenaId,
+        addr: u64,
+        size: u64,
+        requested: u64,
+        from: Idx,
+    ) -> Result<Option<Idx>, SlabFull> {
+        debug_assert!(size > 0 && size.is_multiple_of(ALIGNMENT) && addr.is_multiple_of(ALIGNMENT));
+        let Some(arena) = self.arena(a) else {
+            return Ok(None);
+        };
+        let Some(end) = addr.checked_add(size) else {
+            return Ok(None);
+        };
+        if addr < arena.base || end > arena.base + arena.len {
+            return Ok(None);
+        }
+        // A vacant slot has size 0; a live one of `a` is in `a`'s address list.
+        let start = match self.blocks.get(from as usize) {
+            Some(f) if f.arena == a && f.size > 0 && f.addr <= addr => from,
+            _ => arena.head,
+        };
+        let mut b = start;
+        while b != NIL {
+            let blk = &self.blocks[b as usize];
+            if blk.addr + blk.size > addr {
+                break;
+            }
+            b = blk.next;
+        }
+        if b == NIL {
+            return Ok(None);
+        }
+        let blk = &self.blocks[b as usize];
+        if blk.state != BlockState::Free || blk.addr > addr || end > blk.addr + blk.size {
+            return Ok(None);
+        }
+        self.take_range(b, addr, size, requested).map(Some)
     }
 
     /// Merges free block `i` (not in the tree) with free neighbours (which are), and
@@ -1464,6 +1535,75 @@ mod tests {
         let (mut h2, b) = heap_with_arena(4 * G);
         grow(&mut h2, b, 4 * G);
         assert_eq!(h2.alloc_at(b, BASE, 512, 1).unwrap(), None);
+    }
+
+    #[test]
+    fn claim_takes_exact_ranges_of_any_arena_and_refuses_the_rest() {
+        let (mut h, a) = heap_with_arena(16 * G);
+        grow(&mut h, a, 4 * G);
+        let x = h.claim(a, BASE + G, 1024, 1000, NIL).unwrap().unwrap();
+        assert_eq!(
+            (h.block(x).addr, h.block(x).size, h.block(x).requested),
+            (BASE + G, 1024, 1000)
+        );
+        assert_eq!(h.block(x).state, BlockState::Allocated);
+        // Occupied, straddling, unmapped, outside the arena: refused.
+        assert_eq!(h.claim(a, BASE + G, 512, 1, NIL).unwrap(), None);
+        assert_eq!(h.claim(a, BASE + G - 512, 1024, 1, NIL).unwrap(), None);
+        assert_eq!(h.claim(a, BASE + 4 * G - 512, 1024, 1, NIL).unwrap(), None);
+        assert_eq!(h.claim(a, BASE + 8 * G, 512, 1, NIL).unwrap(), None);
+        assert_eq!(h.claim(a, BASE + 16 * G, 512, 1, NIL).unwrap(), None);
+        assert_eq!(h.claim(a, BASE - 512, 512, 1, NIL).unwrap(), None);
+        // Head, tail and a whole free block, walking on from the previous claim.
+        let y = h.claim(a, BASE, 512, 1, NIL).unwrap().unwrap();
+        let z = h.claim(a, BASE + 2 * G, 2 * G, 1, x).unwrap().unwrap();
+        assert_eq!(h.block(z).addr + h.block(z).size, BASE + 4 * G);
+        // A hint past the address, or a vacant slot, falls back to the head.
+        let w = h.claim(a, BASE + 512, 512, 1, z).unwrap().unwrap();
+        assert_eq!(h.block(w).addr, BASE + 512);
+        h.check().unwrap();
+        for i in [x, y, z, w] {
+            h.free(i);
+        }
+        let t = h.check().unwrap();
+        assert_eq!((t[0].mapped, t[0].allocated), (4 * G, 0));
+        // Placement arenas keep their by-address index through claims.
+        let (mut p, pa) = placement_arena(4 * G);
+        let q = p.claim(pa, BASE + G, G, G, NIL).unwrap().unwrap();
+        p.check().unwrap();
+        assert_eq!(p.alloc_at(pa, BASE + G, 512, 1).unwrap(), None);
+        p.free(q);
+        p.check().unwrap();
+    }
+
+    proptest! {
+        /// `claim` succeeds exactly when the range lies in free mapped memory, from any
+        /// starting hint, and the heap stays consistent.
+        #[test]
+        fn claim_matches_an_interval_model(
+            ops in proptest::collection::vec((0u64..64, 1u64..=8, any::<bool>(), any::<u8>()), 1..200)
+        ) {
+            let (mut h, a) = heap_with_arena(16 * G);
+            grow(&mut h, a, 8 * G);
+            let mut live: Vec<(u64, u64, Idx)> = Vec::new();
+            for (slot, len, free, hint) in ops {
+                if free && !live.is_empty() {
+                    let (_, _, i) = live.swap_remove(slot as usize % live.len());
+                    h.free(i);
+                } else {
+                    let (off, size) = (slot * 512 * 3, len * 512);
+                    let fits = off + size <= 8 * G
+                        && live.iter().all(|&(o, l, _)| off + size <= o || o + l <= off);
+                    let from = if live.is_empty() { NIL } else { live[hint as usize % live.len()].2 };
+                    let got = h.claim(a, BASE + off, size, size, from).unwrap();
+                    prop_assert_eq!(got.is_some(), fits);
+                    if let Some(i) = got {
+                        live.push((off, size, i));
+                    }
+                }
+                h.check().map_err(TestCaseError::fail)?;
+            }
+        }
     }
 
     proptest! {

@@ -102,6 +102,7 @@
 //! `BTreeMap`, which may allocate on insert.
 
 pub mod arena;
+mod checkpoint;
 mod cursor;
 pub mod device;
 pub mod host;
@@ -121,6 +122,7 @@ use crate::units::{Bytes, DeviceId, StreamId};
 
 pub use self::arena::BlockState;
 use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, NIL, Placeable, SlabFull};
+pub use self::checkpoint::{Checkpoint, CheckpointBlock, Restored};
 use self::cursor::Cursor;
 pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
@@ -203,6 +205,8 @@ pub enum EngineError {
     TooManyBlocks,
     #[error("plan rejected: {0}")]
     PlanRejected(String),
+    #[error("checkpoint cannot be restored: {0}")]
+    CheckpointMismatch(String),
     #[error("engine state poisoned by an earlier panic")]
     Poisoned,
     #[error("engine state inconsistent: {0}")]
@@ -367,6 +371,10 @@ struct State {
     /// waiting to be.
     drain: u32,
     drain_pending: bool,
+    /// A checkpoint was taken ([`Engine::checkpoint`]): arenas are never released from
+    /// then on (their granules still are), so every checkpointed address stays
+    /// restorable.
+    keep_arenas: bool,
 }
 
 /// The online engine. See the module documentation.
@@ -659,6 +667,7 @@ impl<D: DeviceMemory> Engine<D> {
             plan: None,
             drain: 0,
             drain_pending: false,
+            keep_arenas: false,
         };
         Ok(Engine {
             dev,
@@ -1109,9 +1118,10 @@ impl<D: DeviceMemory> Engine<D> {
             }
             st.settle_inactive();
         }
-        // 4. Release arenas with nothing mapped.
+        // 4. Release arenas with nothing mapped (none once checkpointed).
         let mut released = Vec::new();
-        for a in ids {
+        let keep = st.keep_arenas;
+        for a in ids.into_iter().filter(|_| !keep) {
             if let Some(arena) = st.heap.remove_arena(a) {
                 st.arena_of.remove(&(arena.stream, arena.kind));
                 stats::decrease(&mut st.stats.segment, arena.kind, 1);
