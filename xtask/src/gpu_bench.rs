@@ -28,7 +28,7 @@ const CARRY: &str = ".bench-carry";
 /// The device call's limit, and the harness's own budget inside it (build included).
 const DEVICE_TIMEOUT_S: u32 = 540;
 
-fn build_cli() -> Result<PathBuf> {
+pub(crate) fn build_cli() -> Result<PathBuf> {
     let mut c = cargo();
     c.current_dir(root()).args([
         "build",

@@ -6,6 +6,8 @@
 //! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
 //!   extension (see `torch_ext.rs`).
 //! - `gpu-bench [--dry-run | --report RESULT.json]`: the GPU benchmark (see `gpu_bench.rs`).
+//! - `gpu-test --gpus N`, `gpu-bench --gpus N` (N > 1): the distributed (torchrun, DDP and
+//!   FSDP2) tests and benchmark (see `gpu_dist.rs`).
 //! - `planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]`: the
 //!   offline planner on the DSA instances and the bundled traces (see `planner_bench.rs`).
 
@@ -15,6 +17,7 @@ use anyhow::{Context, Result, bail};
 
 mod codegen;
 mod gpu_bench;
+mod gpu_dist;
 mod planner_bench;
 mod torch_ext;
 
@@ -24,13 +27,19 @@ fn main() -> Result<()> {
         Some("ci") => ci(),
         Some("codegen") => codegen::run(&args[1..]),
         Some("build-torch-ext") => torch_ext::build_torch_ext(),
-        Some("gpu-test") => torch_ext::gpu_test(&args[1..]),
+        Some("gpu-test") => match gpu_dist::gpus_arg(&args[1..])? {
+            Some(n) if n > 1 => gpu_dist::gpu_test(n),
+            _ => torch_ext::gpu_test(&args[1..]),
+        },
         Some("cpp-check") => torch_ext::cpp_check(&args[1..]),
-        Some("gpu-bench") => gpu_bench::gpu_bench(&args[1..]),
+        Some("gpu-bench") => match gpu_dist::gpus_arg(&args[1..])? {
+            Some(n) if n > 1 => gpu_dist::gpu_bench(n),
+            _ => gpu_bench::gpu_bench(&args[1..]),
+        },
         Some("planner-bench") => planner_bench::planner_bench(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here]|cpp-check [VERSION...]|gpu-bench [--dry-run|--report JSON]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>"
+                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|gpu-bench [--dry-run|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>"
             );
             bail!("unknown or missing task")
         }

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""stweaver distributed benchmark: DDP and FSDP2 (``fully_shard``) training of the Llama config
+of make_traces.py on N GPUs, under PyTorch native, expandable segments, stweaver auto and
+stweaver trace -> ``stweaver plan`` (per rank) -> plan. ``scripts/gpu_dist_bench.sh`` runs it.
+
+    python python/bench/gpu_dist_bench.py --gpus 2 --out DIR --stweaver-bin PATH [--budget-s S]
+    python python/bench/gpu_dist_bench.py --gpus 2 --out DIR --dry-run     (CPU, gloo, native only)
+
+Each run is one ``torchrun --standalone`` job (python/tests/gpu_dist/dist_worker.py), one at a
+time (so step times are not disturbed), with a hard timeout. Per rank: peak reserved and peak
+allocated (PyTorch's counters), utilization (= peak allocated / peak reserved), the median step
+time (iterations after the warm-up; for auto, the iterations after its switch to the plan)
+divided by native's, and whether every per-iteration loss is bitwise native's. For auto the
+peaks are given over the whole run and over the window after the switch.
+Writes DIR/gpu_dist_bench.json and DIR/bench_table.txt (printed last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "gpu_dist"))
+import distlaunch as dl  # noqa: E402
+
+ALLOCS = ("native", "expandable", "trace", "plan", "auto")
+LABEL = {"native": "native", "expandable": "expandable segments", "trace": "stweaver online (trace run)",
+         "plan": "stweaver trace -> plan", "auto": "stweaver auto (whole run)",
+         "auto_steady": "stweaver auto (after switch)"}
+GiB = float(1 << 30)
+
+
+def run(a, strategy, alloc, fdir, timeout):
+    name = f"{strategy}_{alloc}"
+    d = os.path.join(a.out, "runs", name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    extra, kind = {}, "stweaver"
+    if alloc == "native":
+        kind = "native"
+    elif alloc == "expandable":
+        kind = "native"
+        extra["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    elif alloc == "trace":
+        extra["STWEAVER_TRACE"] = os.path.join(fdir, f"{strategy}.stwt")
+    elif alloc == "plan":
+        extra["STWEAVER_PLAN"] = os.path.join(fdir, f"{strategy}.stwp")
+    if kind == "stweaver":
+        extra["STWEAVER_HOOK_OPTIMIZER"] = "1"
+    args = ["--strategy", strategy, "--alloc", "native" if a.dry_run else kind, "--config", a.config,
+            "--iters", str(a.iters), "--warmup", str(a.warmup), "--out", d]
+    r = dl.torchrun(dl.WORKER, args, a.gpus, dl.base_env(extra), os.path.join(d, "log.txt"), timeout,
+                    a.dry_run)
+    r["alloc"] = alloc
+    r["strategy"] = strategy
+    r["ranks"] = dl.read_ranks(d, a.gpus)
+    return r
+
+
+def rows_of(doc):
+    rows = []
+    for s, runs in doc["runs"].items():
+        native = runs.get("native")
+        for alloc in ALLOCS:
+            r = runs.get(alloc)
+            if r is None:
+                continue
+            variants = [(alloc, "max_reserved", "max_allocated", "step_median_s")]
+            if alloc == "auto":
+                variants.append(("auto_steady", "steady_max_reserved", "steady_max_allocated",
+                                 "steady_step_median_s"))
+            for label, kr, ka, kt in variants:
+                for rank, x in enumerate(r["ranks"]):
+                    row = {"strategy": s, "alloc": label, "rank": rank}
+                    if not x or not x.get("ok"):
+                        row["error"] = (x or {}).get("error") or f"rc {r['rc']} timed_out {r['timed_out']}"
+                        rows.append(row)
+                        continue
+                    ref = native["ranks"][rank] if native and native["ranks"][rank] else None
+                    res, al = x.get(kr), x.get(ka)
+                    row.update(peak_reserved=res, peak_allocated=al,
+                               utilization=(al / res) if res and al else None,
+                               step_s=x.get(kt), iterations=len(x["losses"]),
+                               mode=(x.get("modes") or ["-"])[-1], switched_at=x.get("switched_at"))
+                    if ref and ref.get("ok"):
+                        row["losses_equal"] = x["losses"] == ref["losses"]
+                        if x.get(kt) and ref.get("step_median_s"):
+                            row["step_ratio"] = x[kt] / ref["step_median_s"]
+                        if res and ref.get("max_reserved"):
+                            row["reserved_vs_native"] = res / ref["max_reserved"]
+                    rows.append(row)
+    return rows
+
+
+def render(doc) -> str:
+    head = ("strategy", "allocator", "rank", "peak reserved", "peak allocated", "util.", "vs native",
+            "step / native", "losses = native", "mode at end")
+    out = []
+    for r in doc["rows"]:
+        if "error" in r:
+            out.append((r["strategy"], LABEL[r["alloc"]], str(r["rank"]), "FAILED", r["error"][:60], "", "", "",
+                        "", ""))
+            continue
+        g = lambda v: f"{v / GiB:.2f} GiB" if v else "-"  # noqa: E731
+        out.append((r["strategy"], LABEL[r["alloc"]], str(r["rank"]), g(r["peak_reserved"]),
+                    g(r["peak_allocated"]),
+                    f"{100 * r['utilization']:.1f} %" if r.get("utilization") else "-",
+                    f"{r['reserved_vs_native']:.3f}" if r.get("reserved_vs_native") else "-",
+                    f"{r['step_ratio']:.3f}" if r.get("step_ratio") else "-",
+                    {True: "yes", False: "NO", None: "-"}[r.get("losses_equal")], r.get("mode", "")[:22]))
+    widths = [max(len(str(x[i])) for x in out + [head]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [f"distributed benchmark: {doc['gpus']} ranks, {doc['config']}, {doc['iters']} iterations "
+             f"(step medians after {doc['warmup']} warm-up iterations; auto after its switch), "
+             f"{doc['wall_s']:.0f} s"]
+    if doc.get("skipped"):
+        lines.append("skipped (budget): " + ", ".join(doc["skipped"]))
+    lines += [fmt.format(*head)] + [fmt.format(*r) for r in out]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stweaver-bin", default=None)
+    ap.add_argument("--config", default="llama1b")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--est-run-s", type=float, default=30, help="a run is not started with less left")
+    ap.add_argument("--timeout-s", type=float, default=180)
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    fdir = os.path.join(a.out, "files")
+    shutil.rmtree(fdir, ignore_errors=True)
+    os.makedirs(fdir)
+    doc = {"gpus": a.gpus, "config": a.config, "iters": a.iters, "warmup": a.warmup, "runs": {},
+           "skipped": [], "plans": {}, "dry_run": a.dry_run}
+    for s in a.strategies.split(","):
+        runs = doc["runs"].setdefault(s, {})
+        for alloc in (("native",) if a.dry_run else ALLOCS):
+            left = a.budget_s - (time.time() - t0)
+            if left < a.est_run_s:
+                doc["skipped"].append(f"{s} {alloc}")
+                continue
+            if alloc == "plan":
+                if not a.stweaver_bin:
+                    doc["skipped"].append(f"{s} plan (no planner binary)")
+                    continue
+                for r in range(a.gpus):
+                    trace = os.path.join(fdir, f"{s}.rank{r}.stwt")
+                    plan = os.path.join(fdir, f"{s}.rank{r}.stwp")
+                    doc["plans"][os.path.basename(plan)] = dl.plan_cli(a.stweaver_bin, trace, plan, plan + ".log")
+            r = run(a, s, alloc, fdir, min(a.timeout_s, max(30.0, left)))
+            runs[alloc] = r
+            oks = [x and x.get("ok") for x in r["ranks"]]
+            print(f"{s} {alloc}: rc {r['rc']} {r['wall_s']} s ranks ok {oks}", flush=True)
+            if not all(oks):
+                print(dl.tail(r["log"], 25), flush=True)
+    doc["wall_s"] = time.time() - t0
+    doc["rows"] = rows_of(doc)
+    doc["table"] = render(doc)
+    with open(os.path.join(a.out, "gpu_dist_bench.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(a.out, "bench_table.txt"), "w") as f:
+        f.write(doc["table"] + "\n")
+    print(doc["table"])
+    bad = [r for r in doc["rows"] if "error" in r or r.get("losses_equal") is False]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
