@@ -124,6 +124,14 @@ def render(doc) -> str:
     return "\n".join(lines)
 
 
+def save(a, doc, t0) -> None:
+    doc["wall_s"] = time.time() - t0
+    doc["rows"] = rows_of(doc)
+    doc["table"] = render(doc)
+    with open(os.path.join(a.out, "gpu_dist_bench.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=2)
@@ -166,11 +174,8 @@ def main(argv=None) -> int:
             print(f"{s} {alloc}: rc {r['rc']} {r['wall_s']} s ranks ok {oks}", flush=True)
             if not all(oks):
                 print(dl.tail(r["log"], 25), flush=True)
-    doc["wall_s"] = time.time() - t0
-    doc["rows"] = rows_of(doc)
-    doc["table"] = render(doc)
-    with open(os.path.join(a.out, "gpu_dist_bench.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+            save(a, doc, t0)  # after every run: a killed call still leaves its results
+    save(a, doc, t0)
     with open(os.path.join(a.out, "bench_table.txt"), "w") as f:
         f.write(doc["table"] + "\n")
     print(doc["table"])
