@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <optional>
@@ -805,28 +806,65 @@ bool StweaverAllocator::checkPoolLiveAllocations(
   return true;
 }
 
+namespace {
+
+// A private pool's checkpoint (CUDA graph trees hold it between recordings): the engine's
+// list of the blocks allocated when it was taken, opaque here.
+class StweaverCheckpoint final : public CCA::AllocatorState {
+ public:
+  StweaverCheckpoint(c10::DeviceIndex device, rust::Box<ffi::PoolCheckpoint> checkpoint)
+      : device_(device), checkpoint_(std::move(checkpoint)) {}
+  c10::DeviceIndex device() const { return device_; }
+  const ffi::PoolCheckpoint& checkpoint() const { return *checkpoint_; }
+
+ private:
+  c10::DeviceIndex device_;
+  rust::Box<ffi::PoolCheckpoint> checkpoint_;
+};
+
+}  // namespace
+
 std::shared_ptr<CCA::AllocatorState> StweaverAllocator::getCheckpointState(
-    c10::DeviceIndex /*device*/,
-    c10::MempoolId_t /*id*/) {
-  TORCH_CHECK(
-      false,
-      "stweaver does not support checkpointing CUDA graph pools (getCheckpointState, called by "
-      "the cudagraph trees of torch.compile(mode=\"reduce-overhead\")). Set "
-      "torch._inductor.config.triton.cudagraph_trees = False to use plain CUDA graphs (each in "
-      "its own stweaver private pool), or use torch.cuda.graph / CUDAGraph directly");
-  throw std::logic_error("unreachable");
+    c10::DeviceIndex device,
+    c10::MempoolId_t id) {
+  rust::Box<ffi::PoolCheckpoint> cp =
+      rs("pool_checkpoint", [&] { return runtime_->pool_checkpoint(device, to_ffi(id)); });
+  return std::make_shared<StweaverCheckpoint>(device, std::move(cp));
 }
 
 CCA::CheckpointDelta StweaverAllocator::setCheckpointPoolState(
-    c10::DeviceIndex /*device*/,
-    std::shared_ptr<CCA::AllocatorState> /*pps*/) {
+    c10::DeviceIndex device,
+    std::shared_ptr<CCA::AllocatorState> pps) {
+  auto* cp = dynamic_cast<StweaverCheckpoint*>(pps.get());
   TORCH_CHECK(
-      false,
-      "stweaver does not support restoring CUDA graph pool checkpoints (setCheckpointPoolState, "
-      "called by the cudagraph trees of torch.compile(mode=\"reduce-overhead\")). Set "
-      "torch._inductor.config.triton.cudagraph_trees = False to use plain CUDA graphs (each in "
-      "its own stweaver private pool)");
-  throw std::logic_error("unreachable");
+      cp != nullptr,
+      "stweaver: setCheckpointPoolState needs a checkpoint taken by stweaver's "
+      "getCheckpointState (got another allocator's state)");
+  TORCH_CHECK(
+      cp->device() == device,
+      "stweaver: checkpoint of device ",
+      static_cast<int>(cp->device()),
+      " restored on device ",
+      static_cast<int>(device));
+  const ffi::PoolRestore r =
+      rs("pool_restore", [&] { return runtime_->pool_restore(device, cp->checkpoint()); });
+  if (tracking_.load(std::memory_order_acquire)) {
+    flush_history(nullptr, 0);
+  }
+  // Native's contract: every pointer freed, and a DataPtr per re-created block built like
+  // allocate() builds them (our deleter, so cudagraph trees' deleter swaps recognise it).
+  CCA::CheckpointDelta delta;
+  delta.ptrs_freed.reserve(r.ptrs_freed.size());
+  for (size_t p : r.ptrs_freed) {
+    delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
+  }
+  delta.dataptrs_allocd.reserve(r.allocated.size());
+  for (const ffi::CheckpointBlock& b : r.allocated) {
+    void* ptr = reinterpret_cast<void*>(static_cast<std::uintptr_t>(b.address));
+    delta.dataptrs_allocd.emplace_back(
+        ptr, ptr, &stweaver_raw_delete, c10::Device(c10::DeviceType::CUDA, device));
+  }
+  return delta;
 }
 
 // ---------------------------------------------------------------- IPC, peers, copies

@@ -14,17 +14,23 @@
 //! - no live or pending block overlaps another (address ranges), and every block's
 //!   sentinel bytes, written at allocation, are intact when it is freed and again when
 //!   its free completes (pending memory was not handed out meanwhile);
+//! - `checkpoint` lists exactly the model's allocated blocks; `restore` (random earlier
+//!   checkpoints, also after `empty_cache` gave their granules back, under the memory
+//!   limit and injected map failures) frees exactly what is live, maps exactly the
+//!   granules the model maps, and re-creates every checkpointed block at its address —
+//!   or fails changing nothing but the mapping, as the model does;
 //! - at the end, after freeing everything and `empty_cache`: nothing allocated, nothing
-//!   reserved, no arena; after dropping the engine: nothing mapped or reserved on the
-//!   device and no event left; and a recorded trace validates and counts every request.
+//!   reserved, no arena (a checkpointed engine keeps its arenas, empty); after dropping
+//!   the engine: nothing mapped or reserved on the device and no event left; and a
+//!   recorded trace validates and counts every request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use proptest::prelude::*;
 use stweaver_core::engine::{
-    BlockState, DevicePtr, DeviceStats, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit,
-    PoolKind, StatArray,
+    BlockState, Checkpoint, DevicePtr, DeviceStats, Engine, EngineConfig, EngineError, HostMemory,
+    MemoryLimit, PoolKind, StatArray,
 };
 use stweaver_core::{Bytes, DeviceId, EventKind, StreamId};
 
@@ -79,6 +85,18 @@ struct Model {
     next_handle: usize,
     /// Handles whose free completed during the current step.
     completed: Vec<usize>,
+    /// A checkpoint was taken: arenas are never released.
+    keep: bool,
+}
+
+/// A checkpointed block in the model: (arena index, offset, size, requested).
+type CpBlock = (usize, u64, u64, u64);
+
+/// Why the model's restore failed (changing nothing but the mapping).
+#[derive(Debug, PartialEq, Eq)]
+enum RestoreFail {
+    OutOfMemory,
+    MapFailed,
 }
 
 fn inc(arr: &mut StatArray, k: usize, n: u64) {
@@ -126,6 +144,7 @@ impl Model {
             map_failures: 0,
             next_handle: 0,
             completed: Vec::new(),
+            keep: false,
         }
     }
 
@@ -256,7 +275,7 @@ impl Model {
         }
         self.settle();
         let mut i = 0;
-        while i < self.arenas.len() {
+        while i < self.arenas.len() && !self.keep {
             let a = &self.arenas[i];
             if a.segs.len() == 1 && a.segs[0].st == St::Unmapped {
                 dec(&mut self.stats.segment, kidx(a.kind), 1);
@@ -473,6 +492,175 @@ impl Model {
         }
     }
 
+    /// The allocated blocks; arenas are kept from now on.
+    fn checkpoint(&mut self) -> Vec<CpBlock> {
+        self.keep = true;
+        let mut out = Vec::new();
+        for (ai, a) in self.arenas.iter().enumerate() {
+            for s in a.segs.iter().filter(|s| s.st == St::Alloc) {
+                out.push((ai, s.off, s.size, s.requested));
+            }
+        }
+        out
+    }
+
+    /// Restores `cp` (in the engine's address order): maps the unmapped granules the
+    /// checkpointed ranges cover, frees every allocated block (waiting for every stream
+    /// once if any of them or an earlier free needs it), re-creates the checkpointed
+    /// blocks. Returns (freed handles, created handles).
+    fn restore(&mut self, cp: &[CpBlock]) -> Result<(Vec<usize>, Vec<usize>), RestoreFail> {
+        // 1. The unmapped pieces of the granules covering each range, each piece carved
+        //    once (later ranges sharing a granule find it taken).
+        let mut pieces: Vec<(usize, u64, u64)> = Vec::new();
+        let mut carved_to: HashMap<usize, u64> = HashMap::new();
+        for &(ai, off, size, _) in cp {
+            let lo = (off / G * G).max(carved_to.get(&ai).copied().unwrap_or(0));
+            let hi = (off + size).div_ceil(G) * G;
+            for s in self.arenas[ai].segs.iter().filter(|s| s.st == St::Unmapped) {
+                let (a, z) = (s.off.max(lo), (s.off + s.size).min(hi));
+                if a < z {
+                    pieces.push((ai, a, z - a));
+                }
+            }
+            carved_to.insert(ai, hi.max(carved_to.get(&ai).copied().unwrap_or(0)));
+        }
+        if !pieces.is_empty() {
+            let total: u64 = pieces.iter().map(|p| p.2).sum();
+            if self.stats.reserved_bytes[0].current as u64 + total > self.limit {
+                return Err(RestoreFail::OutOfMemory);
+            }
+            let mut failed = false;
+            for &(ai, off, len) in &pieces {
+                if self.fail_next_map {
+                    self.fail_next_map = false;
+                    self.map_failures += 1;
+                    failed = true;
+                    continue;
+                }
+                let segs = &mut self.arenas[ai].segs;
+                let i = segs
+                    .iter()
+                    .position(|s| {
+                        s.st == St::Unmapped && s.off <= off && off + len <= s.off + s.size
+                    })
+                    .unwrap();
+                let s = segs[i].clone();
+                let mut repl = Vec::new();
+                if s.off < off {
+                    repl.push(Seg {
+                        size: off - s.off,
+                        ..s.clone()
+                    });
+                }
+                repl.push(Seg {
+                    off,
+                    size: len,
+                    st: St::Free,
+                    ..s.clone()
+                });
+                if off + len < s.off + s.size {
+                    repl.push(Seg {
+                        off: off + len,
+                        size: s.off + s.size - off - len,
+                        ..s
+                    });
+                }
+                segs.splice(i..=i, repl);
+                let k = kidx(self.arenas[ai].kind);
+                inc(&mut self.stats.reserved_bytes, k, len);
+                self.stats.num_device_alloc += 1;
+            }
+            for a in &mut self.arenas {
+                Self::coalesce(&mut a.segs);
+            }
+            self.settle();
+            if failed {
+                return Err(RestoreFail::MapFailed);
+            }
+        }
+        // 2. Free everything allocated.
+        let allocated: Vec<usize> = self
+            .arenas
+            .iter()
+            .flat_map(|a| a.segs.iter())
+            .filter(|s| s.st == St::Alloc)
+            .map(|s| s.handle)
+            .collect();
+        let (waiting, at_once): (Vec<usize>, Vec<usize>) = allocated
+            .iter()
+            .partition(|&h| self.uses.get(h).is_some_and(|u| !u.is_empty()));
+        let sync = !waiting.is_empty() || !self.pending.is_empty();
+        for &h in &allocated {
+            let (ai, si) = self.find(h);
+            let k = kidx(self.arenas[ai].kind);
+            let size = self.arenas[ai].segs[si].size;
+            dec(&mut self.stats.allocation, k, 1);
+            dec(&mut self.stats.allocated_bytes, k, size);
+        }
+        for &h in &at_once {
+            self.free_block(h);
+        }
+        self.settle();
+        if sync {
+            self.stats.num_sync_all_streams += 1;
+            for c in self.clocks.values_mut() {
+                c.1 = c.0;
+            }
+            for &h in &waiting {
+                self.free_block(h);
+            }
+            for p in std::mem::take(&mut self.pending) {
+                self.free_block(p.handle);
+            }
+            self.settle();
+        }
+        // 3. Re-create the checkpointed blocks.
+        let mut created = Vec::new();
+        for &(ai, off, size, requested) in cp {
+            let k = kidx(self.arenas[ai].kind);
+            let segs = &mut self.arenas[ai].segs;
+            let i = segs
+                .iter()
+                .position(|s| s.st == St::Free && s.off <= off && off + size <= s.off + s.size)
+                .expect("a checkpointed range is free after the frees");
+            let h = self.next_handle;
+            self.next_handle += 1;
+            let s = segs[i].clone();
+            let mut repl = Vec::new();
+            if s.off < off {
+                repl.push(Seg {
+                    size: off - s.off,
+                    ..s.clone()
+                });
+            }
+            repl.push(Seg {
+                off,
+                size,
+                st: St::Alloc,
+                requested,
+                handle: h,
+            });
+            if off + size < s.off + s.size {
+                repl.push(Seg {
+                    off: off + size,
+                    size: s.off + s.size - off - size,
+                    ..s
+                });
+            }
+            segs.splice(i..=i, repl);
+            let st = &mut self.stats;
+            inc(&mut st.allocation, k, 1);
+            inc(&mut st.allocated_bytes, k, size);
+            inc(&mut st.active, k, 1);
+            inc(&mut st.active_bytes, k, size);
+            inc(&mut st.requested_bytes, k, requested);
+            self.uses.insert(h, Vec::new());
+            self.settle();
+            created.push(h);
+        }
+        Ok((allocated, created))
+    }
+
     fn pass_next(&mut self, stream: StreamId) {
         let c = self.clocks.entry(stream).or_insert((0, 0));
         if c.1 < c.0 {
@@ -502,6 +690,8 @@ enum Op {
     ResetAccumulated,
     SetLimit { mib: u64 },
     FailNextMap,
+    Checkpoint,
+    Restore { pick: usize },
 }
 
 fn size() -> impl Strategy<Value = u64> {
@@ -526,6 +716,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::ResetAccumulated),
         1 => (2u64..=48).prop_map(|mib| Op::SetLimit { mib }),
         1 => Just(Op::FailNextMap),
+        2 => Just(Op::Checkpoint),
+        2 => any::<usize>().prop_map(|pick| Op::Restore { pick }),
     ]
 }
 
@@ -549,6 +741,10 @@ struct Harness {
     allocs: usize,
     frees: usize,
     completions: usize,
+    /// Checkpoints taken (the last few): the engine's and the model's.
+    checkpoints: Vec<(Checkpoint, Vec<CpBlock>)>,
+    restores: usize,
+    failed_restores: usize,
 }
 
 fn stream(s: u8) -> StreamId {
@@ -578,6 +774,9 @@ impl Harness {
             allocs: 0,
             frees: 0,
             completions: 0,
+            checkpoints: Vec::new(),
+            restores: 0,
+            failed_restores: 0,
         }
     }
 
@@ -725,8 +924,112 @@ impl Harness {
                 self.model.fail_next_map = true;
                 self.host.fail_map_in(1);
             }
+            Op::Checkpoint => {
+                let cp = self.engine.checkpoint().unwrap();
+                let mut want = self.model.checkpoint();
+                let mut got = self.to_model_blocks(&cp);
+                let in_engine_order = got.clone();
+                got.sort();
+                want.sort();
+                prop_assert_eq!(got, want, "checkpoint lists the allocated blocks");
+                if self.checkpoints.len() == 3 {
+                    self.checkpoints.remove(0);
+                }
+                self.checkpoints.push((cp, in_engine_order));
+            }
+            Op::Restore { .. } if self.checkpoints.is_empty() => {}
+            Op::Restore { pick } => {
+                let (cp, mcp) = self.checkpoints[pick % self.checkpoints.len()].clone();
+                for &(h, p) in &self.live {
+                    let held = self.held[&p];
+                    let ok = self
+                        .host
+                        .check(DevicePtr(p), Bytes(held.len), held.byte)
+                        .unwrap();
+                    prop_assert!(ok, "sentinel of live handle {} at {:#x} overwritten", h, p);
+                }
+                let want = self.model.restore(&mcp);
+                let got = self.engine.restore(&cp);
+                match (want, got) {
+                    (Ok((freed, created)), Ok(r)) => {
+                        let mut want_freed: Vec<u64> =
+                            freed.iter().map(|h| self.ptr_of[h]).collect();
+                        want_freed.sort();
+                        let got_freed: Vec<u64> = r.freed.iter().map(|b| b.addr.get()).collect();
+                        prop_assert_eq!(got_freed, want_freed, "restore frees what is live");
+                        prop_assert_eq!(freed.len(), self.live.len());
+                        self.frees += freed.len();
+                        self.live.clear();
+                        self.retire_completed()?;
+                        prop_assert!(self.held.is_empty(), "pending blocks left: {:?}", self.held);
+                        let got: Vec<(u64, u64, u64)> = r
+                            .created
+                            .iter()
+                            .map(|b| (b.addr.get(), b.size.get(), b.requested.get()))
+                            .collect();
+                        let want: Vec<(u64, u64, u64)> = cp
+                            .blocks()
+                            .iter()
+                            .map(|b| (b.addr.get(), b.size.get(), b.requested.get()))
+                            .collect();
+                        prop_assert_eq!(got, want, "restore re-creates the checkpoint");
+                        for (b, h) in r.created.iter().zip(created) {
+                            let (p, len) = (b.addr.get(), b.size.get());
+                            if let Some((&q, other)) = self.held.range(..p + len).next_back() {
+                                prop_assert!(
+                                    q + other.len <= p,
+                                    "re-created {:#x} overlaps {:#x}",
+                                    p,
+                                    q
+                                );
+                            }
+                            let byte = (h % 255 + 1) as u8;
+                            self.host.fill(b.addr, b.size, byte).unwrap();
+                            self.held.insert(
+                                p,
+                                Held {
+                                    handle: h,
+                                    len,
+                                    byte,
+                                },
+                            );
+                            self.ptr_of.insert(h, p);
+                            self.live.push((h, p));
+                            self.allocs += 1;
+                        }
+                        self.restores += 1;
+                    }
+                    (Err(RestoreFail::OutOfMemory), Err(EngineError::OutOfMemory { .. }))
+                    | (Err(RestoreFail::MapFailed), Err(EngineError::Device(_))) => {
+                        self.failed_restores += 1;
+                    }
+                    (w, g) => prop_assert!(false, "restore: model {:?}, engine {:?}", w, g),
+                }
+            }
         }
         self.compare()
+    }
+
+    /// The engine's checkpoint as model blocks (arena index, offset, size, requested),
+    /// in the engine's order.
+    fn to_model_blocks(&self, cp: &Checkpoint) -> Vec<CpBlock> {
+        let snap = self.engine.snapshot().unwrap();
+        cp.blocks()
+            .iter()
+            .map(|b| {
+                let seg = snap
+                    .iter()
+                    .find(|s| s.base <= b.addr && b.addr.get() < s.base.get() + s.len.get())
+                    .expect("checkpointed block inside an arena");
+                let ai = self.model.arena_of(seg.stream, seg.pool).unwrap();
+                (
+                    ai,
+                    b.addr.get() - seg.base.get(),
+                    b.size.get(),
+                    b.requested.get(),
+                )
+            })
+            .collect()
     }
 
     fn compare(&self) -> Result<(), TestCaseError> {
@@ -780,13 +1083,19 @@ fn run_program(limit_mib: u64, trace: bool, ops: &[Op]) -> Result<(), TestCaseEr
         ("active_bytes", s.active_bytes),
         ("requested_bytes", s.requested_bytes),
         ("reserved_bytes", s.reserved_bytes),
-        ("segment", s.segment),
         ("inactive_split_bytes", s.inactive_split_bytes),
     ] {
         prop_assert_eq!(arr[0].current, 0, "{} left over", name);
     }
     prop_assert_eq!(h.host.mapped_bytes(), Bytes(0));
-    prop_assert_eq!(h.host.reservations(), 0);
+    // A checkpointed engine keeps its (empty) arenas; otherwise none is left.
+    let kept = if h.model.keep {
+        h.model.arenas.len()
+    } else {
+        0
+    };
+    prop_assert_eq!(s.segment[0].current, kept as i64);
+    prop_assert_eq!(h.host.reservations(), kept);
     if trace {
         let t = h.engine.take_trace().unwrap().unwrap();
         if !t.events.is_empty() {
@@ -865,7 +1174,7 @@ fn generated_programs_cover_the_interesting_paths() {
         prop_oneof![Just(4u64), Just(12), Just(64)],
         proptest::collection::vec(op(), 1..160),
     );
-    let mut totals = [0i64; 9];
+    let mut totals = [0i64; 11];
     for _ in 0..150 {
         let (limit, ops) = program.new_tree(&mut runner).unwrap().current();
         let mut h = Harness::new(limit, false);
@@ -886,6 +1195,8 @@ fn generated_programs_cover_the_interesting_paths() {
             s.allocation[2].allocated,
             s.inactive_split_bytes[0].peak,
             h.model.map_failures as i64,
+            h.restores as i64,
+            h.failed_restores as i64,
         ]) {
             *t += v;
         }
@@ -900,6 +1211,8 @@ fn generated_programs_cover_the_interesting_paths() {
         "large allocs",
         "non-releasable peaks",
         "injected map failures",
+        "checkpoint restores",
+        "refused restores (limit or map failure)",
     ];
     for (n, t) in names.iter().zip(totals) {
         eprintln!("{n}: {t}");

@@ -145,9 +145,33 @@ pub mod bridge {
         pool: PoolId,
     }
 
+    /// One block of a private-pool checkpoint (allocated when it was taken, or
+    /// re-created by a restore).
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct CheckpointBlock {
+        address: u64,
+        /// Rounded size.
+        size: u64,
+        requested_size: u64,
+        stream: usize,
+    }
+
+    /// What restoring a checkpoint did (`c10::cuda::CUDACachingAllocator::CheckpointDelta`
+    /// before C++ builds the DataPtrs): the pointers of every block that was allocated
+    /// (all freed), and the checkpoint's blocks, allocated again at their addresses.
+    #[derive(Debug, Default, Clone, PartialEq, Eq)]
+    struct PoolRestore {
+        ptrs_freed: Vec<usize>,
+        allocated: Vec<CheckpointBlock>,
+    }
+
     extern "Rust" {
         /// All allocator state of the process: one engine per (device, pool).
         type Runtime;
+
+        /// The allocated blocks of a private pool at one moment (opaque to C++, held by
+        /// its `AllocatorState`).
+        type PoolCheckpoint;
 
         /// A runtime serving in `mode` ("online", "trace", "plan" or "auto"). `plan` and
         /// `trace` are file paths ("" for none): the plan to serve, where to write the trace.
@@ -208,6 +232,22 @@ pub mod bridge {
         fn pool_use_count(self: &Runtime, device: i32, pool: PoolId) -> Result<i32>;
         /// Addresses of the blocks allocated in a pool (`checkPoolLiveAllocations`).
         fn pool_live_allocations(self: &Runtime, device: i32, pool: PoolId) -> Result<Vec<usize>>;
+        /// `getCheckpointState`: the allocated blocks of private pool `pool`.
+        fn pool_checkpoint(
+            self: &Runtime,
+            device: i32,
+            pool: PoolId,
+        ) -> Result<Box<PoolCheckpoint>>;
+        /// `setCheckpointPoolState`: frees every block allocated in `checkpoint`'s pool
+        /// and allocates the checkpoint's blocks again at their addresses.
+        fn pool_restore(
+            self: &Runtime,
+            device: i32,
+            checkpoint: &PoolCheckpoint,
+        ) -> Result<PoolRestore>;
+        /// The checkpoint's pool and its blocks (address order).
+        fn pool(self: &PoolCheckpoint) -> PoolId;
+        fn blocks(self: &PoolCheckpoint) -> Vec<CheckpointBlock>;
 
         /// Starts or stops collecting [`HistoryEvent`]s (history recording or trace trackers).
         fn set_history(self: &Runtime, enabled: bool) -> Result<()>;
@@ -237,12 +277,50 @@ use stweaver_cuda::CudaMemory;
 use crate::error::{BridgeError, guard};
 use crate::runtime::{Core, DeviceFactory, Settings, to_ffi_stats};
 use crate::tracked::BridgeDevice;
-use bridge::{DeviceStats, HistoryEvent, OomInfo, PoolId, Range, Snapshot};
+use bridge::{
+    CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PoolId, PoolRestore, Range, Snapshot,
+};
+use stweaver_core::engine::{BlockInfo, Checkpoint};
 
 /// The object C++ holds (`rust::Box<stweaver::ffi::Runtime>`): the guarded face of a
 /// [`Core`]. Every method runs under [`guard`], so no panic reaches C++.
 pub struct Runtime {
     core: Core,
+}
+
+/// A private pool's checkpoint as C++ holds it: the pool and the engine's
+/// [`Checkpoint`].
+pub struct PoolCheckpoint {
+    pool: PoolId,
+    checkpoint: Checkpoint,
+}
+
+impl PoolCheckpoint {
+    pub fn pool(&self) -> PoolId {
+        self.pool
+    }
+
+    pub fn blocks(&self) -> Vec<CheckpointBlock> {
+        self.checkpoint
+            .blocks()
+            .iter()
+            .map(|b| CheckpointBlock {
+                address: b.addr.get(),
+                size: b.size.get(),
+                requested_size: b.requested.get(),
+                stream: b.stream.0 as usize,
+            })
+            .collect()
+    }
+}
+
+fn to_ffi_block(b: &BlockInfo) -> CheckpointBlock {
+    CheckpointBlock {
+        address: b.addr.get(),
+        size: b.size.get(),
+        requested_size: b.requested.get(),
+        stream: b.stream.0 as usize,
+    }
 }
 
 /// Opens CUDA devices through the driver API.
@@ -360,6 +438,35 @@ impl Runtime {
     ) -> Result<Vec<usize>, BridgeError> {
         guard("pool_live_allocations", || {
             self.core.pool_live_allocations(device, pool)
+        })
+    }
+
+    pub fn pool_checkpoint(
+        &self,
+        device: i32,
+        pool: PoolId,
+    ) -> Result<Box<PoolCheckpoint>, BridgeError> {
+        guard("pool_checkpoint", || {
+            Ok(Box::new(PoolCheckpoint {
+                pool,
+                checkpoint: self.core.pool_checkpoint(device, pool)?,
+            }))
+        })
+    }
+
+    pub fn pool_restore(
+        &self,
+        device: i32,
+        checkpoint: &PoolCheckpoint,
+    ) -> Result<PoolRestore, BridgeError> {
+        guard("pool_restore", || {
+            let r = self
+                .core
+                .pool_restore(device, checkpoint.pool, &checkpoint.checkpoint)?;
+            Ok(PoolRestore {
+                ptrs_freed: r.freed.iter().map(|b| b.addr.get() as usize).collect(),
+                allocated: r.created.iter().map(to_ffi_block).collect(),
+            })
         })
     }
 

@@ -36,8 +36,8 @@ use std::time::Duration;
 use stweaver_core::Plan;
 use stweaver_core::engine::PlanOptions as EnginePlanOptions;
 use stweaver_core::engine::{
-    BlockState, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineConfig, EngineError,
-    MemoryLimit, PoolKind, SegmentInfo, Stat,
+    BlockState, Checkpoint, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineConfig,
+    EngineError, MemoryLimit, PoolKind, Restored, SegmentInfo, Stat,
 };
 use stweaver_core::plan_file::{read_plan_file, write_plan_file};
 use stweaver_core::trace::MarkerKind;
@@ -1162,6 +1162,52 @@ impl Core {
                 .map(|b| b.addr.get() as usize)
                 .collect())
         })
+    }
+
+    /// The allocated blocks of a private pool (`getCheckpointState`, taken by CUDA graph
+    /// trees right after recording a graph). The pool keeps its address ranges from now
+    /// on, so the checkpoint stays restorable while the pool lives.
+    pub fn pool_checkpoint(&self, device: i32, pool: PoolId) -> Result<Checkpoint> {
+        if is_default(pool) {
+            return Err(BridgeError::DefaultPoolIsNotPrivate);
+        }
+        self.with_engine(Owner { device, pool }, |e| Ok(e.checkpoint()?))
+    }
+
+    /// Brings a private pool back to `checkpoint` (`setCheckpointPoolState`): every block
+    /// allocated in it now is freed, every checkpointed block allocated again at its
+    /// address ([`Engine::restore`]). The history sees the frees and the allocations.
+    pub fn pool_restore(
+        &self,
+        device: i32,
+        pool: PoolId,
+        checkpoint: &Checkpoint,
+    ) -> Result<Restored> {
+        if is_default(pool) {
+            return Err(BridgeError::DefaultPoolIsNotPrivate);
+        }
+        let slot = self.slot(device)?;
+        let r = self.with_engine(Owner { device, pool }, |e| Ok(e.restore(checkpoint)?))?;
+        if self.shared.history_on() {
+            self.resolve_pending();
+            let ev = |action, b: &stweaver_core::engine::BlockInfo| HistoryEvent {
+                action,
+                device,
+                addr: b.addr.get(),
+                size: b.requested.get(),
+                stream: b.stream.0 as usize,
+                pool,
+            };
+            for b in &r.freed {
+                self.shared.push(ev(HistoryAction::FreeRequested, b));
+                self.shared.push(ev(HistoryAction::FreeCompleted, b));
+            }
+            for b in &r.created {
+                self.shared.push(ev(HistoryAction::Alloc, b));
+            }
+        }
+        self.after_op(slot)?;
+        Ok(r)
     }
 
     /// Drops a released private pool once nothing in it is active.
