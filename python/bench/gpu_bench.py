@@ -27,6 +27,7 @@ stweaver can still be installed and PYTORCH_CUDA_ALLOC_CONF (set at spawn) appli
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -559,7 +560,8 @@ class Driver:
         est = float(w.get("est_s", 15))
         trace = os.path.join(self.tmp, f"{w['name']}.stwt")
         plan = os.path.join(self.tmp, f"{w['name']}.stwp")
-        for alloc in ALLOCATORS:
+        allocs = self.args.allocators.split(",") if self.args.allocators else ALLOCATORS
+        for alloc in allocs:
             extra = {}
             if alloc == "trace":
                 extra = {"trace": self.args.dry_trace if self.dry else trace}
@@ -590,6 +592,13 @@ class Driver:
                 self.doc["workloads"].remove(entry)
                 return self.workload(dict(w, strict=False, strict_error=r["determinism_error"]))
             entry["runs"][alloc] = r
+            if alloc == "trace" and r.get("ok") and self.args.save_traces:
+                for f in r.get("trace_files") or []:
+                    dst = os.path.join(self.args.save_traces, os.path.basename(f) + ".gz")
+                    os.makedirs(self.args.save_traces, exist_ok=True)
+                    with open(f, "rb") as src, gzip.open(dst, "wb") as out:
+                        shutil.copyfileobj(src, out)
+                    print(f"  saved {dst}", flush=True)
             if r.get("ok"):
                 est = max(est, r["wall_s"])
             print(self.progress_line(w["name"], alloc, r), flush=True)
@@ -966,6 +975,9 @@ def main(argv=None) -> int:
     r.add_argument("--dry-trace", default=None, help="dry run: a .stwt to feed `stweaver plan`")
     r.add_argument("--only", default=None, help="comma-separated workload names")
     r.add_argument("--no-cap", action="store_true", help="skip the memory-cap search")
+    r.add_argument("--allocators", default=None,
+                   help=f"comma-separated subset of {','.join(ALLOCATORS)} (default: all)")
+    r.add_argument("--save-traces", default=None, help="copy each trace run's .stwt, gzipped, here")
     r.add_argument("--keep-tmp", action="store_true", help="keep traces, plans and child logs")
     p = sub.add_parser("report", help="print the table of a result file")
     p.add_argument("json")

@@ -406,3 +406,50 @@ fn a_spent_prologue_only_plan_gives_back_its_free_granules_and_grows_like_an_are
     r.free(param);
     r.engine.check_invariants().unwrap();
 }
+
+#[test]
+fn an_unplanned_request_takes_the_gap_between_the_ranges_the_next_requests_need() {
+    // Pool of 4 granules: a parameter in the first, then per iteration two activations
+    // at the two ends of the rest, [G, 1.5G) and [3.5G, 4G). Between iterations (an
+    // evaluation, a checkpoint), the free block [G, 4G) has both ends planned next, but
+    // its middle is free until the activations come and go again.
+    let h = G / 2;
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(4 * G),
+        // A setup temporary maps the whole pool first.
+        prologue: vec![req(G, 0, 0, NEVER_FREED, S1), req(3 * G, G, 1, 2, S1)],
+        prologue_len: 3,
+        iteration: vec![req(h, G, 0, 2, S1), req(h, 4 * G - h, 1, 3, S1)],
+        iteration_len: 4,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let param = r.alloc(G, S1);
+    let setup = r.alloc(3 * G, S1);
+    r.free(setup);
+    for _ in 0..2 {
+        r.engine.mark_iteration().unwrap();
+        let a = r.alloc(h, S1);
+        let b = r.alloc(h, S1);
+        assert_eq!((a.get(), b.get()), (base.get() + G, base.get() + 4 * G - h));
+        r.free(a);
+        r.free(b);
+        // Unplanned, 1.5 granules: neither end of the free block is safe, the middle
+        // is. It goes there, inside the planned pool, which does not grow.
+        let x = r.alloc(G + h, S1);
+        assert!(
+            x.get() >= base.get() + G + h && x.get() + G + h <= base.get() + 4 * G - h,
+            "{x} is not in the gap"
+        );
+        r.free(x);
+    }
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.hits, st.grown, st.conflicts), (6, 0, 0), "{st:?}");
+    r.free(param);
+    r.engine.check_invariants().unwrap();
+}

@@ -62,9 +62,12 @@
 //!
 //! **Dynamic space.** A request the plan does not serve at its planned offset (the
 //! cursor calls it unplanned, or its planned range is occupied: a *conflict*) is
-//! placed in a **hole** of the pool — a free block, best fit first, at its low or high
-//! end — provided none of the next [`PlanOptions::hole_horizon`] expected requests is
-//! planned on that range (so the hole stays free long enough for what is coming). A
+//! placed in a **hole** of the pool — a free block, best fit first, in the smallest gap
+//! between the ranges that the next [`PlanOptions::hole_horizon`] expected requests are
+//! planned on (so the hole stays free long enough for what is coming; flush with the
+//! block's end when the gap reaches it). Work the plan never saw — an evaluation pass,
+//! the post-training checkpoint — thus lands between the first requests of the next
+//! iteration instead of growing the pool. O(k log k) for the k ranges looked at. A
 //! large request with no such hole makes the pool **grow at its tail** (its address
 //! range reaches as far as an online arena's; granules are mapped as for an online
 //! arena): it goes at the high end of the free tail of the pool plus new granules if
@@ -311,6 +314,10 @@ struct PlanServing {
     /// free (its planned end, for a conflict), or `None` (unplanned: the next
     /// `hole_horizon` expected requests).
     until: Option<u64>,
+    /// Scratch for [`PlanServing::collect_blocked`]: the pool ranges the expected
+    /// requests a hole must avoid, sorted. Its capacity is reserved at load, so a miss
+    /// does not allocate.
+    blocked: Vec<(u64, u64)>,
 }
 
 /// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
@@ -340,6 +347,59 @@ impl PlanServing {
     /// coming before the request's planned end (a conflict: its lifetime is known; one
     /// taken to live forever is checked against a whole prologue and iteration), or
     /// among the next `hole_horizon` (an unplanned request), is planned on it.
+    /// Fills `blocked` with the ranges (offsets) of the expected requests a hole must
+    /// avoid for the request being served (those [`PlanServing::hole_ok`] checks), sorted
+    /// by start. O(k log k) for k of them.
+    fn collect_blocked(&mut self) {
+        let mut v = std::mem::take(&mut self.blocked);
+        v.clear();
+        let range = |e: &cursor::Expected| (e.offset.get(), e.offset.get() + e.len);
+        match self.until {
+            Some(u64::MAX) => v.extend(self.cursor.upcoming(self.cursor.len()).map(range)),
+            Some(until) => v.extend(self.cursor.upcoming_until(until, HOLE_SPAN_CAP).map(range)),
+            None => v.extend(self.cursor.upcoming(self.options.hole_horizon).map(range)),
+        }
+        v.sort_unstable();
+        self.blocked = v;
+    }
+
+    /// The best-fitting place for `len` bytes in the free range `[lo, hi)` (offsets)
+    /// that avoids every range of `blocked` (filled by
+    /// [`PlanServing::collect_blocked`]): the low end of the smallest gap between
+    /// blocked ranges that holds it, or `None`. O(k) for the k blocked ranges that start
+    /// below `hi`.
+    fn gap_in(&self, lo: u64, hi: u64, len: u64) -> Option<u64> {
+        let mut cur = lo;
+        let mut best: Option<(u64, u64, u64)> = None; // (slack, gap start, gap end)
+        let mut consider = |a: u64, z: u64| {
+            if z >= a + len {
+                let slack = z - a - len;
+                if best.is_none_or(|(s, _, _)| slack < s) {
+                    best = Some((slack, a, z));
+                }
+            }
+        };
+        // Sorted by start: a range before `lo` may still reach into [lo, hi).
+        for &(a, z) in &self.blocked {
+            if a >= hi || cur >= hi {
+                break;
+            }
+            if z <= cur {
+                continue;
+            }
+            if a > cur {
+                consider(cur, a);
+            }
+            cur = z;
+        }
+        if cur < hi {
+            consider(cur, hi);
+        }
+        // Flush with an end of the free block when the gap reaches one (the rest of the
+        // block stays in one piece), else at the gap's low end.
+        best.map(|(_, a, z)| if a != lo && z == hi { hi - len } else { a })
+    }
+
     fn hole_ok(&self, stream: StreamId, lo: u64, len: u64) -> bool {
         let hi = lo + len;
         let clear = |e: &cursor::Expected| e.offset.get() >= hi || e.offset.get() + e.len <= lo;
@@ -507,6 +567,7 @@ impl State {
         if !p.options.holes {
             return Ok(None);
         }
+        p.collect_blocked();
         let mut key = (rounded, 0);
         for _ in 0..HOLE_CANDIDATES {
             let b = heap.fit_at_least(p.arena, key);
@@ -515,12 +576,10 @@ impl State {
             }
             let (ba, bs) = (heap.block(b).addr, heap.block(b).size);
             key = (bs, ba + 1);
-            let high = ba + bs - rounded;
-            for (n, at) in [ba, high].into_iter().enumerate() {
-                if n == 1 && high == ba {
-                    break;
-                }
-                if !p.hole_ok(stream, at - p.base, rounded) {
+            // The smallest gap of the block between the ranges the coming requests need.
+            if let Some(off) = p.gap_in(ba - p.base, ba + bs - p.base, rounded) {
+                let at = p.base + off;
+                if p.multi_stream() && !p.exclusive(stream, off, off + rounded) {
                     continue;
                 }
                 if let Some(i) = heap.alloc_at(p.arena, at, rounded, size.get())? {
@@ -1386,8 +1445,10 @@ impl<D: DeviceMemory> Engine<D> {
             }
         };
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
+        let cursor = Cursor::new(plan, options.window, &cross);
+        let blocked = Vec::with_capacity(HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()));
         st.plan = Some(PlanServing {
-            cursor: Cursor::new(plan, options.window, &cross),
+            cursor,
             arena,
             base: base.get(),
             len,
@@ -1395,6 +1456,7 @@ impl<D: DeviceMemory> Engine<D> {
             options,
             released: false,
             until: None,
+            blocked,
         });
         Ok(())
     }

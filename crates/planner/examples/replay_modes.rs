@@ -1,0 +1,87 @@
+//! Serves one trace with the engine in every mode and prints peak reserved against the
+//! lower bound: online, plan (from the first iterations, the whole trace served) and
+//! auto (record the first iterations online, plan them, switch).
+//!
+//!     cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
+//!
+//! TRACE: a `.stwt` trace or a PyTorch snapshot; ITERATIONS (default 3): how many the plan
+//! and the auto recording take.
+use std::time::Instant;
+
+use stweaver_core::Trace;
+use stweaver_planner::engine_replay::{
+    EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations, replay_engine,
+};
+use stweaver_planner::planning::{PlanOptions, plan_trace};
+
+fn show(r: &EngineReplayReport, secs: f64) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    print!(
+        "{:<7} reserved {:>8.3} GiB = {:.4} x LB, util {:>6.2} %, plan {:>7} hole {:>6} online {:>7}",
+        r.mode,
+        gib(r.peak_reserved.get()),
+        r.reserved_over_lb(),
+        100.0 * r.peak_allocated.get() as f64 / r.peak_reserved.get() as f64,
+        r.counts.plan,
+        r.counts.hole,
+        r.counts.online,
+    );
+    print!(
+        ", small {:.3} large {:.3} GiB",
+        gib(r.peak_reserved_small.get()),
+        gib(r.peak_reserved_large.get())
+    );
+    if let Some(a) = r.peak_reserved_after_switch {
+        print!(
+            ", after switch {:.3} GiB = {:.4} x LB",
+            gib(a.get()),
+            a.ratio(r.lower_bound)
+        );
+    }
+    if let Some(e) = &r.plan_error {
+        print!(", plan error: {e}");
+    }
+    println!(" ({secs:.2} s)");
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let path = args
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("usage: replay_modes TRACE [ITERATIONS]"))?;
+    let k: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(3);
+    let trace: Trace =
+        stweaver_planner::input::load_traces(std::path::Path::new(&path))?.swap_remove(0);
+    let opts = EngineReplayOptions::default();
+    println!(
+        "{path}: lower bound {:.3} GiB",
+        trace.lower_bound().bytes.get() as f64 / (1u64 << 30) as f64
+    );
+    let t = Instant::now();
+    let r = replay_engine(&trace, &ServeMode::Online, &opts)?;
+    show(&r, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    match plan_first_iterations(&trace, k, &PlanOptions::default()) {
+        Ok((outcome, _)) => {
+            let r = replay_engine(&trace, &ServeMode::Plan(&outcome.plan), &opts)?;
+            show(&r, t.elapsed().as_secs_f64());
+        }
+        Err(e) => println!("plan    (first {k} iterations): {e}"),
+    }
+    let planner = |recorded: &Trace| {
+        plan_trace(recorded, &PlanOptions::default())
+            .map(|o| o.plan)
+            .map_err(|e| e.to_string())
+    };
+    let t = Instant::now();
+    let r = replay_engine(
+        &trace,
+        &ServeMode::Auto {
+            record_iterations: k,
+            planner: &planner,
+        },
+        &opts,
+    )?;
+    show(&r, t.elapsed().as_secs_f64());
+    Ok(())
+}

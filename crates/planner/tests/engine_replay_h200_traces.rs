@@ -1,0 +1,93 @@
+//! Traces recorded by stweaver's own trace mode on the H200 during `cargo xtask gpu-bench`
+//! (2026-11-21, `--allocators trace --save-traces`), served by the engine: GPT-2 XL with
+//! checkpointing and the 1F1B-style Llama 1B schedule, 16 and 12 iterations, each ending
+//! with the harness's post-training work (hashing every parameter: 0.5–0.6 GB
+//! temporaries that no iteration has). That tail is what pushed plan mode's reserved
+//! peak 0.5–0.6 GB over the lower bound on the GPU; it must fit in the pool's gaps.
+
+use std::io::Read;
+use std::path::Path;
+
+use stweaver_core::Trace;
+use stweaver_core::trace_file::trace_from_bytes;
+use stweaver_planner::engine_replay::{
+    EngineReplayOptions, ServeMode, plan_first_iterations, replay_engine,
+};
+use stweaver_planner::planning::{PlanOptions, plan_trace};
+
+fn load(name: &str) -> Trace {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/h200")
+        .join(name);
+    let mut bytes = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(&path).expect("trace"))
+        .read_to_end(&mut bytes)
+        .expect("gzip");
+    trace_from_bytes(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Plan from the first three iterations, whole trace served; then auto mode.
+/// `expandable`: PyTorch's expandable segments' peak reserved on the same workload in
+/// the same benchmark (bytes).
+fn check(name: &str, expandable: u64) {
+    let trace = load(name);
+    let opts = EngineReplayOptions::default();
+    let (outcome, _) = plan_first_iterations(&trace, 3, &PlanOptions::default()).unwrap();
+    let plan = replay_engine(&trace, &ServeMode::Plan(&outcome.plan), &opts).unwrap();
+    eprintln!(
+        "{name} plan: {} ({:.5} x LB), served plan {} hole {} online {}",
+        plan.peak_reserved,
+        plan.reserved_over_lb(),
+        plan.counts.plan,
+        plan.counts.hole,
+        plan.counts.online
+    );
+    assert!(
+        plan.reserved_over_lb() <= 1.001,
+        "{name}: {}",
+        plan.reserved_over_lb()
+    );
+    assert_eq!(plan.counts.online, 0);
+    let st = plan.plan_stats.unwrap();
+    assert_eq!(st.grown, 0, "{name}: the pool grew: {st:?}");
+
+    let planner = |recorded: &Trace| {
+        plan_trace(recorded, &PlanOptions::default())
+            .map(|o| o.plan)
+            .map_err(|e| e.to_string())
+    };
+    let auto = replay_engine(
+        &trace,
+        &ServeMode::Auto {
+            record_iterations: 3,
+            planner: &planner,
+        },
+        &opts,
+    )
+    .unwrap();
+    let after = auto.peak_reserved_after_switch.expect("switched");
+    eprintln!(
+        "{name} auto: whole run {}, after the switch {} ({:.5} x LB)",
+        auto.peak_reserved,
+        after,
+        after.ratio(auto.lower_bound)
+    );
+    assert!(after.ratio(auto.lower_bound) <= 1.01, "{name}: {after}");
+    assert!(
+        auto.peak_reserved.get() < expandable,
+        "{name}: {}",
+        auto.peak_reserved
+    );
+}
+
+#[test]
+fn gpt2xl_tail_fits_in_the_pool() {
+    // Expandable segments on the H200: 9.559 GiB.
+    check("gpt2xl_rcp.stwt.gz", (9.559 * (1u64 << 30) as f64) as u64);
+}
+
+#[test]
+fn llama_1f1b_tail_fits_in_the_pool() {
+    // Expandable segments on the H200: 9.756 GiB.
+    check("llama1b_1f1b.stwt.gz", (9.756 * (1u64 << 30) as f64) as u64);
+}
