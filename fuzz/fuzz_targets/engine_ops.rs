@@ -1,7 +1,7 @@
 //! Arbitrary programs of engine operations (talc's `fuzz_talc` style): malloc, free,
 //! bad frees, record_stream, streams passing events, process_events, empty_cache,
 //! markers, trace start/take, stat resets, limit changes, injected map failures and
-//! loading a plan (random requests, kept when the verifier accepts them), on a
+//! loading and unloading a plan (random requests, kept when the verifier accepts them), on a
 //! host-memory device with small granules. Requests that do not follow the plan make
 //! the engine's occupancy check and cursor do their work.
 //!
@@ -153,6 +153,11 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                     }
                     _ => engine.reset_peak_stats().unwrap(),
                 },
+                13 if u.ratio(1u8, 4u8)? => {
+                    // Unloading: the plan's live blocks stay valid (checked at every
+                    // step and freed later), the pool goes back when empty.
+                    engine.unload_plan().unwrap();
+                }
                 13 if u.arbitrary()? => {
                     let plan = random_plan(u)?;
                     let window = u.int_in_range(1usize..=16)?;

@@ -453,3 +453,74 @@ fn an_unplanned_request_takes_the_gap_between_the_ranges_the_next_requests_need(
     r.free(param);
     r.engine.check_invariants().unwrap();
 }
+
+#[test]
+fn unloading_a_plan_keeps_its_live_blocks_serves_online_and_gives_the_pool_back() {
+    let plan = one_stream_plan();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let param = r.alloc(64 * K, S1);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    assert!(r.in_pool(a));
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    assert!(r.engine.unload_plan().unwrap());
+    assert!(!r.engine.unload_plan().unwrap(), "nothing left to unload");
+    assert!(r.engine.plan_pool().unwrap().is_none());
+    r.engine.check_invariants().unwrap();
+    // The next request is served online, outside the old pool.
+    let b = r.alloc(32 * K, S1);
+    assert!(
+        b.get() < base.get() || b.get() >= base.get() + 128 * K,
+        "{b}"
+    );
+    // The pool's blocks are still valid and freed as usual (sentinels checked).
+    r.free(a);
+    r.free(param);
+    r.engine.empty_cache().unwrap();
+    r.engine.check_invariants().unwrap();
+    let s = r.engine.stats().unwrap();
+    assert_eq!(
+        s.reserved_bytes[0].current as u64, G,
+        "only b's granule is left mapped"
+    );
+    // A plan can be loaded again.
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let param = r.alloc(64 * K, S1);
+    assert!(r.in_pool(param));
+    r.free(param);
+    r.free(b);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
+    use stweaver_core::engine::MemoryLimit;
+    let plan = one_stream_plan();
+    let mut r = Run::new();
+    r.engine
+        .set_memory_limit(MemoryLimit::Bytes(Bytes(3 * G)))
+        .unwrap();
+    // Two granules held online (another stream), then the 2-granule plan: accepted,
+    // since its pool is mapped only as the run reaches it.
+    let other = r.alloc(2 * G, S2);
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let param = r.alloc(64 * K, S1);
+    assert!(r.in_pool(param));
+    r.free(other);
+    // The activation's granule would make 4 > 3 granules: the plan is given up, the
+    // request served online once the other stream's cached memory is released.
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    let why = r.engine.plan_abandoned().unwrap().expect("abandoned");
+    assert!(why.contains("memory limit"), "{why}");
+    assert!(r.engine.plan_pool().unwrap().is_none());
+    let b = r.alloc(32 * K, S1);
+    r.engine.check_invariants().unwrap();
+    for p in [a, b, param] {
+        r.free(p);
+    }
+    r.engine.empty_cache().unwrap();
+    assert_eq!(r.engine.stats().unwrap().reserved_bytes[0].current, 0);
+    r.engine.check_invariants().unwrap();
+}

@@ -101,8 +101,9 @@
 //! the pointer map, the slab and the stats are shared. [`PlanStats`] counts hits,
 //! conflicts, unplanned requests, hole placements and skipped expected requests.
 //!
-//! Not yet: unloading a plan; the pool's free blocks are indexed by address in a
-//! `BTreeMap`, which may allocate on insert.
+//! [`Engine::unload_plan`] stops serving a plan; its blocks stay until freed and its
+//! pool is then given back like an online arena. The pool's free blocks are indexed
+//! by address in a second treap threaded through the slab (no heap allocation).
 
 pub mod arena;
 mod checkpoint;
@@ -431,6 +432,8 @@ struct State {
     /// waiting to be.
     drain: u32,
     drain_pending: bool,
+    /// Why the last plan was given up mid-run, if it was.
+    abandoned: Option<String>,
     /// A checkpoint was taken ([`Engine::checkpoint`]): arenas are never released from
     /// then on (their granules still are), so every checkpointed address stays
     /// restorable.
@@ -726,6 +729,7 @@ impl<D: DeviceMemory> Engine<D> {
             plan: None,
             drain: 0,
             drain_pending: false,
+            abandoned: None,
             keep_arenas: false,
         };
         Ok(Engine {
@@ -963,6 +967,18 @@ impl<D: DeviceMemory> Engine<D> {
         if reserved + st.mapping + total > st.limit {
             for i in carved {
                 st.heap.finish_mapping(i, false);
+            }
+            // The plan does not fit under the limit next to what is held: give it up
+            // (its blocks stay until freed, its pool goes back like an online arena)
+            // and serve online from now on.
+            if let Some(p) = st.plan.take() {
+                st.heap.unpin(p.arena);
+                st.abandoned = Some(format!(
+                    "mapping {} of the plan's pool would exceed the memory limit {} ({} reserved)",
+                    Bytes(total),
+                    Bytes(st.limit),
+                    Bytes(reserved)
+                ));
             }
             return Ok((false, st));
         }
@@ -1382,7 +1398,12 @@ impl<D: DeviceMemory> Engine<D> {
     ///
     /// A plan whose requests span several streams is served with the stream rules of
     /// the module docs (plan mode). A plan for another device, a second plan, or a pool
-    /// beyond the memory limit is rejected.
+    /// larger than the memory limit itself is rejected. The pool is mapped granule by
+    /// granule as the run reaches it, so a pool that fits the limit only once the
+    /// memory held now is freed (auto mode under `set_per_process_memory_fraction`) is
+    /// accepted; if mapping a planned range ever hits the limit, the plan is given up
+    /// ([`Engine::unload_plan`]; [`Engine::plan_abandoned`] says why) and the run goes
+    /// on online, where the usual free-the-cache-and-retry path applies.
     pub fn load_plan(&self, plan: &Plan, options: PlanOptions) -> Result<(), EngineError> {
         let reject = |m: String| Err(EngineError::PlanRejected(m));
         if let Err(v) = crate::verify::verify_plan(plan) {
@@ -1409,15 +1430,14 @@ impl<D: DeviceMemory> Engine<D> {
             if st.plan.is_some() {
                 return reject("a plan is already being served".into());
             }
-            let reserved = st.stats.reserved_bytes[0].current as u64;
-            if reserved + st.mapping + len > st.limit {
+            if len > st.limit {
                 return reject(format!(
-                    "pool of {} does not fit the memory limit {} ({} reserved)",
+                    "pool of {} does not fit the memory limit {}",
                     Bytes(len),
                     Bytes(st.limit),
-                    Bytes(reserved)
                 ));
             }
+            st.abandoned = None;
             st.mapping += len;
         }
         // The pool's address range reaches past the pool, as far as an online arena's,
@@ -1489,6 +1509,30 @@ impl<D: DeviceMemory> Engine<D> {
         self.load_plan(&slice, options)?;
         self.lock()?.drain = SWITCH_DRAIN_ITERATIONS;
         Ok(())
+    }
+
+    /// Stops serving the plan, if one is served; returns whether one was. Blocks the
+    /// plan placed stay where they are until freed (the pointer map is shared), every
+    /// later request is served online, and the pool's free granules are given back at
+    /// once, the rest as its blocks are freed and the cache is emptied; once wholly free,
+    /// its address range is released like an online arena's. Another plan may be
+    /// loaded afterwards.
+    pub fn unload_plan(&self) -> Result<bool, EngineError> {
+        let mut st = self.lock()?;
+        let Some(p) = st.plan.take() else {
+            return Ok(false);
+        };
+        st.heap.unpin(p.arena);
+        st.drain = 0;
+        st.drain_pending = false;
+        drop(st);
+        self.release_cached()?;
+        Ok(true)
+    }
+
+    /// Why the plan was given up mid-run (its pool hit the memory limit), if it was.
+    pub fn plan_abandoned(&self) -> Result<Option<String>, EngineError> {
+        Ok(self.lock()?.abandoned.clone())
     }
 
     /// The plan pool's base address and mapped length (`None` when no plan is served).
