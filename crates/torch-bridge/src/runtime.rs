@@ -1425,6 +1425,21 @@ impl Core {
     }
 
     pub fn mode(&self) -> String {
+        // A plan given up mid-run (its pool hit the memory limit) serves no more.
+        let abandoned = self.devices.get().and_then(|slots| {
+            slots.iter().find_map(|s| {
+                let why = s.default.get()?.plan_abandoned().ok()??;
+                Some(format!("cuda:{}: plan given up: {why}", s.ordinal))
+            })
+        });
+        if let (Mode::Plan | Mode::Auto, PlanStage::Serving(_), Some(why)) =
+            (self.settings.mode, self.plan_stage(), &abandoned)
+        {
+            return match self.settings.mode {
+                Mode::Plan => format!("online ({why})"),
+                _ => format!("auto (online: {why})"),
+            };
+        }
         match (self.settings.mode, self.plan_stage()) {
             (Mode::Online, _) => "online".into(),
             (Mode::Trace, _) if self.trace_flushed.load(Ordering::Acquire) => {
@@ -1496,9 +1511,14 @@ impl Core {
                     }),
                     None => None,
                 };
+                let abandoned = match slot.default.get() {
+                    Some(e) => e.plan_abandoned()?,
+                    None => None,
+                };
                 devices.push(serde_json::json!({
                     "device": slot.ordinal,
                     "plan": plan,
+                    "plan_abandoned": abandoned,
                     "opened": opened,
                     "private_pools": read(&slot.private).len(),
                     "memory_fraction": *lock(&slot.fraction),
