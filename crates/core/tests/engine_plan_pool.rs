@@ -524,3 +524,119 @@ fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
     assert_eq!(r.engine.stats().unwrap().reserved_bytes[0].current, 0);
     r.engine.check_invariants().unwrap();
 }
+
+#[test]
+fn the_plan_streams_are_bound_to_the_run_streams_as_they_first_show_up() {
+    // The plan was made in another process: its side stream had handle 2, the run's
+    // has 7. Stream 1 (say the default stream) keeps its id.
+    let run_side = StreamId(7);
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(64 * K),
+        prologue: vec![],
+        prologue_len: 0,
+        iteration: vec![
+            req(32 * K, 0, 0, 1, S1),
+            req(16 * K, 32 * K, 2, 4, S2),
+            req(8 * K, 48 * K, 3, 5, S1),
+        ],
+        iteration_len: 6,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    for it in 0..3 {
+        r.engine.mark_iteration().unwrap();
+        let a = r.alloc(32 * K, S1);
+        assert_eq!(a, base, "iteration {it}");
+        r.free(a);
+        // A stream the plan has never heard of, with a request the plan does not
+        // expect: not bound, served online.
+        let x = r.alloc(4 * K, StreamId(9));
+        assert!(!r.in_pool(x));
+        let b = r.alloc(16 * K, run_side);
+        assert_eq!(
+            b.get(),
+            base.get() + 32 * K,
+            "iteration {it}: side stream bound"
+        );
+        let c = r.alloc(8 * K, S1);
+        assert_eq!(c.get(), base.get() + 48 * K, "iteration {it}");
+        for p in [x, b, c] {
+            r.free(p);
+        }
+        r.host.events().pass_all(S1);
+        r.host.events().pass_all(run_side);
+        r.engine.process_events().unwrap();
+    }
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.hits, st.conflicts), (9, 0), "{st:?}");
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
+    // 40 pairs per iteration: stream 1 uses a range, then stream 2 reuses it. Stream
+    // 1's work never passes its frees here (a collective stream running behind), so
+    // every stream-2 request finds its range busy: half the requests conflict.
+    let n = 40u64;
+    let mut iteration = Vec::new();
+    for k in 0..n {
+        iteration.push(req(4 * K, k * 4 * K, 2 * k, 2 * k + 1, S1));
+        iteration.push(req(4 * K, k * 4 * K, 2 * k + 1, 2 * k + 2, S2));
+    }
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(n * 4 * K),
+        prologue: vec![],
+        prologue_len: 0,
+        iteration,
+        iteration_len: 2 * n + 1,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    let mut r = Run::new();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let mut held = Vec::new();
+    for it in 0..4 {
+        r.engine.mark_iteration().unwrap();
+        let served = r.engine.plan_pool().unwrap().is_some();
+        assert_eq!(served, it < 2, "iteration {it}");
+        for _ in 0..n {
+            let a = r.alloc(4 * K, S1);
+            r.free(a);
+            let b = r.alloc(4 * K, S2);
+            held.push(b);
+        }
+        for b in held.drain(..) {
+            r.free(b);
+        }
+        r.host.events().pass_all(S2);
+        r.engine.process_events().unwrap();
+    }
+    let why = r.engine.plan_abandoned().unwrap().expect("given up");
+    assert!(why.contains("planned range busy"), "{why}");
+    r.engine.check_invariants().unwrap();
+    // With the option at 0 the plan is kept.
+    let mut r = Run::new();
+    let opts = PlanOptions {
+        give_up_conflict_percent: 0,
+        ..PlanOptions::default()
+    };
+    r.engine.load_plan(&plan, opts).unwrap();
+    for _ in 0..4 {
+        r.engine.mark_iteration().unwrap();
+        for _ in 0..n {
+            let a = r.alloc(4 * K, S1);
+            r.free(a);
+            let b = r.alloc(4 * K, S2);
+            r.free(b);
+        }
+    }
+    assert!(r.engine.plan_pool().unwrap().is_some());
+    assert!(r.engine.plan_abandoned().unwrap().is_none());
+}

@@ -264,7 +264,21 @@ pub struct PlanOptions {
     /// A hole is taken only if none of the next `hole_horizon` expected requests is
     /// planned on it.
     pub hole_horizon: usize,
+    /// The plan is given up ([`Engine::plan_abandoned`]) when, in each of
+    /// [`GIVE_UP_ITERATIONS`] iterations in a row, more than this percentage of the
+    /// requests that the plan placed or meant to place found their planned range busy
+    /// (conflicts): the run does not follow the plan's timing (streams running behind
+    /// the host, as FSDP's prefetching collectives do), and conflicts served outside
+    /// their place cost more memory than serving online. 0 never gives up.
+    pub give_up_conflict_percent: u32,
 }
+
+/// Iterations in a row with too many conflicts before a plan is given up
+/// ([`PlanOptions::give_up_conflict_percent`]).
+pub const GIVE_UP_ITERATIONS: u32 = 2;
+
+/// Requests an iteration must have had for its conflict share to count.
+const GIVE_UP_MIN_REQUESTS: u64 = 64;
 
 impl Default for PlanOptions {
     fn default() -> Self {
@@ -272,6 +286,7 @@ impl Default for PlanOptions {
             window: 64,
             holes: true,
             hole_horizon: 128,
+            give_up_conflict_percent: 25,
         }
     }
 }
@@ -319,6 +334,16 @@ struct PlanServing {
     /// requests a hole must avoid, sorted. Its capacity is reserved at load, so a miss
     /// does not allocate.
     blocked: Vec<(u64, u64)>,
+    /// Run streams bound to the plan's streams, `(run, plan)`. Stream handles are
+    /// process-local (a side stream's `cudaStream_t` differs between the run that was
+    /// traced and the one served), so the plan's streams are bound to the run's as they
+    /// first show up ([`PlanServing::bind`]); the plan's own ids are used inside the plan
+    /// (cursor, stream ranges), the run's for events.
+    bound: Vec<(StreamId, StreamId)>,
+    /// Hits and conflicts at the last iteration boundary, and the iterations in a row
+    /// with too many conflicts since ([`PlanOptions::give_up_conflict_percent`]).
+    at_boundary: (u64, u64),
+    bad_iterations: u32,
 }
 
 /// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
@@ -328,8 +353,37 @@ fn meets(union: &[(u64, u64)], lo: u64, hi: u64) -> bool {
 }
 
 impl PlanServing {
-    fn serves(&self, stream: StreamId) -> bool {
-        self.streams.iter().any(|(s, _)| *s == stream)
+    /// Whether the plan has stream `plan_stream` (a plan id).
+    fn serves(&self, plan_stream: StreamId) -> bool {
+        self.streams.iter().any(|(s, _)| *s == plan_stream)
+    }
+
+    /// The plan stream run stream `run` is bound to, if any.
+    fn to_plan(&self, run: StreamId) -> Option<StreamId> {
+        self.bound.iter().find(|(r, _)| *r == run).map(|&(_, p)| p)
+    }
+
+    /// The plan stream for a request of `size` bytes on run stream `run`, binding the
+    /// two at the first request: the same id if the plan has it and it is free (the
+    /// default stream; auto mode, same process), else the stream of the expected
+    /// request if that stream is unbound and the sizes agree. `None`: a stream the plan
+    /// does not serve. O(streams).
+    fn bind(&mut self, run: StreamId, size: u64) -> Option<StreamId> {
+        if let Some(p) = self.to_plan(run) {
+            return Some(p);
+        }
+        let free = |p: StreamId, b: &[(StreamId, StreamId)]| b.iter().all(|&(_, q)| q != p);
+        let p = if self.serves(run) && free(run, &self.bound) {
+            run
+        } else {
+            let e = self.cursor.peek()?;
+            if e.size != size || !free(e.stream, &self.bound) {
+                return None;
+            }
+            e.stream
+        };
+        self.bound.push((run, p));
+        Some(p)
     }
 
     fn multi_stream(&self) -> bool {
@@ -509,9 +563,9 @@ impl State {
         let Some(p) = self.plan.as_mut() else {
             return Ok(PlanAnswer::Nothing);
         };
-        if !p.serves(stream) {
+        let Some(ps) = p.bind(stream, size.get()) else {
             return Ok(PlanAnswer::Nothing);
-        }
+        };
         // An unplanned request where the plan expects a tensor that lives forever
         // (setup: parameters, optimizer state) is taken to live forever too.
         p.until = p
@@ -519,7 +573,7 @@ impl State {
             .peek()
             .filter(|e| e.end == crate::plan::NEVER_FREED)
             .map(|_| u64::MAX);
-        if let Some(e) = p.cursor.next(size.get(), stream) {
+        if let Some(e) = p.cursor.next(size.get(), ps) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
             // The common case first: the range is mapped and free.
             if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
@@ -582,7 +636,11 @@ impl State {
             // The smallest gap of the block between the ranges the coming requests need.
             if let Some(off) = p.gap_in(ba - p.base, ba + bs - p.base, rounded) {
                 let at = p.base + off;
-                if p.multi_stream() && !p.exclusive(stream, off, off + rounded) {
+                if p.multi_stream()
+                    && !p
+                        .to_plan(stream)
+                        .is_some_and(|ps| p.exclusive(ps, off, off + rounded))
+                {
                     continue;
                 }
                 if let Some(i) = heap.alloc_at(p.arena, at, rounded, size.get())? {
@@ -605,7 +663,10 @@ impl State {
     /// plan serving `stream` with holes on.
     fn pool_growth(&self, rounded: u64, stream: StreamId) -> Option<u64> {
         let p = self.plan.as_ref()?;
-        if !p.serves(stream) || !p.options.holes {
+        let Some(ps) = p.to_plan(stream) else {
+            return None;
+        };
+        if !p.options.holes {
             return None;
         }
         if p.cursor.spent() {
@@ -617,7 +678,7 @@ impl State {
         let planned_end = p.base + p.len;
         // The free tail (and the unmapped space after it) if the next expected requests
         // do not need it, else above both the mapped end and the planned part.
-        let at = if free_start < end && p.hole_ok(stream, free_start - p.base, rounded) {
+        let at = if free_start < end && p.hole_ok(ps, free_start - p.base, rounded) {
             free_start
         } else {
             end.max(planned_end)
@@ -1477,6 +1538,9 @@ impl<D: DeviceMemory> Engine<D> {
             released: false,
             until: None,
             blocked,
+            bound: Vec::new(),
+            at_boundary: (0, 0),
+            bad_iterations: 0,
         });
         Ok(())
     }
@@ -1596,13 +1660,40 @@ impl<D: DeviceMemory> Engine<D> {
     /// iteration section.
     pub fn mark_iteration(&self) -> Result<(), EngineError> {
         let mut st = self.lock()?;
+        let mut give_up = None;
         if let Some(p) = st.plan.as_mut() {
             p.cursor.mark_iteration();
+            let (h, c) = (p.cursor.stats.hits, p.cursor.stats.conflicts);
+            let (dh, dc) = (h - p.at_boundary.0, c - p.at_boundary.1);
+            p.at_boundary = (h, c);
+            let pct = u64::from(p.options.give_up_conflict_percent);
+            if pct > 0 && dh + dc >= GIVE_UP_MIN_REQUESTS && dc * 100 > pct * (dh + dc) {
+                p.bad_iterations += 1;
+                if p.bad_iterations >= GIVE_UP_ITERATIONS {
+                    give_up = Some(format!(
+                        "{dc} of {} requests of the last iteration found their planned range \
+                         busy (more than {pct} % in {GIVE_UP_ITERATIONS} iterations in a row): \
+                         the run does not keep the plan's timing",
+                        dh + dc
+                    ));
+                }
+            } else {
+                p.bad_iterations = 0;
+            }
+        }
+        let mut gave_up = false;
+        if let Some(why) = give_up
+            && let Some(p) = st.plan.take()
+        {
+            // Its blocks stay until freed; its pool goes back like an online arena.
+            st.heap.unpin(p.arena);
+            st.abandoned = Some(why);
+            gave_up = true;
         }
         if let Some(r) = st.recorder.as_mut() {
             r.marker(MarkerKind::IterationBegin, None);
         }
-        let mut release = false;
+        let mut release = gave_up;
         if st.drain > 0 {
             st.drain -= 1;
             release = std::mem::take(&mut st.drain_pending);
