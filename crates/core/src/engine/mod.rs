@@ -663,9 +663,7 @@ impl State {
     /// plan serving `stream` with holes on.
     fn pool_growth(&self, rounded: u64, stream: StreamId) -> Option<u64> {
         let p = self.plan.as_ref()?;
-        let Some(ps) = p.to_plan(stream) else {
-            return None;
-        };
+        let ps = p.to_plan(stream)?;
         if !p.options.holes {
             return None;
         }
