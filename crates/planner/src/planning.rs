@@ -38,6 +38,15 @@
 //! [`stweaver_core::verify::verify_plan`] checks the unrolled result independently
 //! before it is returned.
 //!
+//! # Streams
+//!
+//! With requests on several streams (a collective stream beside the compute stream),
+//! step 1 solves each stream's slots and residents apart and stacks the pools, so no
+//! address range of the steady iteration is used by two streams: at run time a range
+//! that changes streams must wait for the first stream's work to pass the free, and a
+//! collective stream running behind the host would turn every such reuse into a
+//! conflict. [`PlanOptions::share_streams`] asks for the joint solve instead.
+//!
 //! # Without a steady state
 //!
 //! A prologue-only plan: one linear [`Instance`] of the planned allocations (persistent
@@ -90,6 +99,13 @@ pub struct PlanOptions {
     /// Classification settings. `stweaver verify --trace` classifies with the defaults,
     /// so a plan made with other settings may not pass its coverage check.
     pub classify: ClassifyOptions,
+    /// Let the steady iteration's requests of different streams share address ranges
+    /// (one joint solve: the smallest pool). Off by default: each stream's requests
+    /// and residents are solved apart and the pools stacked (module docs, streams),
+    /// because a range one stream frees and another reuses must wait at run time for
+    /// the first stream's work to pass the free — which, with collectives running
+    /// behind the host (FSDP), is later than the plan's clock says.
+    pub share_streams: bool,
 }
 
 /// Which steady-state layout won (module docs, steps 1–3).
@@ -302,6 +318,46 @@ impl Ctx<'_> {
         Ok(sol.offsets.iter().map(|o| o.get()).collect())
     }
 
+    /// The steady state's offsets: one joint solve, or with streams apart
+    /// ([`PlanOptions::share_streams`] off and more than one stream), one solve per
+    /// stream (in order of first appearance) with each stream's pool stacked above the
+    /// previous one's.
+    fn solve_streams(
+        &self,
+        inst: &Instance,
+        stream_of: &[stweaver_core::StreamId],
+        timings: &mut PlanTimings,
+    ) -> Result<Vec<u64>, PlanBuildError> {
+        let mut streams: Vec<stweaver_core::StreamId> = Vec::new();
+        for &s in stream_of {
+            if !streams.contains(&s) {
+                streams.push(s);
+            }
+        }
+        if self.opts.share_streams || streams.len() < 2 {
+            return self.solve(inst, "steady-state", timings);
+        }
+        let mut offsets = vec![0u64; inst.buffers.len()];
+        let mut base = 0u64;
+        for s in streams {
+            let ids: Vec<usize> = (0..inst.buffers.len())
+                .filter(|&i| stream_of[i] == s)
+                .collect();
+            let sub = Instance {
+                buffers: ids.iter().map(|&i| inst.buffers[i]).collect(),
+                period: inst.period,
+            };
+            let o = self.solve(&sub, "steady-state (one stream)", timings)?;
+            let mut top = 0u64;
+            for (k, (&i, &oi)) in ids.iter().zip(&o).enumerate() {
+                offsets[i] = base + oi;
+                top = top.max(oi + sub.buffers[k].size.get());
+            }
+            base += top.div_ceil(ALIGNMENT.get()) * ALIGNMENT.get();
+        }
+        Ok(offsets)
+    }
+
     /// Prologue-only plan: one linear instance.
     fn linear(&self, timings: &mut PlanTimings) -> Result<Built, PlanBuildError> {
         let ids: Vec<usize> = (0..self.trace.allocations.len())
@@ -372,11 +428,18 @@ impl Ctx<'_> {
                 .iter()
                 .map(|&i| Buffer::new(0, l, Bytes(self.padded[i])).with_align(ALIGNMENT)),
         );
+        let stream_of: Vec<_> = self
+            .c
+            .slots
+            .iter()
+            .map(|s| self.trace.allocations[s.alloc.index()].stream)
+            .chain(residents.iter().map(|&i| self.trace.allocations[i].stream))
+            .collect();
         let inst = Instance {
             buffers,
             period: Some(l),
         };
-        let offsets = self.solve(&inst, "steady-state", timings)?;
+        let offsets = self.solve_streams(&inst, &stream_of, timings)?;
         let n_slots = self.c.slots.len();
         let slot_offset = offsets[..n_slots].to_vec();
         let steady_peak = inst
