@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--allocators", default=None, help=f"comma-separated subset of {','.join(ALLOCS)}")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--est-run-s", type=float, default=30, help="a run is not started with less left")
     ap.add_argument("--timeout-s", type=float, default=180)
@@ -155,7 +156,8 @@ def main(argv=None) -> int:
            "skipped": [], "plans": {}, "dry_run": a.dry_run}
     for s in a.strategies.split(","):
         runs = doc["runs"].setdefault(s, {})
-        for alloc in (("native",) if a.dry_run else ALLOCS):
+        allocs = tuple(a.allocators.split(",")) if a.allocators else ALLOCS
+        for alloc in (("native",) if a.dry_run else allocs):
             left = a.budget_s - (time.time() - t0)
             if left < a.est_run_s:
                 doc["skipped"].append(f"{s} {alloc}")

@@ -1,9 +1,16 @@
-//! Traces recorded by stweaver's own trace mode on the H200 during `cargo xtask gpu-bench`
-//! (2026-11-21, `--allocators trace --save-traces`), served by the engine: GPT-2 XL with
-//! checkpointing and the 1F1B-style Llama 1B schedule, 16 and 12 iterations, each ending
-//! with the harness's post-training work (hashing every parameter: 0.5–0.6 GB
-//! temporaries that no iteration has). That tail is what pushed plan mode's reserved
-//! peak 0.5–0.6 GB over the lower bound on the GPU; it must fit in the pool's gaps.
+//! Traces recorded by stweaver's own trace mode on the H200 (2026-11-21), served by the
+//! engine:
+//!
+//! - `cargo xtask gpu-bench --allocators trace --save-traces`: GPT-2 XL with
+//!   checkpointing and the 1F1B-style Llama 1B schedule, 16 and 12 iterations, each
+//!   ending with the harness's post-training work (hashing every parameter: 0.5–0.6 GB
+//!   temporaries that no iteration has). That tail is what pushed plan mode's reserved
+//!   peak 0.5–0.6 GB over the lower bound on the GPU; it must fit in the pool's gaps.
+//! - `cargo xtask gpu-bench --gpus 2` (FSDP2, rank 0 of 2, 30 iterations): three streams
+//!   (compute, all-gather, reduce-scatter) and a 500 MB tensor that outlives each
+//!   iteration (so it is not planned). On the GPU, auto mode's reserved memory grew by
+//!   0.49 GiB every iteration: each copy of that tensor grew the pool, because the
+//!   pool's gap search ignored other streams' ranges and every gap it found was refused.
 
 use std::io::Read;
 use std::path::Path;
@@ -90,4 +97,48 @@ fn gpt2xl_tail_fits_in_the_pool() {
 fn llama_1f1b_tail_fits_in_the_pool() {
     // Expandable segments on the H200: 9.756 GiB.
     check("llama1b_1f1b.stwt.gz", (9.756 * (1u64 << 30) as f64) as u64);
+}
+
+#[test]
+fn fsdp2_rank0_dynamic_tensor_does_not_grow_the_pool_every_iteration() {
+    let trace = load("fsdp2_llama1b_rank0.stwt.gz");
+    let opts = EngineReplayOptions::default();
+    let online = replay_engine(&trace, &ServeMode::Online, &opts).unwrap();
+    let (outcome, _) = plan_first_iterations(&trace, 3, &PlanOptions::default()).unwrap();
+    let plan = replay_engine(&trace, &ServeMode::Plan(&outcome.plan), &opts).unwrap();
+    let st = plan.plan_stats.unwrap();
+    eprintln!(
+        "fsdp2 online {} plan {} ({:.4} x LB) {st:?}",
+        online.peak_reserved,
+        plan.peak_reserved,
+        plan.reserved_over_lb()
+    );
+    assert!(st.grown <= 1, "the pool grew {} times", st.grown);
+    // Streams apart (the planner's default) cost more than the lower bound, about
+    // what PyTorch's per-stream pools cost: native reserved 6.22 GiB on the GPU.
+    assert!(
+        plan.reserved_over_lb() <= 1.40,
+        "{}",
+        plan.reserved_over_lb()
+    );
+    let planner = |recorded: &Trace| {
+        plan_trace(recorded, &PlanOptions::default())
+            .map(|o| o.plan)
+            .map_err(|e| e.to_string())
+    };
+    let auto = replay_engine(
+        &trace,
+        &ServeMode::Auto {
+            record_iterations: 3,
+            planner: &planner,
+        },
+        &opts,
+    )
+    .unwrap();
+    let after = auto.peak_reserved_after_switch.expect("switched");
+    assert!(
+        after <= online.peak_reserved,
+        "{after} > {}",
+        online.peak_reserved
+    );
 }

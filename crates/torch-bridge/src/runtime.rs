@@ -1507,6 +1507,8 @@ impl Core {
                             "unplanned": p.unplanned,
                             "skipped": p.skipped,
                             "iterations": p.iterations,
+                            "holes": p.holes,
+                            "grown": p.grown,
                         })
                     }),
                     None => None,
@@ -1525,6 +1527,11 @@ impl Core {
                     "tracing": tracing,
                     "allocated_bytes": s.map_or(0, |s| s.allocated_bytes[0].current),
                     "reserved_bytes": s.map_or(0, |s| s.reserved_bytes[0].current),
+                    "reserved_small_bytes": s.map_or(0, |s| s.reserved_bytes[1].current),
+                    "pool_mapped_bytes": match slot.default.get() {
+                        Some(e) => e.plan_pool()?.map_or(0, |(_, len)| len.get()),
+                        None => 0,
+                    },
                     "peak_allocated_bytes": s.map_or(0, |s| s.allocated_bytes[0].peak),
                     "peak_reserved_bytes": s.map_or(0, |s| s.reserved_bytes[0].peak),
                     "num_device_alloc": s.map_or(0, |s| s.num_device_alloc),

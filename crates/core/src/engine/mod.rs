@@ -405,7 +405,9 @@ impl PlanServing {
     /// Fills `blocked` with the ranges (offsets) of the expected requests a hole must
     /// avoid for the request being served (those [`PlanServing::hole_ok`] checks), sorted
     /// by start. O(k log k) for k of them.
-    fn collect_blocked(&mut self) {
+    /// On a multi-stream plan, every range another stream than `plan_stream` (the
+    /// request's, `None` if unbound: all streams) ever plans on is blocked too.
+    fn collect_blocked(&mut self, plan_stream: Option<StreamId>) {
         let mut v = std::mem::take(&mut self.blocked);
         v.clear();
         let range = |e: &cursor::Expected| (e.offset.get(), e.offset.get() + e.len);
@@ -413,6 +415,13 @@ impl PlanServing {
             Some(u64::MAX) => v.extend(self.cursor.upcoming(self.cursor.len()).map(range)),
             Some(until) => v.extend(self.cursor.upcoming_until(until, HOLE_SPAN_CAP).map(range)),
             None => v.extend(self.cursor.upcoming(self.options.hole_horizon).map(range)),
+        }
+        if self.multi_stream() {
+            for (s, u) in &self.streams {
+                if Some(*s) != plan_stream {
+                    v.extend_from_slice(u);
+                }
+            }
         }
         v.sort_unstable();
         self.blocked = v;
@@ -624,7 +633,8 @@ impl State {
         if !p.options.holes {
             return Ok(None);
         }
-        p.collect_blocked();
+        let ps = p.to_plan(stream);
+        p.collect_blocked(ps);
         let mut key = (rounded, 0);
         for _ in 0..HOLE_CANDIDATES {
             let b = heap.fit_at_least(p.arena, key);
@@ -636,11 +646,7 @@ impl State {
             // The smallest gap of the block between the ranges the coming requests need.
             if let Some(off) = p.gap_in(ba - p.base, ba + bs - p.base, rounded) {
                 let at = p.base + off;
-                if p.multi_stream()
-                    && !p
-                        .to_plan(stream)
-                        .is_some_and(|ps| p.exclusive(ps, off, off + rounded))
-                {
+                if p.multi_stream() && !ps.is_some_and(|ps| p.exclusive(ps, off, off + rounded)) {
                     continue;
                 }
                 if let Some(i) = heap.alloc_at(p.arena, at, rounded, size.get())? {
@@ -1525,7 +1531,10 @@ impl<D: DeviceMemory> Engine<D> {
         };
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
         let cursor = Cursor::new(plan, options.window, &cross);
-        let blocked = Vec::with_capacity(HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()));
+        let stream_ranges: usize = streams.iter().map(|(_, u)| u.len()).sum();
+        let blocked = Vec::with_capacity(
+            HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()) + stream_ranges,
+        );
         st.plan = Some(PlanServing {
             cursor,
             arena,
