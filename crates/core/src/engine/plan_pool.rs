@@ -5,7 +5,9 @@
 //!
 //! [`stream_ranges`] lists, per stream of the plan, the union of the pool ranges its
 //! requests use (sorted, disjoint), and flags each request whose range meets another
-//! stream's union: its block's free is then stream-deferred (an event recorded on its
+//! stream's union (for an iteration request, another stream's *iteration* requests'
+//! union: no prologue request starts after it, so only those can use its range next):
+//! its block's free is then stream-deferred (an event recorded on its
 //! own stream, the existing `record_stream` machinery), so whichever stream uses the
 //! range next cannot start before the work queued on the freeing stream has passed the
 //! free. A request no other stream ever plans on is reused in its own stream's order,
@@ -64,17 +66,32 @@ pub(crate) fn stream_ranges(plan: &Plan) -> (StreamRanges, Vec<bool>) {
         }
     }
     let per: StreamRanges = per.into_iter().map(|(s, v)| (s, union(v))).collect();
+    // An iteration request's range is used next, on another stream, only by another
+    // stream's iteration requests (every prologue request starts before the iteration
+    // section does); a prologue request's by anything of another stream.
+    let mut iter_per: Vec<(StreamId, Vec<(u64, u64)>)> = Vec::new();
+    for r in &plan.iteration {
+        let range = (r.offset.get(), r.offset.get() + len_of(r, 512));
+        match iter_per.iter_mut().find(|(s, _)| *s == r.stream) {
+            Some((_, v)) => v.push(range),
+            None => iter_per.push((r.stream, vec![range])),
+        }
+    }
+    let iter_per: StreamRanges = iter_per.into_iter().map(|(s, v)| (s, union(v))).collect();
+    let meets_other = |unions: &StreamRanges, r: &PlannedRequest| {
+        let (lo, hi) = (r.offset.get(), r.offset.get() + len_of(r, 512));
+        unions.iter().any(|(s, u)| {
+            let i = u.partition_point(|&(a, _)| a < hi);
+            *s != r.stream && i > 0 && u[i - 1].1 > lo
+        })
+    };
     let cross = if per.len() < 2 {
         vec![false; reqs.len()]
     } else {
+        let n_pro = plan.prologue.len();
         reqs.iter()
-            .map(|r| {
-                let (lo, hi) = (r.offset.get(), r.offset.get() + len_of(r, 512));
-                per.iter().any(|(s, u)| {
-                    let i = u.partition_point(|&(a, _)| a < hi);
-                    *s != r.stream && i > 0 && u[i - 1].1 > lo
-                })
-            })
+            .enumerate()
+            .map(|(k, r)| meets_other(if k < n_pro { &per } else { &iter_per }, r))
             .collect()
     };
     (per, cross)
@@ -210,7 +227,10 @@ mod tests {
                 (StreamId(2), vec![(0, 1024), (4096, 5120)])
             ]
         );
-        assert_eq!(cross, [true, true, false, false]);
+        // The prologue request is used next by stream 2; stream 2's iteration request
+        // at [0, 1024) only ever by stream 2's own next copy (no prologue request comes
+        // after it), so its free needs no event.
+        assert_eq!(cross, [true, false, false, false]);
         let single = Plan {
             iteration: plan
                 .iteration
