@@ -38,6 +38,12 @@ fn show(r: &EngineReplayReport, secs: f64) {
             a.ratio(r.lower_bound)
         );
     }
+    if let Some(st) = &r.plan_stats {
+        print!(", conflicts {} grown {}", st.conflicts, st.grown);
+    }
+    if let Some(e) = &r.plan_abandoned {
+        print!(", plan given up: {e}");
+    }
     if let Some(e) = &r.plan_error {
         print!(", plan error: {e}");
     }
@@ -52,7 +58,11 @@ fn main() -> anyhow::Result<()> {
     let k: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(3);
     let trace: Trace =
         stweaver_planner::input::load_traces(std::path::Path::new(&path))?.swap_remove(0);
-    let opts = EngineReplayOptions::default();
+    let opts = EngineReplayOptions {
+        // LAG=K: streams run up to K trace events behind the host.
+        event_lag: std::env::var("LAG").ok().and_then(|v| v.parse().ok()),
+        ..EngineReplayOptions::default()
+    };
     println!(
         "{path}: lower bound {:.3} GiB",
         trace.lower_bound().bytes.get() as f64 / (1u64 << 30) as f64

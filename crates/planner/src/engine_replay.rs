@@ -106,6 +106,12 @@ pub struct EngineReplayOptions {
     pub device_memory: Bytes,
     /// How the plan is served (look-ahead window and the like).
     pub serve: ServeOptions,
+    /// Streams run behind the host: an event recorded (a stream-deferred free) passes
+    /// only once the replay reaches the next multiple of this many trace events (and
+    /// at every iteration boundary), instead of at once. A model of a GPU the host has run ahead
+    /// of; it shows the conflicts and memory that cross-stream reuse costs. `None`:
+    /// events pass at once.
+    pub event_lag: Option<usize>,
 }
 
 impl Default for EngineReplayOptions {
@@ -115,6 +121,7 @@ impl Default for EngineReplayOptions {
             // An H200: 141 GB.
             device_memory: Bytes(141 * 1_000_000_000),
             serve: ServeOptions::default(),
+            event_lag: None,
         }
     }
 }
@@ -184,6 +191,8 @@ pub struct EngineReplayReport {
     /// engine refused the plan (plan mode), or the planner failed or the engine refused
     /// its plan (auto mode).
     pub plan_error: Option<String>,
+    /// Why the engine gave the plan up mid-run, if it did ([`Engine::plan_abandoned`]).
+    pub plan_abandoned: Option<String>,
     /// Overlap checks made (one per allocation).
     pub overlap_checks: u64,
 }
@@ -505,7 +514,12 @@ pub fn replay_engine(
     opts: &EngineReplayOptions,
 ) -> Result<EngineReplayReport, EngineReplayError> {
     trace.validate()?;
-    let dev = Arc::new(VirtualMemory::new(opts.device_memory, opts.granule));
+    let dev = VirtualMemory::new(opts.device_memory, opts.granule);
+    let dev = Arc::new(if opts.event_lag.is_some() {
+        dev.manual_events()
+    } else {
+        dev
+    });
     let config = EngineConfig {
         device: trace.device,
         record_trace: matches!(mode, ServeMode::Auto { .. }),
@@ -550,8 +564,17 @@ pub fn replay_engine(
     let mut switched_at = None;
     let mut before_switch: Option<(u64, u64, u64)> = None;
     for (i, e) in trace.events.iter().enumerate() {
+        if let Some(k) = opts.event_lag
+            && k > 0
+            && i % k == 0
+        {
+            r.dev.events().pass_everything();
+        }
         if next_bound < bounds.len() && bounds[next_bound] == i {
             next_bound += 1;
+            if opts.event_lag.is_some() {
+                r.dev.events().pass_everything();
+            }
             r.engine
                 .mark_iteration()
                 .map_err(Replayer::err(i, "mark an iteration"))?;
@@ -628,8 +651,13 @@ pub fn replay_engine(
         .engine
         .plan_stats()
         .map_err(Replayer::err(end, "read plan stats"))?;
+    let plan_abandoned = r
+        .engine
+        .plan_abandoned()
+        .map_err(Replayer::err(end, "read plan state"))?;
     Ok(EngineReplayReport {
         mode: mode.id(),
+        plan_abandoned,
         lower_bound: trace.lower_bound().bytes,
         peak_reserved,
         peak_reserved_small: Bytes(stats.reserved_bytes[1].peak as u64),

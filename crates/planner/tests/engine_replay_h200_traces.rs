@@ -142,3 +142,53 @@ fn fsdp2_rank0_dynamic_tensor_does_not_grow_the_pool_every_iteration() {
         online.peak_reserved
     );
 }
+
+/// The same trace with the streams running behind the host (events pass up to 500
+/// trace events late): auto mode, which serves the steady iteration with each stream in
+/// its own ranges, stays at the online peak; plan mode, whose prologue shares ranges
+/// across streams, pays for some conflicts but neither runs away nor gives up.
+#[test]
+fn fsdp2_rank0_with_lagging_streams() {
+    let trace = load("fsdp2_llama1b_rank0.stwt.gz");
+    let opts = EngineReplayOptions {
+        event_lag: Some(500),
+        ..EngineReplayOptions::default()
+    };
+    let online = replay_engine(&trace, &ServeMode::Online, &opts).unwrap();
+    let (outcome, _) = plan_first_iterations(&trace, 3, &PlanOptions::default()).unwrap();
+    let plan = replay_engine(&trace, &ServeMode::Plan(&outcome.plan), &opts).unwrap();
+    let st = plan.plan_stats.expect("still served");
+    eprintln!(
+        "fsdp2 lagging: online {} plan {} ({:.4} x LB) {st:?}",
+        online.peak_reserved,
+        plan.peak_reserved,
+        plan.reserved_over_lb()
+    );
+    assert!(plan.plan_abandoned.is_none());
+    assert!(st.conflicts * 20 < st.hits, "{st:?}");
+    assert!(
+        plan.reserved_over_lb() <= 1.75,
+        "{}",
+        plan.reserved_over_lb()
+    );
+    let planner = |recorded: &Trace| {
+        plan_trace(recorded, &PlanOptions::default())
+            .map(|o| o.plan)
+            .map_err(|e| e.to_string())
+    };
+    let auto = replay_engine(
+        &trace,
+        &ServeMode::Auto {
+            record_iterations: 3,
+            planner: &planner,
+        },
+        &opts,
+    )
+    .unwrap();
+    let after = auto.peak_reserved_after_switch.expect("switched");
+    assert!(
+        after <= online.peak_reserved,
+        "{after} > {}",
+        online.peak_reserved
+    );
+}

@@ -390,6 +390,18 @@ impl PlanServing {
         self.streams.len() > 1
     }
 
+    /// Whether `[lo, hi)` (offsets) lies wholly inside the ranges plan stream `s`
+    /// plans on. O(log n).
+    fn own(&self, s: StreamId, lo: u64, hi: u64) -> bool {
+        self.streams
+            .iter()
+            .find(|(x, _)| *x == s)
+            .is_some_and(|(_, u)| {
+                let i = u.partition_point(|&(a, _)| a <= lo);
+                i > 0 && u[i - 1].1 >= hi
+            })
+    }
+
     /// Whether no other stream's planned request ever touches `[lo, hi)` (offsets).
     fn exclusive(&self, stream: StreamId, lo: u64, hi: u64) -> bool {
         self.streams
@@ -650,8 +662,11 @@ impl State {
                     continue;
                 }
                 if let Some(i) = heap.alloc_at(p.arena, at, rounded, size.get())? {
-                    if p.multi_stream() {
-                        // The next user of this range may be on another stream.
+                    // The next user of this range may be on another stream, unless the
+                    // range lies wholly in what this stream plans on (other streams'
+                    // requests, planned or not, never go there: they need ranges
+                    // exclusive to their own stream).
+                    if p.multi_stream() && !ps.is_some_and(|ps| p.own(ps, off, off + rounded)) {
                         add_use(&mut heap.block_mut(i).uses, stream);
                     }
                     p.cursor.stats.holes += 1;
