@@ -646,22 +646,36 @@ impl State {
             return Ok(None);
         }
         let ps = p.to_plan(stream);
-        p.collect_blocked(ps);
-        let mut key = (rounded, 0);
-        for _ in 0..HOLE_CANDIDATES {
-            let b = heap.fit_at_least(p.arena, key);
-            if b == NIL {
-                break;
+        // Two passes over the best-fitting free blocks: first their ends alone (cheap:
+        // no sorting), then the smallest gap inside each between the ranges the coming
+        // requests need.
+        for gaps in [false, true] {
+            if gaps {
+                p.collect_blocked(ps);
             }
-            let (ba, bs) = (heap.block(b).addr, heap.block(b).size);
-            key = (bs, ba + 1);
-            // The smallest gap of the block between the ranges the coming requests need.
-            if let Some(off) = p.gap_in(ba - p.base, ba + bs - p.base, rounded) {
-                let at = p.base + off;
+            let mut key = (rounded, 0);
+            for _ in 0..HOLE_CANDIDATES {
+                let b = heap.fit_at_least(p.arena, key);
+                if b == NIL {
+                    break;
+                }
+                let (ba, bs) = (heap.block(b).addr, heap.block(b).size);
+                key = (bs, ba + 1);
+                let (lo, hi) = (ba - p.base, ba + bs - p.base);
+                let at = if gaps {
+                    p.gap_in(lo, hi, rounded)
+                } else {
+                    [lo, hi - rounded]
+                        .into_iter()
+                        .find(|&off| ps.is_some_and(|ps| p.hole_ok(ps, off, rounded)))
+                };
+                let Some(off) = at else {
+                    continue;
+                };
                 if p.multi_stream() && !ps.is_some_and(|ps| p.exclusive(ps, off, off + rounded)) {
                     continue;
                 }
-                if let Some(i) = heap.alloc_at(p.arena, at, rounded, size.get())? {
+                if let Some(i) = heap.alloc_at(p.arena, p.base + off, rounded, size.get())? {
                     // The next user of this range may be on another stream, unless the
                     // range lies wholly in what this stream plans on (other streams'
                     // requests, planned or not, never go there: they need ranges
