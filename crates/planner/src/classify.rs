@@ -44,7 +44,9 @@
 //! lifetime would reach past it. Equal: per-iteration; different:
 //! [`DynamicReason::Irregular`] (a mismatch in the tail only affects that copy).
 //! The detector guarantees that complete iterations match, so in practice only the
-//! tail of a marker-cut trace can be irregular.
+//! tail of a marker-cut trace can be irregular. When the last complete iteration has a
+//! copy never freed where its slot is freed (the script keeps the last loss alive after
+//! training), that iteration joins the tail, so that the copy alone is dynamic.
 //!
 //! # Without a steady state (MoE: token-dependent sizes)
 //!
@@ -363,6 +365,24 @@ fn periodic(
             (_, None) => life[i].1.is_none(),
         }
     };
+    // The last complete iteration is often followed by other work (evaluation, saving,
+    // the end of the script) that keeps some of its per-iteration tensors alive (the last
+    // loss): a copy never freed where its slot is freed says nothing about the steady
+    // state. Then that iteration counts as the tail, where a mismatch only affects the
+    // copy, instead of making its slot irregular in every iteration.
+    if reps >= 3 {
+        let last = reps - 1;
+        let kept_alive = steady.iter().any(|&(k, rel, i)| {
+            k == last
+                && life[i].1.is_none()
+                && by_start
+                    .get(&rel)
+                    .is_some_and(|&c| cands[c].end.is_some() && cands[c].bad.is_none())
+        });
+        if kept_alive {
+            reps = last;
+        }
+    }
     // A slot whose copy in a complete iteration differs is irregular everywhere.
     for &(k, rel, i) in &steady {
         if k == 0 || k >= reps {
@@ -730,6 +750,39 @@ mod tests {
             c.classes[odd.index()],
             AllocClass::Dynamic(DynamicReason::Irregular)
         );
+    }
+
+    #[test]
+    fn a_loss_kept_alive_after_the_last_iteration_stays_planned() {
+        // Each iteration's loss lives into the next iteration (freed there, after the
+        // activations); the script keeps the last one alive past the end.
+        let mut b = B::default();
+        let mut prev_loss = None;
+        let mut losses = Vec::new();
+        for _ in 0..6 {
+            b.marker(MarkerKind::IterationBegin, "it");
+            let act = b.alloc(4096);
+            if let Some(l) = prev_loss.take() {
+                b.free(l);
+            }
+            let loss = b.alloc(4);
+            b.free(act);
+            losses.push(loss);
+            prev_loss = Some(loss);
+        }
+        b.marker(MarkerKind::IterationBegin, "it");
+        let eval = b.alloc(1 << 20); // work after training
+        b.free(eval);
+        let t = b.done();
+        let c = classify(&t);
+        assert!(matches!(c.steady, Steady::Periodic(_)), "{:?}", c.steady);
+        // The last complete iteration became the tail: only its loss is dynamic.
+        let dynamic: Vec<_> = losses
+            .iter()
+            .filter(|l| matches!(c.classes[l.index()], AllocClass::Dynamic(_)))
+            .collect();
+        assert_eq!(dynamic, [losses.last().unwrap()], "{:?}", c.classes);
+        assert!(c.slots.len() >= 2, "the loss keeps its slot");
     }
 
     #[test]

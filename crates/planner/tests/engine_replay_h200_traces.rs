@@ -39,6 +39,23 @@ fn load(name: &str) -> Trace {
 fn check(name: &str, expandable: u64) {
     let trace = load(name);
     let opts = EngineReplayOptions::default();
+    // Plan mode as `cargo xtask gpu-bench` runs it: a plan of the whole trace (its
+    // last iteration keeps its loss alive past the end: that iteration counts as the
+    // tail, it must not make the loss's slot dynamic everywhere).
+    let whole = plan_trace(&trace, &PlanOptions::default()).unwrap();
+    let r = replay_engine(&trace, &ServeMode::Plan(&whole.plan), &opts).unwrap();
+    let st = r.plan_stats.unwrap();
+    eprintln!(
+        "{name} whole-trace plan: {} ({:.5} x LB) {st:?}",
+        r.peak_reserved,
+        r.reserved_over_lb()
+    );
+    assert!(
+        r.reserved_over_lb() <= 1.001,
+        "{name}: {}",
+        r.reserved_over_lb()
+    );
+    assert_eq!(st.grown, 0, "{name}: {st:?}");
     let (outcome, _) = plan_first_iterations(&trace, 3, &PlanOptions::default()).unwrap();
     let plan = replay_engine(&trace, &ServeMode::Plan(&outcome.plan), &opts).unwrap();
     eprintln!(
