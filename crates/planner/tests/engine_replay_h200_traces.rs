@@ -18,7 +18,7 @@ use std::path::Path;
 use stweaver_core::Trace;
 use stweaver_core::trace_file::trace_from_bytes;
 use stweaver_planner::engine_replay::{
-    EngineReplayOptions, ServeMode, plan_first_iterations, replay_engine,
+    EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations, replay_engine,
 };
 use stweaver_planner::planning::{PlanOptions, plan_trace};
 
@@ -31,6 +31,20 @@ fn load(name: &str) -> Trace {
         .read_to_end(&mut bytes)
         .expect("gzip");
     trace_from_bytes(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Auto mode: the first three iterations recorded, planned, switched to.
+fn auto_replay(trace: &Trace, opts: &EngineReplayOptions) -> EngineReplayReport {
+    let planner = |recorded: &Trace| {
+        plan_trace(recorded, &PlanOptions::default())
+            .map(|o| o.plan)
+            .map_err(|e| e.to_string())
+    };
+    let mode = ServeMode::Auto {
+        record_iterations: 3,
+        planner: &planner,
+    };
+    replay_engine(trace, &mode, opts).unwrap()
 }
 
 /// Plan from the first three iterations, whole trace served; then auto mode.
@@ -75,20 +89,7 @@ fn check(name: &str, expandable: u64) {
     let st = plan.plan_stats.unwrap();
     assert_eq!(st.grown, 0, "{name}: the pool grew: {st:?}");
 
-    let planner = |recorded: &Trace| {
-        plan_trace(recorded, &PlanOptions::default())
-            .map(|o| o.plan)
-            .map_err(|e| e.to_string())
-    };
-    let auto = replay_engine(
-        &trace,
-        &ServeMode::Auto {
-            record_iterations: 3,
-            planner: &planner,
-        },
-        &opts,
-    )
-    .unwrap();
+    let auto = auto_replay(&trace, &opts);
     let after = auto.peak_reserved_after_switch.expect("switched");
     eprintln!(
         "{name} auto: whole run {}, after the switch {} ({:.5} x LB)",
@@ -138,20 +139,7 @@ fn fsdp2_rank0_dynamic_tensor_does_not_grow_the_pool_every_iteration() {
         "{}",
         plan.reserved_over_lb()
     );
-    let planner = |recorded: &Trace| {
-        plan_trace(recorded, &PlanOptions::default())
-            .map(|o| o.plan)
-            .map_err(|e| e.to_string())
-    };
-    let auto = replay_engine(
-        &trace,
-        &ServeMode::Auto {
-            record_iterations: 3,
-            planner: &planner,
-        },
-        &opts,
-    )
-    .unwrap();
+    let auto = auto_replay(&trace, &opts);
     let after = auto.peak_reserved_after_switch.expect("switched");
     assert!(
         after <= online.peak_reserved,
@@ -188,20 +176,7 @@ fn fsdp2_rank0_with_lagging_streams() {
         "{}",
         plan.reserved_over_lb()
     );
-    let planner = |recorded: &Trace| {
-        plan_trace(recorded, &PlanOptions::default())
-            .map(|o| o.plan)
-            .map_err(|e| e.to_string())
-    };
-    let auto = replay_engine(
-        &trace,
-        &ServeMode::Auto {
-            record_iterations: 3,
-            planner: &planner,
-        },
-        &opts,
-    )
-    .unwrap();
+    let auto = auto_replay(&trace, &opts);
     let after = auto.peak_reserved_after_switch.expect("switched");
     assert!(
         after <= online.peak_reserved,

@@ -444,7 +444,13 @@ impl Heap {
         Some(arena)
     }
 
-    // ---------------------------------------------------------------- fit tree
+    // ---------------------------------------------------------------- treaps
+    //
+    // Two treaps are threaded through the slab, written once here over the const
+    // parameter `A`: the fit treap (`A = false`: children `left`/`right`, key
+    // `(size, addr)`) of every arena's free blocks, and the by-address treap (`A = true`:
+    // `aleft`/`aright`, key `addr`) of a placement arena's. Both are heap-ordered by the
+    // block's `prio`. Expected O(log n) per operation.
 
     #[inline]
     fn key(&self, i: Idx) -> (u64, u64) {
@@ -452,24 +458,55 @@ impl Heap {
         (b.size, b.addr)
     }
 
+    #[inline]
+    fn tkey<const A: bool>(&self, i: Idx) -> (u64, u64) {
+        if A {
+            (self.blocks[i as usize].addr, 0)
+        } else {
+            self.key(i)
+        }
+    }
+
+    #[inline]
+    fn kid<const A: bool>(&self, t: Idx, right: bool) -> Idx {
+        let b = &self.blocks[t as usize];
+        match (A, right) {
+            (false, false) => b.left,
+            (false, true) => b.right,
+            (true, false) => b.aleft,
+            (true, true) => b.aright,
+        }
+    }
+
+    #[inline]
+    fn set_kid<const A: bool>(&mut self, t: Idx, right: bool, v: Idx) {
+        let b = &mut self.blocks[t as usize];
+        match (A, right) {
+            (false, false) => b.left = v,
+            (false, true) => b.right = v,
+            (true, false) => b.aleft = v,
+            (true, true) => b.aright = v,
+        }
+    }
+
     /// Splits treap `t` into keys `< key` and keys `>= key`.
-    fn split(&mut self, t: Idx, key: (u64, u64)) -> (Idx, Idx) {
+    fn split<const A: bool>(&mut self, t: Idx, key: (u64, u64)) -> (Idx, Idx) {
         if t == NIL {
             return (NIL, NIL);
         }
-        if self.key(t) < key {
-            let (l, r) = self.split(self.blocks[t as usize].right, key);
-            self.blocks[t as usize].right = l;
+        if self.tkey::<A>(t) < key {
+            let (l, r) = self.split::<A>(self.kid::<A>(t, true), key);
+            self.set_kid::<A>(t, true, l);
             (t, r)
         } else {
-            let (l, r) = self.split(self.blocks[t as usize].left, key);
-            self.blocks[t as usize].left = r;
+            let (l, r) = self.split::<A>(self.kid::<A>(t, false), key);
+            self.set_kid::<A>(t, false, r);
             (l, t)
         }
     }
 
     /// Joins treaps `a` and `b`, every key of `a` below every key of `b`.
-    fn merge(&mut self, a: Idx, b: Idx) -> Idx {
+    fn merge<const A: bool>(&mut self, a: Idx, b: Idx) -> Idx {
         if a == NIL {
             return b;
         }
@@ -477,135 +514,49 @@ impl Heap {
             return a;
         }
         if self.blocks[a as usize].prio > self.blocks[b as usize].prio {
-            let r = self.merge(self.blocks[a as usize].right, b);
-            self.blocks[a as usize].right = r;
+            let r = self.merge::<A>(self.kid::<A>(a, true), b);
+            self.set_kid::<A>(a, true, r);
             a
         } else {
-            let l = self.merge(a, self.blocks[b as usize].left);
-            self.blocks[b as usize].left = l;
+            let l = self.merge::<A>(a, self.kid::<A>(b, false));
+            self.set_kid::<A>(b, false, l);
             b
         }
     }
 
-    fn insert_rec(&mut self, t: Idx, n: Idx) -> Idx {
+    /// Inserts node `n` (children cleared) into treap `t`; returns the new root.
+    fn insert_rec<const A: bool>(&mut self, t: Idx, n: Idx) -> Idx {
         if t == NIL {
             return n;
         }
         if self.blocks[n as usize].prio > self.blocks[t as usize].prio {
-            let (l, r) = self.split(t, self.key(n));
-            self.blocks[n as usize].left = l;
-            self.blocks[n as usize].right = r;
+            let (l, r) = self.split::<A>(t, self.tkey::<A>(n));
+            self.set_kid::<A>(n, false, l);
+            self.set_kid::<A>(n, true, r);
             return n;
         }
-        if self.key(n) < self.key(t) {
-            let l = self.insert_rec(self.blocks[t as usize].left, n);
-            self.blocks[t as usize].left = l;
-        } else {
-            let r = self.insert_rec(self.blocks[t as usize].right, n);
-            self.blocks[t as usize].right = r;
-        }
+        let right = self.tkey::<A>(n) >= self.tkey::<A>(t);
+        let c = self.insert_rec::<A>(self.kid::<A>(t, right), n);
+        self.set_kid::<A>(t, right, c);
         t
     }
 
-    fn remove_rec(&mut self, t: Idx, key: (u64, u64)) -> Idx {
+    /// Removes the node with `key` from treap `t`; returns the new root.
+    fn remove_rec<const A: bool>(&mut self, t: Idx, key: (u64, u64)) -> Idx {
         if t == NIL {
             return NIL;
         }
-        let tk = self.key(t);
-        if key < tk {
-            let l = self.remove_rec(self.blocks[t as usize].left, key);
-            self.blocks[t as usize].left = l;
-            t
-        } else if key > tk {
-            let r = self.remove_rec(self.blocks[t as usize].right, key);
-            self.blocks[t as usize].right = r;
+        let tk = self.tkey::<A>(t);
+        if key != tk {
+            let right = key > tk;
+            let c = self.remove_rec::<A>(self.kid::<A>(t, right), key);
+            self.set_kid::<A>(t, right, c);
             t
         } else {
-            let (l, r) = (self.blocks[t as usize].left, self.blocks[t as usize].right);
-            self.blocks[t as usize].left = NIL;
-            self.blocks[t as usize].right = NIL;
-            self.merge(l, r)
-        }
-    }
-
-    // The by-address treap of a placement arena's free blocks (`aleft`/`aright`, keyed
-    // by `addr`, heap-ordered by `prio`). Expected O(log n) per operation.
-
-    fn addr_split(&mut self, t: Idx, addr: u64) -> (Idx, Idx) {
-        if t == NIL {
-            return (NIL, NIL);
-        }
-        if self.blocks[t as usize].addr < addr {
-            let (l, r) = self.addr_split(self.blocks[t as usize].aright, addr);
-            self.blocks[t as usize].aright = l;
-            (t, r)
-        } else {
-            let (l, r) = self.addr_split(self.blocks[t as usize].aleft, addr);
-            self.blocks[t as usize].aleft = r;
-            (l, t)
-        }
-    }
-
-    fn addr_merge(&mut self, a: Idx, b: Idx) -> Idx {
-        if a == NIL {
-            return b;
-        }
-        if b == NIL {
-            return a;
-        }
-        if self.blocks[a as usize].prio > self.blocks[b as usize].prio {
-            let r = self.addr_merge(self.blocks[a as usize].aright, b);
-            self.blocks[a as usize].aright = r;
-            a
-        } else {
-            let l = self.addr_merge(a, self.blocks[b as usize].aleft);
-            self.blocks[b as usize].aleft = l;
-            b
-        }
-    }
-
-    fn addr_insert(&mut self, t: Idx, n: Idx) -> Idx {
-        if t == NIL {
-            return n;
-        }
-        let na = self.blocks[n as usize].addr;
-        if self.blocks[n as usize].prio > self.blocks[t as usize].prio {
-            let (l, r) = self.addr_split(t, na);
-            self.blocks[n as usize].aleft = l;
-            self.blocks[n as usize].aright = r;
-            return n;
-        }
-        if na < self.blocks[t as usize].addr {
-            let l = self.addr_insert(self.blocks[t as usize].aleft, n);
-            self.blocks[t as usize].aleft = l;
-        } else {
-            let r = self.addr_insert(self.blocks[t as usize].aright, n);
-            self.blocks[t as usize].aright = r;
-        }
-        t
-    }
-
-    fn addr_remove(&mut self, t: Idx, addr: u64) -> Idx {
-        if t == NIL {
-            return NIL;
-        }
-        let ta = self.blocks[t as usize].addr;
-        if addr < ta {
-            let l = self.addr_remove(self.blocks[t as usize].aleft, addr);
-            self.blocks[t as usize].aleft = l;
-            t
-        } else if addr > ta {
-            let r = self.addr_remove(self.blocks[t as usize].aright, addr);
-            self.blocks[t as usize].aright = r;
-            t
-        } else {
-            let (l, r) = (
-                self.blocks[t as usize].aleft,
-                self.blocks[t as usize].aright,
-            );
-            self.blocks[t as usize].aleft = NIL;
-            self.blocks[t as usize].aright = NIL;
-            self.addr_merge(l, r)
+            let (l, r) = (self.kid::<A>(t, false), self.kid::<A>(t, true));
+            self.set_kid::<A>(t, false, NIL);
+            self.set_kid::<A>(t, true, NIL);
+            self.merge::<A>(l, r)
         }
     }
 
@@ -662,11 +613,11 @@ impl Heap {
         if let Some(t) = self.arena_mut(a).free_by_addr {
             self.blocks[n as usize].aleft = NIL;
             self.blocks[n as usize].aright = NIL;
-            let t = self.addr_insert(t, n);
+            let t = self.insert_rec::<true>(t, n);
             self.arena_mut(a).free_by_addr = Some(t);
         }
         let root = self.arena_mut(a).root;
-        let root = self.insert_rec(root, n);
+        let root = self.insert_rec::<false>(root, n);
         self.arena_mut(a).root = root;
     }
 
@@ -681,10 +632,10 @@ impl Heap {
         let root = self.arena_mut(a).root;
         let key = self.key(n);
         if let Some(t) = self.arena_mut(a).free_by_addr {
-            let t = self.addr_remove(t, key.1);
+            let t = self.remove_rec::<true>(t, (key.1, 0));
             self.arena_mut(a).free_by_addr = Some(t);
         }
-        let root = self.remove_rec(root, key);
+        let root = self.remove_rec::<false>(root, key);
         self.arena_mut(a).root = root;
     }
 
