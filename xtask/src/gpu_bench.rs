@@ -46,10 +46,13 @@ pub(crate) fn build_cli() -> Result<PathBuf> {
     Ok(bin)
 }
 
-fn prepare() -> Result<()> {
+/// Builds the stripped staticlib, the cxx headers (symlinks resolved) and the release
+/// `stweaver` CLI into the git-excluded folder `carry` of the repository, for a GPU
+/// machine without Rust. Shared by `gpu-bench` and `gpu-test/gpu-bench --gpus N`.
+pub(crate) fn prepare_cli_carry(carry_name: &str, what: &str) -> Result<()> {
     let lib = build_staticlib(true)?;
     let cli = build_cli()?;
-    let carry = root().join(CARRY);
+    let carry = root().join(carry_name);
     if carry.exists() {
         fs::remove_dir_all(&carry)?;
     }
@@ -61,13 +64,18 @@ fn prepare() -> Result<()> {
     let cli_dst = carry.join("bin/stweaver");
     fs::copy(&cli, &cli_dst)?;
     strip_debug(&cli_dst);
-    ensure_excluded(&format!("/{CARRY}/"))?;
+    ensure_excluded(&format!("/{carry_name}/"))?;
     let total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len();
     eprintln!(
-        "gpu-bench: {} ready ({:.1} MiB: staticlib, cxx headers, stweaver CLI)",
+        "{what}{} ready ({:.1} MiB: staticlib, cxx headers, stweaver CLI)",
         carry.display(),
         total as f64 / (1 << 20) as f64
     );
+    Ok(())
+}
+
+fn prepare() -> Result<()> {
+    prepare_cli_carry(CARRY, "gpu-bench: ")?;
     println!(
         "device command: set -o pipefail; bash scripts/gpu_bench.sh {CARRY} 2>&1 | tee $OUT/log"
     );

@@ -8,14 +8,9 @@
 //! `scripts/gpu_dist_test.sh` (`python/tests/gpu_dist/run_dist_tests.py`) and
 //! `scripts/gpu_dist_bench.sh` (`python/bench/gpu_dist_bench.py`).
 
-use std::fs;
-
 use anyhow::{Result, bail};
 
-use crate::gpu_bench::build_cli;
-use crate::torch_ext::{
-    build_staticlib, copy_resolved, ensure_excluded, root, strip_debug, target_dir,
-};
+use crate::gpu_bench::prepare_cli_carry;
 
 const CARRY: &str = ".dist-carry";
 
@@ -31,28 +26,7 @@ pub fn gpus_arg(args: &[String]) -> Result<Option<u32>> {
 }
 
 fn prepare() -> Result<()> {
-    let lib = build_staticlib(true)?;
-    let cli = build_cli()?;
-    let carry = root().join(CARRY);
-    if carry.exists() {
-        fs::remove_dir_all(&carry)?;
-    }
-    fs::create_dir_all(carry.join("bin"))?;
-    let lib_dst = carry.join("libstweaver_torch.a");
-    fs::copy(&lib, &lib_dst)?;
-    strip_debug(&lib_dst);
-    let hdr = copy_resolved(&target_dir().join("cxxbridge"), &carry.join("cxxbridge"))?;
-    let cli_dst = carry.join("bin/stweaver");
-    fs::copy(&cli, &cli_dst)?;
-    strip_debug(&cli_dst);
-    ensure_excluded(&format!("/{CARRY}/"))?;
-    let total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len();
-    eprintln!(
-        "{} ready ({:.1} MiB: staticlib, cxx headers, stweaver CLI)",
-        carry.display(),
-        total as f64 / (1 << 20) as f64
-    );
-    Ok(())
+    prepare_cli_carry(CARRY, "")
 }
 
 /// Prepares the carry and prints the device command of `script` on `gpus` GPUs.
