@@ -28,6 +28,95 @@ use crate::units::{Bytes, StreamId};
 /// First address handed out by [`HostMemory::reserve`].
 const VA_START: u64 = 0x7e00_0000_0000;
 
+/// The address-space bookkeeping both test devices share ([`HostMemory`] and
+/// [`crate::engine::VirtualMemory`]): reservations handed out from a counter starting
+/// high, each followed by an unmapped guard granule so that neighbours never touch, and
+/// the range checks every map, unmap and release makes. O(log r) per call.
+#[derive(Debug)]
+pub(crate) struct VaSpace {
+    granule: u64,
+    next_va: u64,
+    /// base -> size of every live reservation.
+    reservations: BTreeMap<u64, u64>,
+}
+
+impl VaSpace {
+    /// Reservations from `start` on, in `granule`-byte units.
+    pub(crate) fn new(start: u64, granule: u64) -> VaSpace {
+        VaSpace {
+            granule,
+            next_va: start,
+            reservations: BTreeMap::new(),
+        }
+    }
+
+    /// Number of live reservations.
+    pub(crate) fn len(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// A new reservation of `size` bytes (a granule multiple).
+    pub(crate) fn reserve(&mut self, size: u64) -> Result<u64, DeviceError> {
+        if size == 0 || !size.is_multiple_of(self.granule) {
+            return Err(DeviceError::InvalidRange {
+                addr: DevicePtr(0),
+                size: Bytes(size),
+                reason: "reservation not a granule multiple",
+            });
+        }
+        let base = self.next_va;
+        let next = base
+            .checked_add(size)
+            .and_then(|e| e.checked_add(self.granule))
+            .ok_or(DeviceError::OutOfMemory { size: Bytes(size) })?;
+        self.next_va = next;
+        self.reservations.insert(base, size);
+        Ok(base)
+    }
+
+    /// Checks that `[addr, addr + size)` is granule aligned, non-empty and inside one
+    /// reservation; returns its end.
+    pub(crate) fn check_range(&self, addr: u64, size: u64) -> Result<u64, DeviceError> {
+        let bad = |reason| DeviceError::InvalidRange {
+            addr: DevicePtr(addr),
+            size: Bytes(size),
+            reason,
+        };
+        if size == 0 || !addr.is_multiple_of(self.granule) || !size.is_multiple_of(self.granule) {
+            return Err(bad("not granule aligned or empty"));
+        }
+        let end = addr.checked_add(size).ok_or(bad("overflows"))?;
+        match self.reservations.range(..=addr).next_back() {
+            Some((&base, &len)) if end <= base + len => Ok(end),
+            _ => Err(bad("outside every reservation")),
+        }
+    }
+
+    /// Releases the reservation `[base, base + size)` if it is a whole one and
+    /// `mapped_inside(lo, hi)` says nothing is mapped in it.
+    pub(crate) fn release(
+        &mut self,
+        base: DevicePtr,
+        size: Bytes,
+        mapped_inside: impl FnOnce(u64, u64) -> bool,
+    ) -> Result<(), DeviceError> {
+        let bad = |reason| DeviceError::InvalidRange {
+            addr: base,
+            size,
+            reason,
+        };
+        match self.reservations.get(&base.get()) {
+            Some(&len) if len == size.get() => {}
+            _ => return Err(bad("not a whole reservation")),
+        }
+        if mapped_inside(base.get(), base.get() + size.get()) {
+            return Err(bad("reservation still has mapped granules"));
+        }
+        self.reservations.remove(&base.get());
+        Ok(())
+    }
+}
+
 /// Host-memory device: see the module documentation.
 #[derive(Debug)]
 pub struct HostMemory {
@@ -37,11 +126,9 @@ pub struct HostMemory {
     events: FakeEvents,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct HostInner {
-    next_va: u64,
-    /// base -> size of every live reservation.
-    reservations: BTreeMap<u64, u64>,
+    va: VaSpace,
     /// granule address -> its bytes.
     granules: HashMap<u64, Box<[u8]>>,
     mapped: u64,
@@ -75,8 +162,11 @@ impl HostMemory {
             granule,
             capacity: capacity.get(),
             inner: Mutex::new(HostInner {
-                next_va: VA_START,
-                ..HostInner::default()
+                va: VaSpace::new(VA_START, granule),
+                granules: HashMap::new(),
+                mapped: 0,
+                counters: HostCounters::default(),
+                fail_map_in: None,
             }),
             events: FakeEvents::default(),
         }
@@ -94,7 +184,7 @@ impl HostMemory {
 
     /// Number of live reservations.
     pub fn reservations(&self) -> usize {
-        lock(&self.inner).reservations.len()
+        lock(&self.inner).va.len()
     }
 
     /// How many calls of each kind were made.
@@ -161,24 +251,6 @@ impl HostMemory {
         }
         Ok(())
     }
-
-    /// Checks that `[addr, addr + size)` is granule aligned, non-empty and inside one
-    /// reservation.
-    fn check_range(&self, inner: &HostInner, addr: u64, size: u64) -> Result<(), DeviceError> {
-        let bad = |reason| DeviceError::InvalidRange {
-            addr: DevicePtr(addr),
-            size: Bytes(size),
-            reason,
-        };
-        if size == 0 || !addr.is_multiple_of(self.granule) || !size.is_multiple_of(self.granule) {
-            return Err(bad("not granule aligned or empty"));
-        }
-        let end = addr.checked_add(size).ok_or(bad("overflows"))?;
-        match inner.reservations.range(..=addr).next_back() {
-            Some((&base, &len)) if end <= base + len => Ok(()),
-            _ => Err(bad("outside every reservation")),
-        }
-    }
 }
 
 impl DeviceMemory for HostMemory {
@@ -197,50 +269,25 @@ impl DeviceMemory for HostMemory {
     }
 
     fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
-        let size = size.get();
         let mut inner = lock(&self.inner);
-        if size == 0 || !size.is_multiple_of(self.granule) {
-            return Err(DeviceError::InvalidRange {
-                addr: DevicePtr(0),
-                size: Bytes(size),
-                reason: "reservation not a granule multiple",
-            });
-        }
-        let base = inner.next_va;
-        // Leave a guard gap of one granule after each reservation.
-        let next = base
-            .checked_add(size)
-            .and_then(|e| e.checked_add(self.granule))
-            .ok_or(DeviceError::OutOfMemory { size: Bytes(size) })?;
-        inner.next_va = next;
-        inner.reservations.insert(base, size);
+        let base = inner.va.reserve(size.get())?;
         inner.counters.reserves += 1;
         Ok(DevicePtr(base))
     }
 
     fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
-        let bad = |reason| DeviceError::InvalidRange {
-            addr: base,
-            size,
-            reason,
-        };
-        match inner.reservations.get(&base.get()) {
-            Some(&len) if len == size.get() => {}
-            _ => return Err(bad("not a whole reservation")),
-        }
-        let (lo, hi) = (base.get(), base.get() + size.get());
-        if inner.granules.keys().any(|&g| g >= lo && g < hi) {
-            return Err(bad("reservation still has mapped granules"));
-        }
-        inner.reservations.remove(&base.get());
+        let HostInner { va, granules, .. } = &mut *inner;
+        va.release(base, size, |lo, hi| {
+            granules.keys().any(|&g| g >= lo && g < hi)
+        })?;
         inner.counters.releases += 1;
         Ok(())
     }
 
     fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
-        self.check_range(&inner, addr.get(), size.get())?;
+        inner.va.check_range(addr.get(), size.get())?;
         let granules = addr.get()..addr.get() + size.get();
         if granules
             .clone()
@@ -275,7 +322,7 @@ impl DeviceMemory for HostMemory {
 
     fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
-        self.check_range(&inner, addr.get(), size.get())?;
+        inner.va.check_range(addr.get(), size.get())?;
         let granules = addr.get()..addr.get() + size.get();
         if !granules
             .clone()

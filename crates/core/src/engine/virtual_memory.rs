@@ -7,7 +7,8 @@
 //! checks, so an engine bug is still an error here rather than silent:
 //!
 //! - **reservations** are handed out from a counter (high addresses, an unmapped guard
-//!   granule after each) and kept in an ordered map;
+//!   granule after each) and kept in an ordered map (`host::VaSpace`, shared with
+//!   [`crate::engine::HostMemory`]);
 //! - **mappings** are an ordered set of disjoint, coalesced mapped ranges; mapping a
 //!   range that is not granule aligned, outside one reservation or overlapping a mapped
 //!   range is an error, as is unmapping a range that is not wholly mapped, or releasing a
@@ -26,7 +27,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::engine::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
-use crate::engine::host::{FakeEvents, HostCounters};
+use crate::engine::host::{FakeEvents, HostCounters, VaSpace};
 use crate::units::{Bytes, StreamId};
 
 /// First address handed out by [`VirtualMemory::reserve`].
@@ -42,11 +43,9 @@ pub struct VirtualMemory {
     events: FakeEvents,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    next_va: u64,
-    /// base -> size of every live reservation.
-    reservations: BTreeMap<u64, u64>,
+    va: VaSpace,
     /// start -> end of every mapped range (disjoint, not adjacent: coalesced).
     mapped: BTreeMap<u64, u64>,
     mapped_bytes: u64,
@@ -63,13 +62,17 @@ impl VirtualMemory {
     /// A device of `capacity` bytes mapped in `granule`-byte granules (a power of two
     /// ≥ 512, else rounded up to one). Events complete as soon as they are recorded.
     pub fn new(capacity: Bytes, granule: Bytes) -> VirtualMemory {
+        let granule = granule.get().max(512).next_power_of_two();
         VirtualMemory {
-            granule: granule.get().max(512).next_power_of_two(),
+            granule,
             capacity: capacity.get(),
             auto_pass: true,
             inner: Mutex::new(Inner {
-                next_va: VA_START,
-                ..Inner::default()
+                va: VaSpace::new(VA_START, granule),
+                mapped: BTreeMap::new(),
+                mapped_bytes: 0,
+                peak_mapped: 0,
+                counters: HostCounters::default(),
             }),
             events: FakeEvents::default(),
         }
@@ -99,28 +102,12 @@ impl VirtualMemory {
 
     /// Number of live reservations.
     pub fn reservations(&self) -> usize {
-        lock(&self.inner).reservations.len()
+        lock(&self.inner).va.len()
     }
 
     /// How many calls of each kind were made.
     pub fn counters(&self) -> HostCounters {
         lock(&self.inner).counters
-    }
-
-    fn check_range(&self, inner: &Inner, addr: u64, size: u64) -> Result<u64, DeviceError> {
-        let bad = |reason| DeviceError::InvalidRange {
-            addr: DevicePtr(addr),
-            size: Bytes(size),
-            reason,
-        };
-        if size == 0 || !addr.is_multiple_of(self.granule) || !size.is_multiple_of(self.granule) {
-            return Err(bad("not granule aligned or empty"));
-        }
-        let end = addr.checked_add(size).ok_or(bad("overflows"))?;
-        match inner.reservations.range(..=addr).next_back() {
-            Some((&base, &len)) if end <= base + len => Ok(end),
-            _ => Err(bad("outside every reservation")),
-        }
     }
 }
 
@@ -140,59 +127,30 @@ impl DeviceMemory for VirtualMemory {
     }
 
     fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
-        let size = size.get();
         let mut inner = lock(&self.inner);
-        if size == 0 || !size.is_multiple_of(self.granule) {
-            return Err(DeviceError::InvalidRange {
-                addr: DevicePtr(0),
-                size: Bytes(size),
-                reason: "reservation not a granule multiple",
-            });
-        }
-        let base = inner.next_va;
-        let next = base
-            .checked_add(size)
-            .and_then(|e| e.checked_add(self.granule))
-            .ok_or(DeviceError::OutOfMemory { size: Bytes(size) })?;
-        inner.next_va = next;
-        inner.reservations.insert(base, size);
+        let base = inner.va.reserve(size.get())?;
         inner.counters.reserves += 1;
         Ok(DevicePtr(base))
     }
 
     fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
-        let bad = |reason| DeviceError::InvalidRange {
-            addr: base,
-            size,
-            reason,
-        };
-        match inner.reservations.get(&base.get()) {
-            Some(&len) if len == size.get() => {}
-            _ => return Err(bad("not a whole reservation")),
-        }
-        let (lo, hi) = (base.get(), base.get() + size.get());
+        let Inner { va, mapped, .. } = &mut *inner;
         // The last mapped range starting below `hi` is the only candidate that can
         // reach into `[lo, hi)` (ranges are disjoint and sorted).
-        if inner
-            .mapped
-            .range(..hi)
-            .next_back()
-            .is_some_and(|(_, &end)| end > lo)
-        {
-            return Err(bad("reservation still has mapped granules"));
-        }
-        inner.reservations.remove(&base.get());
+        va.release(base, size, |lo, hi| {
+            mapped
+                .range(..hi)
+                .next_back()
+                .is_some_and(|(_, &end)| end > lo)
+        })?;
         inner.counters.releases += 1;
         Ok(())
     }
 
     fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
-        let (lo, hi) = (
-            addr.get(),
-            self.check_range(&inner, addr.get(), size.get())?,
-        );
+        let (lo, hi) = (addr.get(), inner.va.check_range(addr.get(), size.get())?);
         if inner
             .mapped
             .range(..hi)
@@ -228,10 +186,7 @@ impl DeviceMemory for VirtualMemory {
 
     fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
-        let (lo, hi) = (
-            addr.get(),
-            self.check_range(&inner, addr.get(), size.get())?,
-        );
+        let (lo, hi) = (addr.get(), inner.va.check_range(addr.get(), size.get())?);
         // Coalesced ranges: a wholly mapped range lies inside exactly one of them.
         let Some((&s, &e)) = inner.mapped.range(..=lo).next_back() else {
             return Err(DeviceError::InvalidRange {
