@@ -823,8 +823,15 @@ impl Heap {
     /// that holds `size` bytes (where `Heap::carve_growth` would grow), or `None`.
     /// O(unmapped blocks + run length).
     pub fn lowest_run(&self, a: ArenaId, size: u64) -> Option<u64> {
+        self.lowest_run_block(a, size)
+            .map(|s| self.blocks[s as usize].addr)
+    }
+
+    /// The first block of that run: the first unmapped block whose run, starting at
+    /// its free predecessor if it has one, holds `size` bytes.
+    fn lowest_run_block(&self, a: ArenaId, size: u64) -> Option<Idx> {
         let arena = self.arena(a)?;
-        for &u in arena.unmapped.values() {
+        arena.unmapped.values().find_map(|&u| {
             let prev = self.blocks[u as usize].prev;
             let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
                 prev
@@ -840,11 +847,8 @@ impl Heap {
                 sum += blk.size;
                 b = blk.next;
             }
-            if sum >= size {
-                return Some(self.blocks[s as usize].addr);
-            }
-        }
-        None
+            (sum >= size).then_some(s)
+        })
     }
 
     // ---------------------------------------------------------------- serving
@@ -1111,36 +1115,9 @@ impl Heap {
         budget: u64,
     ) -> Result<Result<Vec<Idx>, GrowthFailure>, SlabFull> {
         let g = self.granule;
-        let Some(arena) = self.arena(a) else {
+        let Some(start) = self.lowest_run_block(a, size) else {
             return Ok(Err(GrowthFailure::NoRoom));
         };
-        // The first unmapped block whose run (starting at a free predecessor) holds
-        // `size` bytes.
-        let mut start = NIL;
-        for &u in arena.unmapped.values() {
-            let prev = self.blocks[u as usize].prev;
-            let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
-                prev
-            } else {
-                u
-            };
-            let (mut sum, mut b) = (0u64, s);
-            while b != NIL && sum < size {
-                let blk = &self.blocks[b as usize];
-                if !matches!(blk.state, BlockState::Free | BlockState::Unmapped) {
-                    break;
-                }
-                sum += blk.size;
-                b = blk.next;
-            }
-            if sum >= size {
-                start = s;
-                break;
-            }
-        }
-        if start == NIL {
-            return Ok(Err(GrowthFailure::NoRoom));
-        }
         // How much of each unmapped block in the run to map.
         let mut plan: Vec<(Idx, u64)> = Vec::new();
         let (mut left, mut b) = (size, start);
