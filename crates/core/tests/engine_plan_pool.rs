@@ -28,6 +28,28 @@ fn req(size: u64, offset: u64, start: u64, end: u64, stream: StreamId) -> Planne
     }
 }
 
+/// A plan on device 0 with 512-B alignment, checked by the verifier.
+fn verified_plan(
+    pool: u64,
+    prologue: Vec<PlannedRequest>,
+    prologue_len: u64,
+    iteration: Vec<PlannedRequest>,
+    iteration_len: u64,
+) -> Plan {
+    let plan = Plan {
+        device: DeviceId(0),
+        alignment: Bytes(512),
+        pool_size: Bytes(pool),
+        prologue,
+        prologue_len,
+        iteration,
+        iteration_len,
+        ..Plan::default()
+    };
+    verify_plan(&plan).unwrap();
+    plan
+}
+
 struct Run {
     host: Arc<HostMemory>,
     engine: Engine<Arc<HostMemory>>,
@@ -88,22 +110,17 @@ impl Run {
 /// and a temporary, in a 128 KiB pool: [0, 64K) parameter, [64K, 96K) and [96K, 128K)
 /// activations; the temporary reuses the first activation's range after it dies.
 fn one_stream_plan() -> Plan {
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(128 * K),
-        prologue: vec![req(64 * K, 0, 0, NEVER_FREED, S1)],
-        prologue_len: 1,
-        iteration: vec![
+    verified_plan(
+        128 * K,
+        vec![req(64 * K, 0, 0, NEVER_FREED, S1)],
+        1,
+        vec![
             req(32 * K, 64 * K, 0, 2, S1),
             req(32 * K, 96 * K, 1, 4, S1),
             req(8 * K, 64 * K, 3, 5, S1),
         ],
-        iteration_len: 6,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
-    plan
+        6,
+    )
 }
 
 fn one_iteration(r: &mut Run, extra: Option<u64>) {
@@ -205,21 +222,17 @@ fn without_a_safe_hole_a_request_goes_online() {
 #[test]
 fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
     // Stream 1 writes [0, 32K) then stream 2 reuses it; [32K, 64K) is stream 2's alone.
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(64 * K),
-        prologue: vec![],
-        prologue_len: 0,
-        iteration: vec![
+    let plan = verified_plan(
+        64 * K,
+        vec![],
+        0,
+        vec![
             req(32 * K, 0, 0, 1, S1),
             req(32 * K, 0, 2, 4, S2),
             req(16 * K, 32 * K, 3, 5, S2),
         ],
-        iteration_len: 6,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
+        6,
+    );
     let mut r = Run::new();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
@@ -320,17 +333,13 @@ fn switching_mid_run_serves_the_steady_slice_next_to_the_online_allocations() {
 fn a_large_request_without_a_hole_grows_the_pool_at_its_tail() {
     // Pool of 4 granules: a 3-granule parameter, then per iteration an activation of
     // one granule at the top.
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(4 * G),
-        prologue: vec![req(3 * G, 0, 0, NEVER_FREED, S1)],
-        prologue_len: 1,
-        iteration: vec![req(G, 3 * G, 0, 1, S1)],
-        iteration_len: 2,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
+    let plan = verified_plan(
+        4 * G,
+        vec![req(3 * G, 0, 0, NEVER_FREED, S1)],
+        1,
+        vec![req(G, 3 * G, 0, 1, S1)],
+        2,
+    );
     let mut r = Run::new();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, len) = r.engine.plan_pool().unwrap().unwrap();
@@ -373,15 +382,13 @@ fn a_large_request_without_a_hole_grows_the_pool_at_its_tail() {
 fn a_spent_prologue_only_plan_gives_back_its_free_granules_and_grows_like_an_arena() {
     // Prologue only: a parameter (never freed) at the top, a 2 MiB temporary below.
     const M2: u64 = 2 << 20;
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(M2 + G),
-        prologue: vec![req(G, M2, 0, NEVER_FREED, S1), req(M2, 0, 1, 2, S1)],
-        prologue_len: 3,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
+    let plan = verified_plan(
+        M2 + G,
+        vec![req(G, M2, 0, NEVER_FREED, S1), req(M2, 0, 1, 2, S1)],
+        3,
+        vec![],
+        0,
+    );
     let mut r = Run::new();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
@@ -414,18 +421,14 @@ fn an_unplanned_request_takes_the_gap_between_the_ranges_the_next_requests_need(
     // evaluation, a checkpoint), the free block [G, 4G) has both ends planned next, but
     // its middle is free until the activations come and go again.
     let h = G / 2;
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(4 * G),
-        // A setup temporary maps the whole pool first.
-        prologue: vec![req(G, 0, 0, NEVER_FREED, S1), req(3 * G, G, 1, 2, S1)],
-        prologue_len: 3,
-        iteration: vec![req(h, G, 0, 2, S1), req(h, 4 * G - h, 1, 3, S1)],
-        iteration_len: 4,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
+    // A setup temporary maps the whole pool first.
+    let plan = verified_plan(
+        4 * G,
+        vec![req(G, 0, 0, NEVER_FREED, S1), req(3 * G, G, 1, 2, S1)],
+        3,
+        vec![req(h, G, 0, 2, S1), req(h, 4 * G - h, 1, 3, S1)],
+        4,
+    );
     let mut r = Run::new();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
@@ -530,21 +533,17 @@ fn the_plan_streams_are_bound_to_the_run_streams_as_they_first_show_up() {
     // The plan was made in another process: its side stream had handle 2, the run's
     // has 7. Stream 1 (say the default stream) keeps its id.
     let run_side = StreamId(7);
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(64 * K),
-        prologue: vec![],
-        prologue_len: 0,
-        iteration: vec![
+    let plan = verified_plan(
+        64 * K,
+        vec![],
+        0,
+        vec![
             req(32 * K, 0, 0, 1, S1),
             req(16 * K, 32 * K, 2, 4, S2),
             req(8 * K, 48 * K, 3, 5, S1),
         ],
-        iteration_len: 6,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
+        6,
+    );
     let mut r = Run::new();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
@@ -588,17 +587,7 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
         iteration.push(req(4 * K, k * 4 * K, 2 * k, 2 * k + 1, S1));
         iteration.push(req(4 * K, k * 4 * K, 2 * k + 1, 2 * k + 2, S2));
     }
-    let plan = Plan {
-        device: DeviceId(0),
-        alignment: Bytes(512),
-        pool_size: Bytes(n * 4 * K),
-        prologue: vec![],
-        prologue_len: 0,
-        iteration,
-        iteration_len: 2 * n + 1,
-        ..Plan::default()
-    };
-    verify_plan(&plan).unwrap();
+    let plan = verified_plan(n * 4 * K, vec![], 0, iteration, 2 * n + 1);
     let mut r = Run::new();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let mut held = Vec::new();
