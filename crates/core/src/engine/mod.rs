@@ -745,6 +745,23 @@ impl State {
         Ok(placed)
     }
 
+    /// Stops serving the plan, if one is served (returns whether one was): its blocks
+    /// stay until freed, its pool is unpinned so that it goes back like an online arena,
+    /// and a switch's drain ends. `why`: the plan was given up mid-run
+    /// ([`Engine::plan_abandoned`]).
+    fn stop_plan(&mut self, why: Option<String>) -> bool {
+        let Some(p) = self.plan.take() else {
+            return false;
+        };
+        self.heap.unpin(p.arena);
+        self.drain = 0;
+        self.drain_pending = false;
+        if why.is_some() {
+            self.abandoned = why;
+        }
+        true
+    }
+
     /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals.
     fn settle_inactive(&mut self) {
         for kind in [PoolKind::Small, PoolKind::Large] {
@@ -1065,15 +1082,13 @@ impl<D: DeviceMemory> Engine<D> {
             // The plan does not fit under the limit next to what is held: give it up
             // (its blocks stay until freed, its pool goes back like an online arena)
             // and serve online from now on.
-            if let Some(p) = st.plan.take() {
-                st.heap.unpin(p.arena);
-                st.abandoned = Some(format!(
-                    "mapping {} of the plan's pool would exceed the memory limit {} ({} reserved)",
-                    Bytes(total),
-                    Bytes(st.limit),
-                    Bytes(reserved)
-                ));
-            }
+            let why = format!(
+                "mapping {} of the plan's pool would exceed the memory limit {} ({} reserved)",
+                Bytes(total),
+                Bytes(st.limit),
+                Bytes(reserved)
+            );
+            st.stop_plan(Some(why));
             return Ok((false, st));
         }
         let (grown, st) = self.map_carved(st, carved, PoolKind::Large)?;
@@ -1619,12 +1634,9 @@ impl<D: DeviceMemory> Engine<D> {
     /// loaded afterwards.
     pub fn unload_plan(&self) -> Result<bool, EngineError> {
         let mut st = self.lock()?;
-        let Some(p) = st.plan.take() else {
+        if !st.stop_plan(None) {
             return Ok(false);
-        };
-        st.heap.unpin(p.arena);
-        st.drain = 0;
-        st.drain_pending = false;
+        }
         drop(st);
         self.release_cached()?;
         Ok(true)
@@ -1717,15 +1729,7 @@ impl<D: DeviceMemory> Engine<D> {
                 p.bad_iterations = 0;
             }
         }
-        let mut gave_up = false;
-        if let Some(why) = give_up
-            && let Some(p) = st.plan.take()
-        {
-            // Its blocks stay until freed; its pool goes back like an online arena.
-            st.heap.unpin(p.arena);
-            st.abandoned = Some(why);
-            gave_up = true;
-        }
+        let gave_up = give_up.is_some_and(|why| st.stop_plan(Some(why)));
         if let Some(r) = st.recorder.as_mut() {
             r.marker(MarkerKind::IterationBegin, None);
         }
