@@ -18,11 +18,8 @@
 //!   and the engine keeps serving online.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use stweaver_core::engine::{
-    DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit, PlanOptions, PlanSection,
-};
+use stweaver_core::engine::{DevicePtr, EngineError, MemoryLimit, PlanOptions, PlanSection};
 use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
 use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
 use stweaver_core::verify::verify_plan;
@@ -134,55 +131,32 @@ fn make_plan() -> Plan {
     plan
 }
 
-struct Run {
-    host: Arc<HostMemory>,
-    engine: Engine<Arc<HostMemory>>,
-    /// Live blocks: ptr -> (len, byte).
-    live: HashMap<u64, (u64, u8)>,
-    tag: u8,
+mod common;
+
+/// The checked engine (granules of 64 KiB, online arenas of 256 MiB), its requests all
+/// on stream `S`.
+struct Run(common::Checked);
+
+impl std::ops::Deref for Run {
+    type Target = common::Checked;
+    fn deref(&self) -> &common::Checked {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Run {
+    fn deref_mut(&mut self) -> &mut common::Checked {
+        &mut self.0
+    }
 }
 
 impl Run {
     fn new() -> Run {
-        let host = Arc::new(HostMemory::new(Bytes(1 << 30), Bytes(G)));
-        let engine = Engine::new(
-            host.clone(),
-            EngineConfig {
-                arena_size: Some(Bytes(256 << 20)),
-                ..EngineConfig::default()
-            },
-        )
-        .unwrap();
-        Run {
-            host,
-            engine,
-            live: HashMap::new(),
-            tag: 0,
-        }
+        Run(common::Checked::new(G, 256 << 20))
     }
 
     fn alloc(&mut self, size: u64) -> DevicePtr {
-        let p = self.engine.malloc(Bytes(size), S).unwrap();
-        let len = round(size);
-        for (&q, &(l, _)) in &self.live {
-            assert!(
-                q + l <= p.get() || p.get() + len <= q,
-                "{p} overlaps {q:#x}"
-            );
-        }
-        self.tag = self.tag.wrapping_add(1).max(1);
-        self.host.fill(p, Bytes(len), self.tag).unwrap();
-        self.live.insert(p.get(), (len, self.tag));
-        p
-    }
-
-    fn free(&mut self, p: DevicePtr) {
-        let (len, byte) = self.live.remove(&p.get()).unwrap();
-        assert!(
-            self.host.check(p, Bytes(len), byte).unwrap(),
-            "sentinel at {p}"
-        );
-        self.engine.free(p).unwrap();
+        self.0.alloc(size, S)
     }
 
     /// Runs one iteration; `extra` allocates and frees an unplanned buffer after the

@@ -3,12 +3,7 @@
 //! sentinel byte on allocation and checked on free (`HostMemory` keeps real bytes), so
 //! an overlap between two live blocks fails the test.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
-use stweaver_core::engine::{
-    DevicePtr, Engine, EngineConfig, HostMemory, PlanOptions, PlanSection, steady_slice,
-};
+use stweaver_core::engine::{PlanOptions, PlanSection, steady_slice};
 use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
 use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
 use stweaver_core::verify::verify_plan;
@@ -50,60 +45,13 @@ fn verified_plan(
     plan
 }
 
-struct Run {
-    host: Arc<HostMemory>,
-    engine: Engine<Arc<HostMemory>>,
-    live: HashMap<u64, (u64, u8)>,
-    tag: u8,
-}
+mod common;
 
-impl Run {
-    fn new() -> Run {
-        let host = Arc::new(HostMemory::new(Bytes(1 << 30), Bytes(G)));
-        let engine = Engine::new(
-            host.clone(),
-            EngineConfig {
-                arena_size: Some(Bytes(64 << 20)),
-                ..EngineConfig::default()
-            },
-        )
-        .unwrap();
-        Run {
-            host,
-            engine,
-            live: HashMap::new(),
-            tag: 0,
-        }
-    }
+/// Granules of 64 KiB, online arenas of 64 MiB.
+type Run = common::Checked;
 
-    fn alloc(&mut self, size: u64, stream: StreamId) -> DevicePtr {
-        let p = self.engine.malloc(Bytes(size), stream).unwrap();
-        let len = size.div_ceil(512) * 512;
-        for (&q, &(l, _)) in &self.live {
-            assert!(
-                q + l <= p.get() || p.get() + len <= q,
-                "{p} overlaps {q:#x}"
-            );
-        }
-        self.tag = self.tag.wrapping_add(1).max(1);
-        self.host.fill(p, Bytes(len), self.tag).unwrap();
-        self.live.insert(p.get(), (len, self.tag));
-        p
-    }
-
-    fn free(&mut self, p: DevicePtr) {
-        let (len, byte) = self.live.remove(&p.get()).unwrap();
-        assert!(
-            self.host.check(p, Bytes(len), byte).unwrap(),
-            "sentinel at {p}"
-        );
-        self.engine.free(p).unwrap();
-    }
-
-    fn in_pool(&self, p: DevicePtr) -> bool {
-        let (base, len) = self.engine.plan_pool().unwrap().unwrap();
-        p.get() >= base.get() && p.get() < base.get() + len.get()
-    }
+fn run() -> Run {
+    Run::new(G, 64 << 20)
 }
 
 /// One stream: a 64 KiB parameter, then an iteration of two activations (32 KiB each)
@@ -141,7 +89,7 @@ fn one_iteration(r: &mut Run, extra: Option<u64>) {
 #[test]
 fn unplanned_requests_take_holes_the_plan_does_not_need_soon() {
     let plan = one_stream_plan();
-    let mut r = Run::new();
+    let mut r = run();
     // Looking one expected request ahead (the plan's iteration is so short that a
     // longer horizon covers its whole pool).
     let opts = PlanOptions {
@@ -183,7 +131,7 @@ fn unplanned_requests_take_holes_the_plan_does_not_need_soon() {
 #[test]
 fn without_a_safe_hole_a_request_goes_online() {
     let plan = one_stream_plan();
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let param = r.alloc(64 * K, S1);
     r.engine.mark_iteration().unwrap();
@@ -200,7 +148,7 @@ fn without_a_safe_hole_a_request_goes_online() {
         r.free(p);
     }
     // With holes off, every unplanned request goes online.
-    let mut r = Run::new();
+    let mut r = run();
     r.engine
         .load_plan(
             &plan,
@@ -233,7 +181,7 @@ fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
         ],
         6,
     );
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
     for it in 0..3 {
@@ -284,7 +232,7 @@ fn switching_mid_run_serves_the_steady_slice_next_to_the_online_allocations() {
         Bytes(64 * K),
         "the parameter's room is squeezed out"
     );
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.start_trace().unwrap();
     // Online phase: the parameter and two iterations.
     let param = r.alloc(64 * K, S1);
@@ -340,7 +288,7 @@ fn a_large_request_without_a_hole_grows_the_pool_at_its_tail() {
         vec![req(G, 3 * G, 0, 1, S1)],
         2,
     );
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, len) = r.engine.plan_pool().unwrap().unwrap();
     assert_eq!(len, Bytes(4 * G));
@@ -389,7 +337,7 @@ fn a_spent_prologue_only_plan_gives_back_its_free_granules_and_grows_like_an_are
         vec![],
         0,
     );
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
     let param = r.alloc(G, S1);
@@ -429,7 +377,7 @@ fn an_unplanned_request_takes_the_gap_between_the_ranges_the_next_requests_need(
         vec![req(h, G, 0, 2, S1), req(h, 4 * G - h, 1, 3, S1)],
         4,
     );
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
     let param = r.alloc(G, S1);
@@ -460,7 +408,7 @@ fn an_unplanned_request_takes_the_gap_between_the_ranges_the_next_requests_need(
 #[test]
 fn unloading_a_plan_keeps_its_live_blocks_serves_online_and_gives_the_pool_back() {
     let plan = one_stream_plan();
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let param = r.alloc(64 * K, S1);
     r.engine.mark_iteration().unwrap();
@@ -500,7 +448,7 @@ fn unloading_a_plan_keeps_its_live_blocks_serves_online_and_gives_the_pool_back(
 fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
     use stweaver_core::engine::MemoryLimit;
     let plan = one_stream_plan();
-    let mut r = Run::new();
+    let mut r = run();
     r.engine
         .set_memory_limit(MemoryLimit::Bytes(Bytes(3 * G)))
         .unwrap();
@@ -544,7 +492,7 @@ fn the_plan_streams_are_bound_to_the_run_streams_as_they_first_show_up() {
         ],
         6,
     );
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
     for it in 0..3 {
@@ -588,7 +536,7 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
         iteration.push(req(4 * K, k * 4 * K, 2 * k + 1, 2 * k + 2, S2));
     }
     let plan = verified_plan(n * 4 * K, vec![], 0, iteration, 2 * n + 1);
-    let mut r = Run::new();
+    let mut r = run();
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let mut held = Vec::new();
     for it in 0..4 {
@@ -611,7 +559,7 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
     assert!(why.contains("planned range busy"), "{why}");
     r.engine.check_invariants().unwrap();
     // With the option at 0 the plan is kept.
-    let mut r = Run::new();
+    let mut r = run();
     let opts = PlanOptions {
         give_up_conflict_percent: 0,
         ..PlanOptions::default()
