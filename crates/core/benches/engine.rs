@@ -186,7 +186,9 @@ fn plan_more(c: &mut Criterion) {
         let miss = size + 512;
         warm(&e, miss);
         let before = e.plan_stats().unwrap().unwrap();
+        let mut ran = false;
         g.bench_function(BenchmarkId::new("plan_miss", name), |b| {
+            ran = true;
             b.iter(|| {
                 let p = e.malloc(black_box(Bytes(miss)), StreamId(0)).unwrap();
                 e.free(black_box(p)).unwrap();
@@ -194,7 +196,11 @@ fn plan_more(c: &mut Criterion) {
         });
         let st = e.plan_stats().unwrap().unwrap();
         assert_eq!(st.hits, before.hits, "every request a miss");
-        assert!(st.holes > before.holes, "served from the pool's holes");
+        // (A filtered-out benchmark does not run.)
+        assert!(
+            !ran || st.holes > before.holes,
+            "served from the pool's holes"
+        );
     }
     for (label, delta) in [("plan_contended_2t", 0u64), ("plan_miss_contended_2t", 512)] {
         for (size, name) in SIZES {

@@ -356,13 +356,34 @@ impl Heap {
         }
     }
 
-    /// Unlinks `n` from its arena's address list (it must not be the head).
+    /// Links `n` right before `at` in address order (`n` becomes the arena's head if
+    /// `at` was).
+    fn link_before(&mut self, at: Idx, n: Idx) {
+        let prev = self.blocks[at as usize].prev;
+        self.blocks[n as usize].prev = prev;
+        self.blocks[n as usize].next = at;
+        self.blocks[at as usize].prev = n;
+        if prev != NIL {
+            self.blocks[prev as usize].next = n;
+        } else {
+            let a = self.blocks[at as usize].arena;
+            self.arena_mut(a).head = n;
+        }
+    }
+
+    /// Unlinks `n` from its arena's address list (its successor becomes the arena's
+    /// head if `n` was).
     fn unlink(&mut self, n: Idx) {
         let (prev, next) = (self.blocks[n as usize].prev, self.blocks[n as usize].next);
-        debug_assert!(prev != NIL, "the head block is never unlinked");
-        self.blocks[prev as usize].next = next;
         if next != NIL {
             self.blocks[next as usize].prev = prev;
+        }
+        if prev != NIL {
+            self.blocks[prev as usize].next = next;
+        } else {
+            debug_assert!(next != NIL, "an arena keeps at least one block");
+            let a = self.blocks[n as usize].arena;
+            self.arena_mut(a).head = next;
         }
     }
 
@@ -594,13 +615,41 @@ impl Heap {
     /// the granules that lie wholly inside it.
     #[inline]
     pub fn non_releasable(&self, addr: u64, size: u64) -> u64 {
-        let g = self.granule;
-        let lo = addr.div_ceil(g) * g;
-        let hi = (addr + size) / g * g;
+        // The granule is a power of two (`Heap::new`): masks, not divisions (this runs
+        // twice per alloc/free pair on the hot path).
+        let m = self.granule - 1;
+        let lo = (addr + m) & !m;
+        let hi = (addr + size) & !m;
         size - hi.saturating_sub(lo)
     }
 
+    /// Indexes free block `n` in both treaps of its arena (the by-address one only for
+    /// a placement arena).
     fn tree_insert(&mut self, n: Idx) {
+        let a = self.blocks[n as usize].arena;
+        if let Some(t) = self.arena_mut(a).free_by_addr {
+            self.blocks[n as usize].aleft = NIL;
+            self.blocks[n as usize].aright = NIL;
+            let t = self.insert_rec::<true>(t, n);
+            self.arena_mut(a).free_by_addr = Some(t);
+        }
+        self.fit_insert(n);
+    }
+
+    /// Takes free block `n` out of both treaps of its arena.
+    fn tree_remove(&mut self, n: Idx) {
+        let (a, addr) = (self.blocks[n as usize].arena, self.blocks[n as usize].addr);
+        if let Some(t) = self.arena_mut(a).free_by_addr {
+            let t = self.remove_rec::<true>(t, (addr, 0));
+            self.arena_mut(a).free_by_addr = Some(t);
+        }
+        self.fit_remove(n);
+    }
+
+    /// Indexes free block `n` in the fit treap only (and counts its non-releasable
+    /// bytes). Alone, this is for a block whose by-address entry stays valid: its
+    /// address changed, if at all, without passing another free block's.
+    fn fit_insert(&mut self, n: Idx) {
         let b = &self.blocks[n as usize];
         debug_assert_eq!(b.state, BlockState::Free);
         let a = b.arena;
@@ -610,18 +659,14 @@ impl Heap {
         self.inactive_count[pool_index(kind)] += u64::from(nr > 0);
         self.blocks[n as usize].left = NIL;
         self.blocks[n as usize].right = NIL;
-        if let Some(t) = self.arena_mut(a).free_by_addr {
-            self.blocks[n as usize].aleft = NIL;
-            self.blocks[n as usize].aright = NIL;
-            let t = self.insert_rec::<true>(t, n);
-            self.arena_mut(a).free_by_addr = Some(t);
-        }
         let root = self.arena_mut(a).root;
         let root = self.insert_rec::<false>(root, n);
         self.arena_mut(a).root = root;
     }
 
-    fn tree_remove(&mut self, n: Idx) {
+    /// Takes free block `n` out of the fit treap only (the counterpart of
+    /// [`Heap::fit_insert`]); call it before changing the block's size or address.
+    fn fit_remove(&mut self, n: Idx) {
         let b = &self.blocks[n as usize];
         debug_assert_eq!(b.state, BlockState::Free);
         let a = b.arena;
@@ -631,10 +676,6 @@ impl Heap {
         self.inactive_count[pool_index(kind)] -= u64::from(nr > 0);
         let root = self.arena_mut(a).root;
         let key = self.key(n);
-        if let Some(t) = self.arena_mut(a).free_by_addr {
-            let t = self.remove_rec::<true>(t, (key.1, 0));
-            self.arena_mut(a).free_by_addr = Some(t);
-        }
         let root = self.remove_rec::<false>(root, key);
         self.arena_mut(a).root = root;
     }
@@ -905,9 +946,7 @@ impl Heap {
             b.trace_id = u32::MAX;
             b.uses.clear();
         }
-        let i = self.coalesce_free(i);
-        self.tree_insert(i);
-        i
+        self.settle_free(i)
     }
 
     /// Places a block of `size` bytes at exactly `addr` in placement arena `a`, if the
@@ -979,16 +1018,40 @@ impl Heap {
         } else {
             None
         };
-        self.tree_remove(b);
+        // A free block keeps its by-address entry when it only shrinks, or moves its
+        // start up without passing another free block's (none lies inside it): only
+        // its fit key changes. That saves two of the by-address treap's updates on a
+        // plan hit.
+        self.fit_remove(b);
         let x = match x {
             // `b` stays the free head `[baddr, addr)`; the block goes right after it.
             Some(x) => {
                 self.blocks[b as usize].size = head;
                 self.link_after(b, x);
-                self.tree_insert(b);
+                self.fit_insert(b);
                 x
             }
+            // `b` becomes the free tail; a new block takes `[addr, end)` before it.
+            None if tail > 0 => {
+                let Some(t) = t else {
+                    unreachable!("a slot is taken for every tail")
+                };
+                // The spare slot is the allocated block; `b` keeps its place.
+                {
+                    let blk = &mut self.blocks[t as usize];
+                    blk.addr = addr;
+                    blk.size = size;
+                    blk.state = BlockState::Allocated;
+                    blk.requested = requested;
+                }
+                self.link_before(b, t);
+                self.blocks[b as usize].addr = end;
+                self.blocks[b as usize].size = tail;
+                self.fit_insert(b);
+                return Ok(t);
+            }
             None => {
+                self.remove_by_addr(b);
                 self.blocks[b as usize].size = size;
                 self.blocks[b as usize].state = BlockState::Allocated;
                 b
@@ -1000,6 +1063,15 @@ impl Heap {
             self.tree_insert(t);
         }
         Ok(x)
+    }
+
+    /// Takes free block `n` out of its arena's by-address treap, if it has one.
+    fn remove_by_addr(&mut self, n: Idx) {
+        let (a, addr) = (self.blocks[n as usize].arena, self.blocks[n as usize].addr);
+        if let Some(t) = self.arena_mut(a).free_by_addr {
+            let t = self.remove_rec::<true>(t, (addr, 0));
+            self.arena_mut(a).free_by_addr = Some(t);
+        }
     }
 
     /// Claims `[addr, addr + size)` of arena `a` (any arena, placement or not) as an
@@ -1052,26 +1124,44 @@ impl Heap {
         self.take_range(b, addr, size, requested).map(Some)
     }
 
-    /// Merges free block `i` (not in the tree) with free neighbours (which are), and
-    /// returns the merged block (not in the tree).
-    fn coalesce_free(&mut self, mut i: Idx) -> Idx {
+    /// Makes block `i` (just marked `Free`, in no treap) free memory of its arena:
+    /// merged with its free neighbours (which are indexed) and indexed. Returns the
+    /// resulting free block. A neighbour that absorbs `i` keeps its by-address entry
+    /// (its address moves, if at all, to `i`'s, which no other free block passes), so
+    /// only the fit treap changes unless `i` has no free neighbour.
+    fn settle_free(&mut self, i: Idx) -> Idx {
         let prev = self.blocks[i as usize].prev;
-        if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
-            self.tree_remove(prev);
-            let size = self.blocks[i as usize].size;
+        let next = self.blocks[i as usize].next;
+        let prev_free = prev != NIL && self.blocks[prev as usize].state == BlockState::Free;
+        let next_free = next != NIL && self.blocks[next as usize].state == BlockState::Free;
+        let size = self.blocks[i as usize].size;
+        if prev_free {
+            self.fit_remove(prev);
             self.blocks[prev as usize].size += size;
             self.unlink(i);
             self.drop_block(i);
-            i = prev;
+            if next_free {
+                self.tree_remove(next);
+                let nsize = self.blocks[next as usize].size;
+                self.blocks[prev as usize].size += nsize;
+                self.unlink(next);
+                self.drop_block(next);
+            }
+            self.fit_insert(prev);
+            return prev;
         }
-        let next = self.blocks[i as usize].next;
-        if next != NIL && self.blocks[next as usize].state == BlockState::Free {
-            self.tree_remove(next);
-            let size = self.blocks[next as usize].size;
-            self.blocks[i as usize].size += size;
-            self.unlink(next);
-            self.drop_block(next);
+        if next_free {
+            // `next` grows down over `i`.
+            self.fit_remove(next);
+            let addr = self.blocks[i as usize].addr;
+            self.blocks[next as usize].addr = addr;
+            self.blocks[next as usize].size += size;
+            self.unlink(i);
+            self.drop_block(i);
+            self.fit_insert(next);
+            return next;
         }
+        self.tree_insert(i);
         i
     }
 
@@ -1179,8 +1269,7 @@ impl Heap {
         debug_assert_eq!(self.blocks[i as usize].state, BlockState::Mapping);
         if mapped {
             self.blocks[i as usize].state = BlockState::Free;
-            let i = self.coalesce_free(i);
-            self.tree_insert(i);
+            self.settle_free(i);
         } else {
             self.settle_unmapped(i);
         }
@@ -1275,8 +1364,7 @@ impl Heap {
             self.settle_unmapped(i);
         } else {
             self.blocks[i as usize].state = BlockState::Free;
-            let i = self.coalesce_free(i);
-            self.tree_insert(i);
+            self.settle_free(i);
         }
     }
 

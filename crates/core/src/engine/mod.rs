@@ -781,10 +781,16 @@ impl State {
     /// Completes the free of pending or allocated block `i`: it leaves `live`, goes
     /// back to its arena, and stops counting as active.
     fn complete_free(&mut self, i: Idx) {
+        let addr = self.heap.block(i).addr;
+        self.live.remove(&addr);
+        self.release_block(i);
+    }
+
+    /// [`State::complete_free`] for a block already taken out of `live`.
+    fn release_block(&mut self, i: Idx) {
         let kind = self.kind_of(i);
         let b = self.heap.block(i);
-        let (addr, size, requested, trace_id) = (b.addr, b.size, b.requested, b.trace_id);
-        self.live.remove(&addr);
+        let (size, requested, trace_id) = (b.size, b.requested, b.trace_id);
         stats::decrease(&mut self.stats.active, kind, 1);
         stats::decrease(&mut self.stats.active_bytes, kind, size);
         stats::decrease(&mut self.stats.requested_bytes, kind, requested);
@@ -1099,12 +1105,22 @@ impl<D: DeviceMemory> Engine<D> {
     /// the memory is reused only after they pass the events recorded now.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), EngineError> {
         let mut st = self.lock()?;
-        let Some(&i) = st.live.get(&ptr.get()) else {
-            return Err(EngineError::UnknownPointer(ptr));
+        // One hash probe: the entry is taken out at once when nothing defers the free.
+        let i = {
+            let s = &mut *st;
+            let std::collections::hash_map::Entry::Occupied(slot) = s.live.entry(ptr.get()) else {
+                return Err(EngineError::UnknownPointer(ptr));
+            };
+            let i = *slot.get();
+            let b = s.heap.block(i);
+            if b.state != BlockState::Allocated {
+                return Err(EngineError::AlreadyFreed(ptr));
+            }
+            if b.uses.is_empty() {
+                slot.remove();
+            }
+            i
         };
-        if st.heap.block(i).state != BlockState::Allocated {
-            return Err(EngineError::AlreadyFreed(ptr));
-        }
         let kind = st.kind_of(i);
         let (size, trace_id) = (st.heap.block(i).size, st.heap.block(i).trace_id);
         if st.drain > 0
@@ -1121,7 +1137,7 @@ impl<D: DeviceMemory> Engine<D> {
             r.free_requested(trace_id);
         }
         if st.heap.block(i).uses.is_empty() {
-            st.complete_free(i);
+            st.release_block(i);
             st.settle_inactive();
             return Ok(());
         }
