@@ -35,8 +35,8 @@ LABEL = {"native": "native", "expandable": "expandable segments", "trace": "stwe
 GiB = float(1 << 30)
 
 
-def run(a, strategy, alloc, fdir, timeout):
-    name = f"{strategy}_{alloc}"
+def run(a, strategy, alloc, fdir, timeout, suffix=""):
+    name = f"{strategy}_{alloc}{suffix}"
     d = os.path.join(a.out, "runs", name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -121,7 +121,67 @@ def render(doc) -> str:
     if doc.get("skipped"):
         lines.append("skipped (budget): " + ", ".join(doc["skipped"]))
     lines += [fmt.format(*head)] + [fmt.format(*r) for r in out]
+    lines += render_repeats(doc)
     return "\n".join(lines)
+
+
+def step_of(r, alloc):
+    """Per-rank step medians of run `r` (auto: after its switch), None where a rank failed."""
+    key = "steady_step_median_s" if alloc == "auto" else "step_median_s"
+    return [(x or {}).get(key) if x and x.get("ok") else None for x in r["ranks"]]
+
+
+def repeat(a, doc, fdir, t0) -> None:
+    """Extra interleaved rounds (native, then each allocator, per strategy) for step time: each
+    round's ratio is against the same round's native run, so slow drifts of the machine cancel.
+    Round 0 is the main run."""
+    if a.repeat_rounds <= 0 or a.dry_run:
+        return
+    allocs = [x for x in a.repeat_allocators.split(",") if x]
+    if "native" not in allocs:
+        allocs.insert(0, "native")
+    reps = doc.setdefault("repeats", {})
+    for s, runs in doc["runs"].items():
+        for alloc in allocs:
+            if alloc in runs:
+                reps.setdefault(s, {}).setdefault(alloc, []).append(step_of(runs[alloc], alloc))
+    for k in range(1, a.repeat_rounds + 1):
+        for s in list(doc["runs"]):
+            for alloc in ["native"] + [x for x in allocs if x != "native"]:
+                left = a.budget_s - (time.time() - t0)
+                if left < a.est_run_s:
+                    doc["skipped"].append(f"{s} {alloc} round {k}")
+                    continue
+                r = run(a, s, alloc, fdir, min(a.timeout_s, max(30.0, left)), suffix=f"_r{k}")
+                steps = step_of(r, alloc)
+                reps.setdefault(s, {}).setdefault(alloc, []).append(steps)
+                print(f"{s} {alloc} round {k}: steps {steps}", flush=True)
+        save(a, doc, t0)
+
+
+def render_repeats(doc) -> list[str]:
+    reps = doc.get("repeats")
+    if not reps:
+        return []
+    lines = ["step time / native, per round (round 0 = the main run; ratio of the median over "
+             "ranks to the same round's native), then the median over rounds:"]
+    for s, by in reps.items():
+        nat = by.get("native", [])
+        for alloc, rounds in by.items():
+            if alloc == "native":
+                continue
+            ratios = []
+            for k, steps in enumerate(rounds):
+                ok = [x for x in steps if x]
+                base = [x for x in nat[k] if x] if k < len(nat) else []
+                if ok and base:
+                    ratios.append(sorted(ok)[len(ok) // 2] / sorted(base)[len(base) // 2])
+            if ratios:
+                med = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
+                    sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
+                lines.append(f"  {s:<5} {LABEL.get(alloc, alloc) if alloc != 'auto' else LABEL['auto_steady']:<30} "
+                             + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
+    return lines
 
 
 def save(a, doc, t0) -> None:
@@ -146,6 +206,11 @@ def main(argv=None) -> int:
     ap.add_argument("--est-run-s", type=float, default=30, help="a run is not started with less left")
     ap.add_argument("--timeout-s", type=float, default=180)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--repeat-rounds", type=int, default=0,
+                    help="after the main runs, this many extra rounds of --repeat-allocators, "
+                         "interleaved, for step time alone (one run per configuration does not "
+                         "resolve 1 %% on a shared machine)")
+    ap.add_argument("--repeat-allocators", default="native,expandable,auto")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
@@ -177,6 +242,7 @@ def main(argv=None) -> int:
             if not all(oks):
                 print(dl.tail(r["log"], 25), flush=True)
             save(a, doc, t0)  # after every run: a killed call still leaves its results
+    repeat(a, doc, fdir, t0)
     save(a, doc, t0)
     with open(os.path.join(a.out, "bench_table.txt"), "w") as f:
         f.write(doc["table"] + "\n")
