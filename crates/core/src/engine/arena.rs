@@ -28,6 +28,10 @@
 //! 4. The arena's fit tree holds exactly its `Free` blocks; its unmapped index exactly
 //!    its `Unmapped` blocks.
 //! 5. Block addresses and sizes are multiples of the 512-B alignment.
+//! 6. The arena's mapped *units* tile its mapped memory exactly. A unit is the range of
+//!    one device `map` call, which is only ever unmapped whole (on CUDA, one physical
+//!    allocation): a whole mapped block in a placement arena (the plan pool), one
+//!    granule in an online arena (`Heap::whole_unit_mapping`).
 //!
 //! # Algorithms and costs (n = free blocks in the arena)
 //!
@@ -43,10 +47,12 @@
 //!   ones the request needs, not a fixed segment size. O(unmapped blocks + run length).
 //!   The caller maps them with the lock released, then `Heap::finish_mapping` turns
 //!   them into free memory.
-//! - **Release** (`Heap::carve_releasable`): every granule lying wholly inside a free
+//! - **Release** (`Heap::carve_releasable`): every unit lying wholly inside a free
 //!   block is carved out for unmapping (`empty_cache`); what stays is free memory that
-//!   shares a granule with a block in use — the *non-releasable* bytes the engine reports
-//!   as `inactive_split`. O(blocks).
+//!   shares a unit with a block in use. For online arenas (granule units) that is the
+//!   *non-releasable* bytes the engine reports as `inactive_split`; in a placement
+//!   arena, a free granule of a unit still partly in use stays mapped too (counted as
+//!   releasable there: the plan pool is pinned while it serves). O(blocks · log units).
 //!
 //! Fragmentation is therefore bounded as in PyTorch's expandable segments (same best
 //! fit, same growth rule), with a finer mapping unit: the granule (2 MiB) instead of the
@@ -141,6 +147,9 @@ pub(crate) struct Arena {
     free_by_addr: Option<Idx>,
     /// Never unmapped or released by `Heap::carve_releasable` / `Heap::remove_arena`.
     pub pinned: bool,
+    /// start -> end of each mapped unit: the range of one device `map` call, which is
+    /// only ever unmapped whole (see the module docs, release).
+    units: BTreeMap<u64, u64>,
 }
 
 /// What placing a block at a given range of a placement arena needs
@@ -442,6 +451,7 @@ impl Heap {
             unmapped,
             free_by_addr: placement.then_some(NIL),
             pinned: placement,
+            units: BTreeMap::new(),
         });
         Ok(id)
     }
@@ -1268,6 +1278,20 @@ impl Heap {
     pub fn finish_mapping(&mut self, i: Idx, mapped: bool) {
         debug_assert_eq!(self.blocks[i as usize].state, BlockState::Mapping);
         if mapped {
+            let (a, addr, size) = {
+                let b = &self.blocks[i as usize];
+                (b.arena, b.addr, b.size)
+            };
+            let g = self.granule;
+            let whole = self.whole_unit_mapping(a);
+            let units = &mut self.arena_mut(a).units;
+            if whole {
+                units.insert(addr, addr + size);
+            } else {
+                for u in (addr..addr + size).step_by(g as usize) {
+                    units.insert(u, u + g);
+                }
+            }
             self.blocks[i as usize].state = BlockState::Free;
             self.settle_free(i);
         } else {
@@ -1303,8 +1327,7 @@ impl Heap {
             let next = blk.next;
             if blk.state == BlockState::Free {
                 let (addr, size) = (blk.addr, blk.size);
-                let lo = addr.div_ceil(g) * g;
-                let hi = (addr + size) / g * g;
+                let (lo, hi) = self.whole_units_in(a, addr.div_ceil(g) * g, (addr + size) / g * g);
                 if hi > lo {
                     let head = (lo > addr).then_some(lo - addr);
                     let tail = (addr + size > hi).then_some(addr + size - hi);
@@ -1356,11 +1379,50 @@ impl Heap {
         Ok(out)
     }
 
+    /// Whether a `Mapping` block of arena `a` is mapped as one unit (one device `map`
+    /// call: one physical allocation on CUDA, faster for the kernels that use it) rather
+    /// than one unit per granule. Placement arenas (the plan pool) map whole blocks: they
+    /// are pinned, so nothing is released from them while they serve. Online arenas map
+    /// granule by granule, so that a release can give back any free granule.
+    pub fn whole_unit_mapping(&self, a: ArenaId) -> bool {
+        self.arena(a).is_some_and(|x| x.free_by_addr.is_some())
+    }
+
+    /// The largest range inside the granule-aligned mapped range `[lo, hi)` that is a
+    /// union of whole units of arena `a` (units tile the mapped granules, so only the
+    /// unit holding `lo` and the one holding `hi - 1` can stick out). O(log units).
+    fn whole_units_in(&self, a: ArenaId, lo: u64, hi: u64) -> (u64, u64) {
+        let Some(arena) = self.arena(a) else {
+            return (lo, lo);
+        };
+        if hi <= lo {
+            return (lo, lo);
+        }
+        let lo = match arena.units.range(..=lo).next_back() {
+            Some((&s, &e)) if s < lo && e > lo => e,
+            _ => lo,
+        };
+        let hi = match arena.units.range(..hi).next_back() {
+            Some((&s, &e)) if e > hi => s,
+            _ => hi,
+        };
+        (lo, hi.max(lo))
+    }
+
     /// Ends the unmapping of `Unmapping` block `i`: on success it becomes unmapped
     /// (coalesced, indexed), on failure free memory again.
     pub fn finish_unmapping(&mut self, i: Idx, unmapped: bool) {
         debug_assert_eq!(self.blocks[i as usize].state, BlockState::Unmapping);
         if unmapped {
+            let (a, addr, size) = {
+                let b = &self.blocks[i as usize];
+                (b.arena, b.addr, b.size)
+            };
+            let units = &mut self.arena_mut(a).units;
+            let gone: Vec<u64> = units.range(addr..addr + size).map(|(&s, _)| s).collect();
+            for s in gone {
+                units.remove(&s);
+            }
             self.settle_unmapped(i);
         } else {
             self.blocks[i as usize].state = BlockState::Free;
@@ -1451,6 +1513,37 @@ impl Heap {
             }
             if at != arena.base + arena.len {
                 return Err(format!("arena {a} blocks end at {at:#x}, not at its end"));
+            }
+            // The units tile exactly the mapped blocks (Free, Allocated, PendingFree,
+            // Unmapping), each unit lying in one run of them.
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for (_, blk) in self.arena_blocks(a) {
+                if blk.state.is_mapped() {
+                    match runs.last_mut() {
+                        Some(r) if r.1 == blk.addr => r.1 += blk.size,
+                        _ => runs.push((blk.addr, blk.addr + blk.size)),
+                    }
+                }
+            }
+            let mut units = arena.units.iter().peekable();
+            for (rs, re) in runs {
+                let mut at = rs;
+                while at < re {
+                    match units.next() {
+                        Some((&s, &e)) if s == at && e <= re && e > s => at = e,
+                        other => {
+                            return Err(format!(
+                                "arena {a} mapped units do not tile the mapped run \
+                                 [{rs:#x}, {re:#x}) at {at:#x} (unit {other:?})"
+                            ));
+                        }
+                    }
+                }
+            }
+            if let Some(u) = units.next() {
+                return Err(format!(
+                    "arena {a} has a unit outside the mapped blocks: {u:?}"
+                ));
             }
             if let Some(root) = arena.free_by_addr {
                 let mut v = Vec::new();
@@ -1621,9 +1714,43 @@ mod tests {
     }
 
     #[test]
+    fn release_takes_whole_units_only() {
+        // In a placement arena, one mapping of 4 granules is one unit: never unmapped
+        // in part.
+        let mut h = Heap::new(G);
+        let a = h
+            .add_placement_arena(StreamId(0), PoolKind::Large, BASE, 8 * G)
+            .unwrap();
+        assert!(h.whole_unit_mapping(a));
+        for b in h.carve_range(a, BASE, 4 * G).unwrap() {
+            h.finish_mapping(b, true);
+        }
+        let x = h.alloc_at(a, BASE, 512, 512).unwrap().unwrap();
+        let y = h.alloc_at(a, BASE + G, 2 * G, 2 * G).unwrap().unwrap();
+        h.free(y);
+        assert!(h.carve_releasable_with(a, true).unwrap().is_empty());
+        h.check().unwrap();
+        h.free(x);
+        let carved = h.carve_releasable_with(a, true).unwrap();
+        assert_eq!(carved.len(), 1);
+        assert_eq!(
+            (h.block(carved[0]).addr, h.block(carved[0]).size),
+            (BASE, 4 * G)
+        );
+        h.finish_unmapping(carved[0], true);
+        h.check().unwrap();
+        assert_eq!(h.check().unwrap()[1].mapped, 0);
+    }
+
+    #[test]
     fn release_keeps_partial_granules_and_over_budget_is_refused() {
         let (mut h, a) = heap_with_arena(8 * G);
-        grow(&mut h, a, 4 * G);
+        // Four units of one granule each.
+        for k in 0..4 {
+            for b in h.carve_range(a, BASE + k * G, G).unwrap() {
+                h.finish_mapping(b, true);
+            }
+        }
         let x = h.alloc(a, 512, 512).unwrap().unwrap();
         let _y = h.alloc(a, G, G).unwrap().unwrap();
         let z = h.alloc(a, G, G).unwrap().unwrap();

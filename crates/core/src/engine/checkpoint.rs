@@ -269,10 +269,15 @@ impl<D: DeviceMemory> Engine<D> {
             });
         }
         st.mapping += total;
+        let whole: Vec<bool> = pieces
+            .iter()
+            .map(|&(i, ..)| st.heap.whole_unit_mapping(st.heap.block(i).arena))
+            .collect();
         drop(st);
         let results: Vec<_> = pieces
             .iter()
-            .map(|&(_, addr, size, _)| self.dev.map(DevicePtr(addr), Bytes(size)))
+            .zip(whole)
+            .map(|(&(_, addr, size, _), whole)| self.map_units(addr, size, whole))
             .collect();
         let mut st = self.lock()?;
         st.mapping -= total;

@@ -118,10 +118,13 @@ pub trait DeviceMemory: Send + Sync {
     fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError>;
 
     /// Backs `[addr, addr + size)` with physical memory, readable and writable by the
-    /// device. The range is granule aligned, inside one reservation, and unmapped.
+    /// device. The range is granule aligned, inside one reservation, and unmapped. It is
+    /// later unmapped only whole (possibly together with neighbouring mapped ranges).
     fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError>;
 
-    /// Removes the physical backing of `[addr, addr + size)` (granule aligned, mapped).
+    /// Removes the physical backing of `[addr, addr + size)`: a union of whole ranges of
+    /// earlier [`DeviceMemory::map`] calls (a mapping is never unmapped in part, so that
+    /// a CUDA implementation can back each `map` call with one physical allocation).
     fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError>;
 
     /// Waits until all work queued on the device has finished (before unmapping memory

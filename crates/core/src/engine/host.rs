@@ -38,6 +38,9 @@ pub(crate) struct VaSpace {
     next_va: u64,
     /// base -> size of every live reservation.
     reservations: BTreeMap<u64, u64>,
+    /// start -> end of every mapped unit: the range of one `map` call, which (as a CUDA
+    /// mapping of one physical allocation) can only be unmapped whole.
+    units: BTreeMap<u64, u64>,
 }
 
 impl VaSpace {
@@ -47,6 +50,7 @@ impl VaSpace {
             granule,
             next_va: start,
             reservations: BTreeMap::new(),
+            units: BTreeMap::new(),
         }
     }
 
@@ -90,6 +94,39 @@ impl VaSpace {
             Some((&base, &len)) if end <= base + len => Ok(end),
             _ => Err(bad("outside every reservation")),
         }
+    }
+
+    /// Records `[addr, addr + size)` (just mapped by one `map` call) as a unit.
+    pub(crate) fn add_unit(&mut self, addr: u64, size: u64) {
+        self.units.insert(addr, addr + size);
+    }
+
+    /// Checks that `[addr, addr + size)` is a union of whole units (the
+    /// [`DeviceMemory::unmap`] contract: a mapping is never unmapped in part), then
+    /// forgets them. Nothing changes on error.
+    ///
+    /// [`DeviceMemory::unmap`]: super::DeviceMemory::unmap
+    pub(crate) fn remove_units(&mut self, addr: u64, size: u64) -> Result<(), DeviceError> {
+        let end = addr + size;
+        let mut at = addr;
+        for (&s, &e) in self.units.range(addr..end) {
+            if s != at || e > end {
+                break;
+            }
+            at = e;
+        }
+        if at != end {
+            return Err(DeviceError::InvalidRange {
+                addr: DevicePtr(addr),
+                size: Bytes(size),
+                reason: "unmaps part of a mapping (not a union of whole `map` ranges)",
+            });
+        }
+        let starts: Vec<u64> = self.units.range(addr..end).map(|(&s, _)| s).collect();
+        for s in starts {
+            self.units.remove(&s);
+        }
+        Ok(())
     }
 
     /// Releases the reservation `[base, base + size)` if it is a whole one and
@@ -315,6 +352,7 @@ impl DeviceMemory for HostMemory {
                 .granules
                 .insert(g, vec![0u8; self.granule as usize].into_boxed_slice());
         }
+        inner.va.add_unit(addr.get(), size.get());
         inner.mapped += size.get();
         inner.counters.maps += 1;
         Ok(())
@@ -335,6 +373,7 @@ impl DeviceMemory for HostMemory {
                 reason: "unmaps an unmapped granule",
             });
         }
+        inner.va.remove_units(addr.get(), size.get())?;
         for g in granules.step_by(self.granule as usize) {
             inner.granules.remove(&g);
         }

@@ -1033,21 +1033,24 @@ impl<D: DeviceMemory> Engine<D> {
         carved: Vec<Idx>,
         kind: PoolKind,
     ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
-        let ranges: Vec<(Idx, u64, u64)> = carved
+        let ranges: Vec<(Idx, u64, u64, bool)> = carved
             .iter()
-            .map(|&i| (i, st.heap.block(i).addr, st.heap.block(i).size))
+            .map(|&i| {
+                let b = st.heap.block(i);
+                (i, b.addr, b.size, st.heap.whole_unit_mapping(b.arena))
+            })
             .collect();
         let total: u64 = ranges.iter().map(|r| r.2).sum();
         st.mapping += total;
         drop(st);
         let results: Vec<Result<(), DeviceError>> = ranges
             .iter()
-            .map(|&(_, addr, size)| self.dev.map(DevicePtr(addr), Bytes(size)))
+            .map(|&(_, addr, size, whole)| self.map_units(addr, size, whole))
             .collect();
         let mut st = self.lock()?;
         st.mapping -= total;
         let mut outcome = Ok(Growth::Retry);
-        for (&(i, _, size), r) in ranges.iter().zip(results) {
+        for (&(i, _, size, _), r) in ranges.iter().zip(results) {
             st.heap.finish_mapping(i, r.is_ok());
             match r {
                 Ok(()) => {
@@ -1064,6 +1067,24 @@ impl<D: DeviceMemory> Engine<D> {
         }
         st.settle_inactive();
         Ok((outcome?, st))
+    }
+
+    /// Maps `[addr, addr + size)` as one device `map` call (`whole`), or granule by
+    /// granule (the units `Heap::finish_mapping` records for the block), all or nothing.
+    fn map_units(&self, addr: u64, size: u64, whole: bool) -> Result<(), DeviceError> {
+        let g = self.granularity().get();
+        if whole || size <= g {
+            return self.dev.map(DevicePtr(addr), Bytes(size));
+        }
+        for at in (addr..addr + size).step_by(g as usize) {
+            if let Err(e) = self.dev.map(DevicePtr(at), Bytes(g)) {
+                for done in (addr..at).step_by(g as usize) {
+                    let _ = self.dev.unmap(DevicePtr(done), Bytes(g));
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Maps the granules of `[addr, addr + rounded)` of the plan pool that are not

@@ -178,6 +178,7 @@ impl DeviceMemory for VirtualMemory {
             end = e;
         }
         inner.mapped.insert(start, end);
+        inner.va.add_unit(lo, size.get());
         inner.mapped_bytes += size.get();
         inner.peak_mapped = inner.peak_mapped.max(inner.mapped_bytes);
         inner.counters.maps += 1;
@@ -202,6 +203,7 @@ impl DeviceMemory for VirtualMemory {
                 reason: "unmaps an unmapped granule",
             });
         }
+        inner.va.remove_units(lo, size.get())?;
         inner.mapped.remove(&s);
         if s < lo {
             inner.mapped.insert(s, lo);
@@ -275,7 +277,13 @@ mod tests {
             v.map(at(4), Bytes(5 * G)),
             Err(DeviceError::OutOfMemory { size: Bytes(5 * G) })
         );
-        v.unmap(at(1), Bytes(2 * G)).unwrap(); // splits into [0,1) and [3,4)
+        assert!(
+            v.unmap(at(1), Bytes(2 * G)).is_err(),
+            "part of the mapping [2,4)"
+        );
+        v.unmap(at(1), Bytes(G)).unwrap(); // splits into [0,1) and [2,4)
+        v.unmap(at(2), Bytes(2 * G)).unwrap();
+        v.map(at(3), Bytes(G)).unwrap(); // [0,1) and [3,4)
         assert_eq!(lock(&v.inner).mapped.len(), 2);
         assert!(
             v.unmap(at(0), Bytes(2 * G)).is_err(),
@@ -294,7 +302,7 @@ mod tests {
         v.release(base, Bytes(16 * G)).unwrap();
         assert_eq!(v.reservations(), 0);
         let c = v.counters();
-        assert_eq!((c.reserves, c.releases, c.maps, c.unmaps), (1, 1, 3, 3));
+        assert_eq!((c.reserves, c.releases, c.maps, c.unmaps), (1, 1, 4, 4));
     }
 
     #[test]
