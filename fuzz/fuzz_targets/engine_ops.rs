@@ -216,6 +216,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         eprintln!("plan stats: {:?}", engine.plan_stats().unwrap());
     }
     assert_eq!(host.mapped_bytes(), Bytes(pool));
+    assert_eq!(host.counters().partial_unmaps, 0, "part of a mapping unmapped");
     if let Some(t) = engine.take_trace().unwrap() {
         if !t.events.is_empty() {
             t.validate().expect("recorded trace is valid");

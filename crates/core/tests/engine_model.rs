@@ -1116,6 +1116,11 @@ fn run_program(limit_mib: u64, trace: bool, ops: &[Op]) -> Result<(), TestCaseEr
         prop_assert_eq!(arr[0].current, 0, "{} left over", name);
     }
     prop_assert_eq!(h.host.mapped_bytes(), Bytes(0));
+    prop_assert_eq!(
+        h.host.counters().partial_unmaps,
+        0,
+        "part of a mapping unmapped"
+    );
     // A checkpointed engine keeps its (empty) arenas; otherwise none is left.
     let kept = if h.model.keep {
         h.model.arenas.len()

@@ -247,6 +247,8 @@ pub enum EngineReplayError {
     },
     #[error("the engine reports a reserved peak of {engine}, the device saw {device}")]
     ReservedMismatch { engine: Bytes, device: Bytes },
+    #[error("the engine asked {count} time(s) to unmap part of a mapping (only whole ones may be)")]
+    PartialUnmap { count: u64 },
 }
 
 /// Event indices where the replay calls `mark_iteration` (before handling the event),
@@ -641,6 +643,10 @@ pub fn replay_engine(
     let after_switch = Bytes(stats.reserved_bytes[0].peak as u64);
     let peak_reserved = Bytes(pre_r.max(after_switch.get()));
     let device = r.dev.peak_mapped();
+    let partial = r.dev.counters().partial_unmaps;
+    if partial > 0 {
+        return Err(EngineReplayError::PartialUnmap { count: partial });
+    }
     if device != peak_reserved {
         return Err(EngineReplayError::ReservedMismatch {
             engine: peak_reserved,

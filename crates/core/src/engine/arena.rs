@@ -1382,10 +1382,12 @@ impl Heap {
     /// Whether a `Mapping` block of arena `a` is mapped as one unit (one device `map`
     /// call: one physical allocation on CUDA, faster for the kernels that use it) rather
     /// than one unit per granule. Placement arenas (the plan pool) map whole blocks: they
-    /// are pinned, so nothing is released from them while they serve. Online arenas map
-    /// granule by granule, so that a release can give back any free granule.
+    /// are pinned, so nothing is released from them while they serve. Online arenas, and
+    /// a placement arena no longer pinned (its plan given up or unloaded), map granule by
+    /// granule, so that a release can give back any free granule.
     pub fn whole_unit_mapping(&self, a: ArenaId) -> bool {
-        self.arena(a).is_some_and(|x| x.free_by_addr.is_some())
+        self.arena(a)
+            .is_some_and(|x| x.free_by_addr.is_some() && x.pinned)
     }
 
     /// The largest range inside the granule-aligned mapped range `[lo, hi)` that is a
@@ -1722,6 +1724,10 @@ mod tests {
             .add_placement_arena(StreamId(0), PoolKind::Large, BASE, 8 * G)
             .unwrap();
         assert!(h.whole_unit_mapping(a));
+        let online = h
+            .add_arena(StreamId(1), PoolKind::Large, BASE + 8 * G, G)
+            .unwrap();
+        assert!(!h.whole_unit_mapping(online));
         for b in h.carve_range(a, BASE, 4 * G).unwrap() {
             h.finish_mapping(b, true);
         }
@@ -1740,6 +1746,21 @@ mod tests {
         h.finish_unmapping(carved[0], true);
         h.check().unwrap();
         assert_eq!(h.check().unwrap()[1].mapped, 0);
+        // A placement arena no longer pinned (plan given up) maps granule by granule.
+        h.unpin(a);
+        assert!(!h.whole_unit_mapping(a));
+        for b in h.carve_range(a, BASE, 2 * G).unwrap() {
+            h.finish_mapping(b, true);
+        }
+        let x = h.alloc_at(a, BASE, 512, 512).unwrap().unwrap();
+        let carved = h.carve_releasable(a).unwrap();
+        assert_eq!(
+            (h.block(carved[0]).addr, h.block(carved[0]).size),
+            (BASE + G, G)
+        );
+        h.finish_unmapping(carved[0], true);
+        h.free(x);
+        h.check().unwrap();
     }
 
     #[test]

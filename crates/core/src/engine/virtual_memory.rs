@@ -203,7 +203,10 @@ impl DeviceMemory for VirtualMemory {
                 reason: "unmaps an unmapped granule",
             });
         }
-        inner.va.remove_units(lo, size.get())?;
+        if let Err(e) = inner.va.remove_units(lo, size.get()) {
+            inner.counters.partial_unmaps += 1;
+            return Err(e);
+        }
         inner.mapped.remove(&s);
         if s < lo {
             inner.mapped.insert(s, lo);
