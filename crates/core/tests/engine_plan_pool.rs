@@ -458,14 +458,21 @@ fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
     r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
     let param = r.alloc(64 * K, S1);
     assert!(r.in_pool(param));
-    r.free(other);
-    // The activation's granule would make 4 > 3 granules: the plan is given up, the
-    // request served online once the other stream's cached memory is released.
+    // The activation's granule would make 4 > 3 granules, and the other stream's two
+    // are live (nothing cached to give back): the plan is given up, and the request
+    // (served online now) is out of memory until the other stream frees.
     r.engine.mark_iteration().unwrap();
-    let a = r.alloc(32 * K, S1);
+    let err = r.engine.malloc(Bytes(32 * K), S1).unwrap_err();
+    assert!(
+        matches!(err, stweaver_core::engine::EngineError::OutOfMemory { .. }),
+        "{err}"
+    );
     let why = r.engine.plan_abandoned().unwrap().expect("abandoned");
     assert!(why.contains("memory limit"), "{why}");
     assert!(r.engine.plan_pool().unwrap().is_none());
+    r.engine.check_invariants().unwrap();
+    r.free(other);
+    let a = r.alloc(32 * K, S1);
     let b = r.alloc(32 * K, S1);
     r.engine.check_invariants().unwrap();
     for p in [a, b, param] {
@@ -473,6 +480,37 @@ fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
     }
     r.engine.empty_cache().unwrap();
     assert_eq!(r.engine.stats().unwrap().reserved_bytes[0].current, 0);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn cached_online_memory_is_given_back_before_a_plan_is_given_up_for_the_limit() {
+    use stweaver_core::engine::MemoryLimit;
+    let plan = one_stream_plan();
+    let mut r = run();
+    r.engine
+        .set_memory_limit(MemoryLimit::Bytes(Bytes(3 * G)))
+        .unwrap();
+    // Two granules cached online (allocated and freed on another stream, as the online
+    // phase of auto mode leaves them), then the plan.
+    let other = r.alloc(2 * G, S2);
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let param = r.alloc(64 * K, S1);
+    assert!(r.in_pool(param));
+    r.free(other);
+    r.engine.mark_iteration().unwrap();
+    // The activation's granule would make 4 > 3 granules: the cached two go back to the
+    // device first, and the plan goes on serving.
+    let a = r.alloc(32 * K, S1);
+    assert!(r.in_pool(a), "served from the plan's pool");
+    assert_eq!(r.engine.plan_abandoned().unwrap(), None);
+    let s = r.engine.stats().unwrap();
+    assert_eq!(s.reserved_bytes[0].current as u64, 2 * G);
+    assert_eq!(s.num_alloc_retries, 1);
+    r.engine.check_invariants().unwrap();
+    for p in [a, param] {
+        r.free(p);
+    }
     r.engine.check_invariants().unwrap();
 }
 

@@ -1096,12 +1096,28 @@ impl<D: DeviceMemory> Engine<D> {
         addr: u64,
         rounded: u64,
     ) -> Result<(bool, MutexGuard<'a, State>), EngineError> {
-        let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
-            return Ok((false, st));
+        let mut released = false;
+        let (carved, total, reserved) = loop {
+            let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
+                return Ok((false, st));
+            };
+            let carved = st.heap.carve_range(pa, addr, rounded)?;
+            let total: u64 = carved.iter().map(|&i| st.heap.block(i).size).sum();
+            let reserved = st.stats.reserved_bytes[0].current as u64;
+            if released || reserved + st.mapping + total <= st.limit {
+                break (carved, total, reserved);
+            }
+            // Over the limit: first give back the cached memory of the online arenas
+            // (after a switch, the online phase's cache is still held), as an OOM retry.
+            for i in carved {
+                st.heap.finish_mapping(i, false);
+            }
+            drop(st);
+            self.release_cached()?;
+            st = self.lock()?;
+            st.stats.num_alloc_retries += 1;
+            released = true;
         };
-        let carved = st.heap.carve_range(pa, addr, rounded)?;
-        let total: u64 = carved.iter().map(|&i| st.heap.block(i).size).sum();
-        let reserved = st.stats.reserved_bytes[0].current as u64;
         if reserved + st.mapping + total > st.limit {
             for i in carved {
                 st.heap.finish_mapping(i, false);
