@@ -624,6 +624,39 @@ class Driver:
             s += f" mode={r['stweaver'].get('mode')!r}"
         return s
 
+    # ---------------------------------------------------------- step-time rounds
+
+    def step_rounds(self):
+        """Extra interleaved rounds for step time alone: per round and workload, native then
+        each allocator of --step-allocators (the plan run reuses the workload's plan file), a
+        fresh process each. Each round's ratio is against the same round's native run, so a
+        slow drift of the shared machine cancels; round 0 is the main run."""
+        allocs = [a for a in self.args.step_allocators.split(",") if a and a != "native"]
+        for k in range(1, self.args.step_rounds + 1):
+            print(f"== step-time round {k}", flush=True)
+            for entry in self.doc["workloads"]:
+                w = entry["config"]
+                rounds = entry.setdefault("step_rounds", {})
+                if not rounds:
+                    for alloc, r in entry["runs"].items():
+                        if alloc == "native" or alloc in allocs:
+                            rounds[alloc] = [steady_median(r)]
+                est = float(w.get("est_s", 15))
+                for alloc in ["native"] + allocs:
+                    extra = {}
+                    if alloc == "plan":
+                        plan = os.path.join(self.tmp, f"{w['name']}.stwp")
+                        if not os.path.isfile(plan):
+                            continue
+                        extra = {"plan": plan}
+                    if alloc == "trace":
+                        extra = {"trace": os.path.join(self.tmp, f"{w['name']}.round.stwt")}
+                    r = self.run_one(w, alloc, est * (2 if alloc == "auto" else 1), extra)
+                    rounds.setdefault(alloc, []).append(steady_median(r) if r.get("ok") else None)
+                    print(f"{w['name']:18s} {alloc:10s} round {k}: step "
+                          f"{(steady_median(r) or 0) * 1e3:.1f} ms", flush=True)
+                    self.save()
+
     # ---------------------------------------------------------- memory you can spend
 
     def cap_search(self):
@@ -688,6 +721,8 @@ class Driver:
         for w in ws:
             print(f"== {w['name']}: {w['note']}", flush=True)
             self.workload(w)
+        if self.args.step_rounds > 0:
+            self.step_rounds()
         if not self.args.no_cap:
             print("== memory you can spend", flush=True)
             if self.remaining() > 120 or self.dry:
@@ -709,6 +744,9 @@ class Driver:
                     break
         self.save()
         text = render_table(self.doc, markdown=False)
+        rounds = render_step_rounds(self.doc)
+        if rounds:
+            text += "\n" + "\n".join(rounds) + "\n"
         with open(os.path.join(self.out, "table.txt"), "w") as f:
             f.write(text)
         print("\n" + text, flush=True)
@@ -771,6 +809,39 @@ def steady_indices(r: dict) -> List[int]:
             start = n  # never served a plan: no steady window
         return list(range(start, n))
     return list(range(min(WARMUP, max(0, n - 1)), n))
+
+
+def steady_median(r: dict) -> Optional[float]:
+    """Median step time over `steady_indices` (None without a steady window)."""
+    if not r.get("ok"):
+        return None
+    st = r.get("step_s") or []
+    return _median([st[i] for i in steady_indices(r)])
+
+
+def render_step_rounds(doc: dict) -> List[str]:
+    """Per workload and allocator: each round's step ratio to that round's native, and the
+    median over rounds (`run --step-rounds`)."""
+    out = []
+    for e in doc["workloads"]:
+        rounds = e.get("step_rounds")
+        if not rounds or "native" not in rounds:
+            continue
+        nat = rounds["native"]
+        for alloc, steps in rounds.items():
+            if alloc == "native":
+                continue
+            ratios = [s / n for s, n in zip(steps, nat) if s and n]
+            if not ratios:
+                continue
+            srt = sorted(ratios)
+            med = srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2
+            key = "auto_steady" if alloc == "auto" else alloc
+            out.append(f"{e['config']['name']:18s} {LABELS.get(key, alloc):30s} "
+                       + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
+    if out:
+        out.insert(0, "step time / native per round (round 0 = the main run), median over rounds:")
+    return out
 
 
 def finalize_workload(entry: dict) -> None:
@@ -986,6 +1057,10 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(ALLOCATORS)} (default: all)")
     r.add_argument("--save-traces", default=None, help="copy each trace run's .stwt, gzipped, here")
     r.add_argument("--keep-tmp", action="store_true", help="keep traces, plans and child logs")
+    r.add_argument("--step-rounds", type=int, default=0,
+                   help="extra interleaved rounds of native + --step-allocators per workload, for "
+                        "step time alone (one run per configuration does not resolve 1 %% here)")
+    r.add_argument("--step-allocators", default="plan,auto,expandable")
     p = sub.add_parser("report", help="print the table of a result file")
     p.add_argument("json")
     p.add_argument("--markdown", action="store_true")
@@ -998,6 +1073,9 @@ def main(argv=None) -> int:
     for e in doc["workloads"]:
         finalize_workload(e)  # recomputed: the report's rules may be newer than the run
     print(render_table(doc, a.markdown), end="")
+    rounds = render_step_rounds(doc)
+    if rounds:
+        print("\n" + "\n".join(rounds))
     if a.targets:
         print("\n".join(targets(doc)))
     return 0

@@ -119,3 +119,24 @@ def test_cap_summary():
     assert abs(s["tokens_per_s"] - 2048 * 7 / 0.3) < 1e-6
     assert [p["fits"] for p in s["probes"]] == [True, False]
     assert gb.cap_summary({5: {"ok": False, "oom": True}})["largest"] is None
+
+
+def test_step_rounds_are_ratios_to_the_same_rounds_native_and_their_median():
+    e = entry()
+    e["step_rounds"] = {"native": [0.30, 0.40, 0.20], "plan": [0.303, 0.38, 0.21],
+                        "auto": [0.33, None, 0.20]}
+    doc = {"workloads": [e]}
+    lines = gb.render_step_rounds(doc)
+    assert lines[0].startswith("step time / native per round")
+    plan = next(x for x in lines if "plan" in x)
+    assert "1.010 0.950 1.050" in plan and plan.endswith("median 1.010")
+    auto = next(x for x in lines if "auto" in x)
+    # The failed round is left out; two rounds: the median is their mean.
+    assert "1.100 1.000" in auto and auto.endswith("median 1.050")
+    assert gb.render_step_rounds({"workloads": [entry()]}) == []
+
+
+def test_steady_median_uses_the_steady_window():
+    r = run("auto", G, G, [0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1], [], steady_from=4)
+    assert gb.steady_median(r) == 0.1
+    assert gb.steady_median({"ok": False}) is None
