@@ -43,6 +43,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
             limit: MemoryLimit::Bytes(Bytes(limit)),
             arena_size: Some(Bytes(u.int_in_range(1u64..=16)? << 20)),
             record_trace: u.arbitrary()?,
+            release_before_new_peak: u.arbitrary()?,
             ..EngineConfig::default()
         },
     )

@@ -200,6 +200,8 @@ def run_spec(spec: dict) -> dict:
         else:
             import stweaver
 
+            if spec.get("release_at_peak"):
+                os.environ["STWEAVER_RELEASE_AT_PEAK"] = "1"  # read by the engine at install
             stweaver.install(alloc, plan=spec.get("plan"), trace=spec.get("trace"), hook_optimizer=True)
             st = stweaver
     import torch
@@ -502,6 +504,8 @@ class Driver:
         spec = {"alloc": alloc, "workload": workload, "result": result, "dry_run": self.dry,
                 "deadline": min(self.deadline - 10, time.time() + 4 * est_s)}
         spec.update(extra or {})
+        if self.args.release_at_peak:
+            spec["release_at_peak"] = True
         p, log = self.pool.take(alloc)
         t0 = time.time()
         limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
@@ -1061,6 +1065,9 @@ def main(argv=None) -> int:
                    help="extra interleaved rounds of native + --step-allocators per workload, for "
                         "step time alone (one run per configuration does not resolve 1 %% here)")
     r.add_argument("--step-allocators", default="plan,auto,expandable")
+    r.add_argument("--release-at-peak", action="store_true",
+                   help="stweaver runs with STWEAVER_RELEASE_AT_PEAK=1 (give holes back before a "
+                        "new peak)")
     p = sub.add_parser("report", help="print the table of a result file")
     p.add_argument("json")
     p.add_argument("--markdown", action="store_true")

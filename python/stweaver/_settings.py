@@ -11,6 +11,9 @@ with no arguments):
                            (default: on in ``auto`` mode, which needs iteration
                            boundaries; off otherwise)
 ``STWEAVER_AUTO_ITERATIONS`` iterations ``auto`` records before planning (default 4)
+``STWEAVER_RELEASE_AT_PEAK`` ``1``/``0``: before an online arena grows past the peak of
+                           reserved memory, give its free holes back first (lower peak,
+                           more device synchronisations; default off)
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
@@ -153,6 +156,9 @@ def resolve(
     raw_iters = env.get("STWEAVER_AUTO_ITERATIONS")
     if raw_iters is not None and not (raw_iters.strip().isdigit() and int(raw_iters) > 0):
         raise SettingsError(f"STWEAVER_AUTO_ITERATIONS={raw_iters!r} is not a positive integer")
+    raw_release = env.get("STWEAVER_RELEASE_AT_PEAK")
+    if raw_release is not None:
+        parse_bool(raw_release, "STWEAVER_RELEASE_AT_PEAK")  # read by the Rust side
     if check_files:
         # plan mode reads the plan; auto mode writes the plan it makes (and the trace).
         if mode == "plan" and not os.path.isfile(rank_plan_path(plan_s, env)):

@@ -64,6 +64,7 @@ def test_path_like_arguments(tmp_path):
         ({"mode": "plan", "plan": "/nonexistent/p.stwp"}, {}, "does not exist"),
         ({}, {"STWEAVER_AUTO_ITERATIONS": "0"}, "positive integer"),
         ({}, {"STWEAVER_AUTO_ITERATIONS": "many"}, "positive integer"),
+        ({}, {"STWEAVER_RELEASE_AT_PEAK": "sometimes"}, "STWEAVER_RELEASE_AT_PEAK"),
         ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
     ],
 )

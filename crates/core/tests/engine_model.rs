@@ -789,6 +789,7 @@ impl Harness {
                 limit: MemoryLimit::Bytes(Bytes(limit_mib << 20)),
                 arena_size: Some(Bytes(ARENA)),
                 record_trace: trace,
+                ..EngineConfig::default()
             },
         )
         .unwrap();

@@ -2,7 +2,7 @@
 //! lower bound: online, plan (from the first iterations, the whole trace served) and
 //! auto (record the first iterations online, plan them, switch).
 //!
-//!     cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
+//!     [LAG=K] [RELEASE_AT_PEAK=1] [LOG_ITERATIONS=1] cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
 //!
 //! TRACE: a `.stwt` trace or a PyTorch snapshot; ITERATIONS (default 3): how many the plan
 //! and the auto recording take.
@@ -41,6 +41,11 @@ fn show(r: &EngineReplayReport, secs: f64) {
     if let Some(st) = &r.plan_stats {
         print!(", conflicts {} grown {}", st.conflicts, st.grown);
     }
+    let c = &r.device_counters;
+    print!(
+        ", maps {} unmaps {} syncs {}",
+        c.maps, c.unmaps, c.synchronizes
+    );
     if let Some(e) = &r.plan_abandoned {
         print!(", plan given up: {e}");
     }
@@ -61,6 +66,10 @@ fn main() -> anyhow::Result<()> {
     let opts = EngineReplayOptions {
         // LAG=K: streams run up to K trace events behind the host.
         event_lag: std::env::var("LAG").ok().and_then(|v| v.parse().ok()),
+        // RELEASE_AT_PEAK=1: give back free holes before an online arena sets a new peak.
+        release_before_new_peak: std::env::var_os("RELEASE_AT_PEAK").is_some(),
+        // LOG_ITERATIONS=1: device traffic at every iteration boundary.
+        log_iterations: std::env::var_os("LOG_ITERATIONS").is_some(),
         ..EngineReplayOptions::default()
     };
     println!(

@@ -112,6 +112,10 @@ pub struct EngineReplayOptions {
     /// of; it shows the conflicts and memory that cross-stream reuse costs. `None`:
     /// events pass at once.
     pub event_lag: Option<usize>,
+    /// [`EngineConfig::release_before_new_peak`].
+    pub release_before_new_peak: bool,
+    /// Print the device traffic so far at every iteration boundary (stderr).
+    pub log_iterations: bool,
 }
 
 impl Default for EngineReplayOptions {
@@ -122,6 +126,8 @@ impl Default for EngineReplayOptions {
             device_memory: Bytes(141 * 1_000_000_000),
             serve: ServeOptions::default(),
             event_lag: None,
+            release_before_new_peak: false,
+            log_iterations: false,
         }
     }
 }
@@ -195,6 +201,9 @@ pub struct EngineReplayReport {
     pub plan_abandoned: Option<String>,
     /// Overlap checks made (one per allocation).
     pub overlap_checks: u64,
+    /// Device traffic of the replay: maps, unmaps and whole-device synchronisations (a
+    /// release of cached memory synchronises once).
+    pub device_counters: stweaver_core::engine::HostCounters,
 }
 
 impl EngineReplayReport {
@@ -525,6 +534,7 @@ pub fn replay_engine(
     let config = EngineConfig {
         device: trace.device,
         record_trace: matches!(mode, ServeMode::Auto { .. }),
+        release_before_new_peak: opts.release_before_new_peak,
         ..EngineConfig::default()
     };
     let engine = Engine::new(dev.clone(), config).map_err(Replayer::err(0, "start"))?;
@@ -581,6 +591,13 @@ pub fn replay_engine(
                 .mark_iteration()
                 .map_err(Replayer::err(i, "mark an iteration"))?;
             marked += 1;
+            if opts.log_iterations {
+                let c = r.dev.counters();
+                eprintln!(
+                    "iteration {marked}: device syncs {} maps {} unmaps {}",
+                    c.synchronizes, c.maps, c.unmaps
+                );
+            }
             r.engine
                 .check_invariants()
                 .map_err(Replayer::err(i, "check its invariants"))?;
@@ -662,6 +679,7 @@ pub fn replay_engine(
         .plan_abandoned()
         .map_err(Replayer::err(end, "read plan state"))?;
     Ok(EngineReplayReport {
+        device_counters: r.dev.counters(),
         mode: mode.id(),
         plan_abandoned,
         lower_bound: trace.lower_bound().bytes,

@@ -95,6 +95,9 @@ pub struct Settings {
     /// Under `torchrun` (`WORLD_SIZE` > 1): this process's rank; file names carry it
     /// (module [`crate::dist`]).
     pub rank: Option<RankInfo>,
+    /// `STWEAVER_RELEASE_AT_PEAK=1`: [`EngineConfig::release_before_new_peak`] (off by
+    /// default: it trades device synchronisations and re-mapping for a lower peak).
+    pub release_at_peak: bool,
 }
 
 impl Settings {
@@ -115,12 +118,27 @@ impl Settings {
             Err(_) => DEFAULT_AUTO_ITERATIONS,
         };
         let rank = RankInfo::from_env().map_err(BridgeError::Settings)?;
+        // The same words as the Python side's `parse_bool`.
+        let release_at_peak = match std::env::var("STWEAVER_RELEASE_AT_PEAK") {
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => true,
+                "0" | "false" | "no" | "off" => false,
+                _ => {
+                    return bad(format!(
+                        "STWEAVER_RELEASE_AT_PEAK={v:?} is not a boolean (use 1/0, true/false, \
+                         yes/no, on/off)"
+                    ));
+                }
+            },
+            Err(_) => false,
+        };
         let settings = |mode| Settings {
             mode,
             trace_path: path(trace),
             plan_path: path(plan),
             auto_iterations,
             rank,
+            release_at_peak,
         };
         match mode {
             "online" => {
@@ -591,6 +609,7 @@ impl Core {
             arena_size: None,
             record_trace: matches!(self.settings.mode, Mode::Trace | Mode::Auto)
                 && is_default(pool),
+            release_before_new_peak: self.settings.release_at_peak,
         };
         Ok(Engine::new(
             Tracked::new(mem, owner, self.shared.clone()),

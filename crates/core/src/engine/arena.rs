@@ -1329,54 +1329,89 @@ impl Heap {
                 let (addr, size) = (blk.addr, blk.size);
                 let (lo, hi) = self.whole_units_in(a, addr.div_ceil(g) * g, (addr + size) / g * g);
                 if hi > lo {
-                    let head = (lo > addr).then_some(lo - addr);
-                    let tail = (addr + size > hi).then_some(addr + size - hi);
-                    let slots = usize::from(head.is_some()) + usize::from(tail.is_some());
-                    let mut spares = Vec::with_capacity(slots);
-                    for _ in 0..slots {
-                        match self.new_block(0, 0, BlockState::Free, a) {
-                            Ok(s) => spares.push(s),
-                            Err(e) => {
-                                spares.into_iter().for_each(|s| self.drop_block(s));
-                                return Err(e);
-                            }
-                        }
-                    }
-                    self.tree_remove(b);
-                    // `b` becomes the unmapping middle; head and tail are new free blocks.
-                    self.blocks[b as usize].addr = lo;
-                    self.blocks[b as usize].size = hi - lo;
-                    self.blocks[b as usize].state = BlockState::Unmapping;
-                    if let Some(h) = head {
-                        let Some(s) = spares.pop() else {
-                            unreachable!("spare for head")
-                        };
-                        self.blocks[s as usize].addr = addr;
-                        self.blocks[s as usize].size = h;
-                        let prev = self.blocks[b as usize].prev;
-                        if prev == NIL {
-                            unreachable!(
-                                "a block with a free head part has a predecessor in the arena"
-                            );
-                        }
-                        self.link_after(prev, s);
-                        self.tree_insert(s);
-                    }
-                    if let Some(t) = tail {
-                        let Some(s) = spares.pop() else {
-                            unreachable!("spare for tail")
-                        };
-                        self.blocks[s as usize].addr = hi;
-                        self.blocks[s as usize].size = t;
-                        self.link_after(b, s);
-                        self.tree_insert(s);
-                    }
-                    out.push(b);
+                    out.push(self.carve_unmapping(a, b, lo, hi)?);
                 }
             }
             b = next;
         }
         Ok(out)
+    }
+
+    /// Like [`Heap::carve_releasable`] for arena `a` (not pinned), but only from its
+    /// *holes* (free blocks with mapped memory after them: not the free tail that growth
+    /// extends) and only until `want` bytes are carved, smallest holes first (the
+    /// fragments least likely to hold the next large request). O(blocks · log blocks).
+    pub fn carve_holes(&mut self, a: ArenaId, want: u64) -> Result<Vec<Idx>, SlabFull> {
+        let g = self.granule;
+        let mut cands: Vec<(u64, u64, u64, Idx)> = Vec::new();
+        if self.arena(a).is_some_and(|x| !x.pinned) {
+            for (b, blk) in self.arena_blocks(a) {
+                let hole = blk.next != NIL && self.blocks[blk.next as usize].state.is_mapped();
+                if blk.state == BlockState::Free && hole {
+                    let (lo, hi) = self.whole_units_in(
+                        a,
+                        blk.addr.div_ceil(g) * g,
+                        (blk.addr + blk.size) / g * g,
+                    );
+                    if hi > lo {
+                        cands.push((blk.size, lo, hi, b));
+                    }
+                }
+            }
+        }
+        cands.sort_unstable_by(|x, y| y.cmp(x));
+        let (mut out, mut got) = (Vec::new(), 0);
+        for (_, lo, hi, b) in cands {
+            if got >= want {
+                break;
+            }
+            got += hi - lo;
+            out.push(self.carve_unmapping(a, b, lo, hi)?);
+        }
+        Ok(out)
+    }
+
+    /// Turns `[lo, hi)` (whole units) of free block `b` of arena `a` into an `Unmapping`
+    /// block (returned); what is left on either side stays free.
+    fn carve_unmapping(&mut self, a: ArenaId, b: Idx, lo: u64, hi: u64) -> Result<Idx, SlabFull> {
+        let (addr, size) = (self.blocks[b as usize].addr, self.blocks[b as usize].size);
+        let head = (lo > addr).then_some(lo - addr);
+        let tail = (addr + size > hi).then_some(addr + size - hi);
+        let slots = usize::from(head.is_some()) + usize::from(tail.is_some());
+        let mut spares = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            match self.new_block(0, 0, BlockState::Free, a) {
+                Ok(s) => spares.push(s),
+                Err(e) => {
+                    spares.into_iter().for_each(|s| self.drop_block(s));
+                    return Err(e);
+                }
+            }
+        }
+        self.tree_remove(b);
+        // `b` becomes the unmapping middle; head and tail are new free blocks.
+        self.blocks[b as usize].addr = lo;
+        self.blocks[b as usize].size = hi - lo;
+        self.blocks[b as usize].state = BlockState::Unmapping;
+        if let Some(h) = head {
+            let Some(s) = spares.pop() else {
+                unreachable!("spare for head")
+            };
+            self.blocks[s as usize].addr = addr;
+            self.blocks[s as usize].size = h;
+            self.link_before(b, s);
+            self.tree_insert(s);
+        }
+        if let Some(t) = tail {
+            let Some(s) = spares.pop() else {
+                unreachable!("spare for tail")
+            };
+            self.blocks[s as usize].addr = hi;
+            self.blocks[s as usize].size = t;
+            self.link_after(b, s);
+            self.tree_insert(s);
+        }
+        Ok(b)
     }
 
     /// Whether a `Mapping` block of arena `a` is mapped as one unit (one device `map`
@@ -1761,6 +1796,39 @@ mod tests {
         h.finish_unmapping(carved[0], true);
         h.free(x);
         h.check().unwrap();
+    }
+
+    #[test]
+    fn carve_holes_takes_the_largest_holes_until_enough_and_never_the_tail() {
+        let (mut h, a) = heap_with_arena(16 * G);
+        grow(&mut h, a, 8 * G);
+        // [x 512][h1: 3G][y 512][h2: 2G + ...][z 512][free tail ...]
+        let x = h.alloc(a, 512, 512).unwrap().unwrap();
+        let h1 = h.alloc(a, 3 * G, 3 * G).unwrap().unwrap();
+        let y = h.alloc(a, 512, 512).unwrap().unwrap();
+        let h2 = h.alloc(a, 2 * G, 2 * G).unwrap().unwrap();
+        let _z = h.alloc(a, 512, 512).unwrap().unwrap();
+        h.free(h1);
+        h.free(h2);
+        let _ = (x, y);
+        // Want one granule: the largest hole gives its whole granules (2 of 3G: the
+        // partial granules at its ends stay), the smaller hole and the tail are kept.
+        let carved = h.carve_holes(a, G).unwrap();
+        assert_eq!(carved.len(), 1);
+        let (addr, size) = (h.block(carved[0]).addr, h.block(carved[0]).size);
+        assert_eq!((addr, size), (BASE + G, 2 * G));
+        h.finish_unmapping(carved[0], true);
+        h.check().unwrap();
+        // Wanting more than the holes hold takes every hole's whole granules, still
+        // not the tail.
+        let carved = h.carve_holes(a, 100 * G).unwrap();
+        let total: u64 = carved.iter().map(|&b| h.block(b).size).sum();
+        assert_eq!(total, G, "the 2 G hole holds one whole granule");
+        for b in carved {
+            h.finish_unmapping(b, true);
+        }
+        h.check().unwrap();
+        assert!(h.carve_holes(a, G).unwrap().is_empty());
     }
 
     #[test]

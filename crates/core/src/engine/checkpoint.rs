@@ -323,6 +323,7 @@ mod tests {
                 limit: MemoryLimit::Bytes(Bytes(limit)),
                 arena_size: Some(Bytes(16 << 20)),
                 record_trace: true,
+                ..EngineConfig::default()
             },
         )
         .unwrap();

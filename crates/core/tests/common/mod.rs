@@ -19,16 +19,22 @@ pub struct Checked {
 
 impl Checked {
     /// 1 GiB of host memory in `granule`-byte granules, online arenas of `arena` bytes.
+    #[allow(dead_code)] // not every test file that shares this module uses it
     pub fn new(granule: u64, arena: u64) -> Checked {
-        let host = Arc::new(HostMemory::new(Bytes(1 << 30), Bytes(granule)));
-        let engine = Engine::new(
-            host.clone(),
+        Checked::with_config(
+            granule,
             EngineConfig {
                 arena_size: Some(Bytes(arena)),
                 ..EngineConfig::default()
             },
         )
-        .unwrap();
+    }
+
+    /// 1 GiB of host memory in `granule`-byte granules, an engine made with `config`.
+    #[allow(dead_code)] // not every test file that shares this module uses it
+    pub fn with_config(granule: u64, config: EngineConfig) -> Checked {
+        let host = Arc::new(HostMemory::new(Bytes(1 << 30), Bytes(granule)));
+        let engine = Engine::new(host.clone(), config).unwrap();
         Checked {
             host,
             engine,
