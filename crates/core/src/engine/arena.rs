@@ -1337,14 +1337,17 @@ impl Heap {
         Ok(out)
     }
 
-    /// Like [`Heap::carve_releasable`] for arena `a` (not pinned), but only from its
-    /// *holes* (free blocks with mapped memory after them: not the free tail that growth
-    /// extends) and only until `want` bytes are carved, smallest holes first (the
-    /// fragments least likely to hold the next large request). O(blocks · log blocks).
-    pub fn carve_holes(&mut self, a: ArenaId, want: u64) -> Result<Vec<Idx>, SlabFull> {
+    /// Like [`Heap::carve_releasable`] for the arenas `of` (those not pinned), but only
+    /// from their *holes* (free blocks with mapped memory after them: not the free tails
+    /// that growth extends) and only until `want` bytes are carved, largest holes first
+    /// (fewest blocks cut). O(blocks · log blocks).
+    pub fn carve_holes(&mut self, of: &[ArenaId], want: u64) -> Result<Vec<Idx>, SlabFull> {
         let g = self.granule;
-        let mut cands: Vec<(u64, u64, u64, Idx)> = Vec::new();
-        if self.arena(a).is_some_and(|x| !x.pinned) {
+        let mut cands: Vec<(u64, u64, u64, Idx, ArenaId)> = Vec::new();
+        for &a in of {
+            if self.arena(a).is_none_or(|x| x.pinned) {
+                continue;
+            }
             for (b, blk) in self.arena_blocks(a) {
                 let hole = blk.next != NIL && self.blocks[blk.next as usize].state.is_mapped();
                 if blk.state == BlockState::Free && hole {
@@ -1354,14 +1357,14 @@ impl Heap {
                         (blk.addr + blk.size) / g * g,
                     );
                     if hi > lo {
-                        cands.push((blk.size, lo, hi, b));
+                        cands.push((hi - lo, lo, hi, b, a));
                     }
                 }
             }
         }
         cands.sort_unstable_by(|x, y| y.cmp(x));
         let (mut out, mut got) = (Vec::new(), 0);
-        for (_, lo, hi, b) in cands {
+        for (_, lo, hi, b, a) in cands {
             if got >= want {
                 break;
             }
@@ -1813,7 +1816,7 @@ mod tests {
         let _ = (x, y);
         // Want one granule: the largest hole gives its whole granules (2 of 3G: the
         // partial granules at its ends stay), the smaller hole and the tail are kept.
-        let carved = h.carve_holes(a, G).unwrap();
+        let carved = h.carve_holes(&[a], G).unwrap();
         assert_eq!(carved.len(), 1);
         let (addr, size) = (h.block(carved[0]).addr, h.block(carved[0]).size);
         assert_eq!((addr, size), (BASE + G, 2 * G));
@@ -1821,14 +1824,14 @@ mod tests {
         h.check().unwrap();
         // Wanting more than the holes hold takes every hole's whole granules, still
         // not the tail.
-        let carved = h.carve_holes(a, 100 * G).unwrap();
+        let carved = h.carve_holes(&[a], 100 * G).unwrap();
         let total: u64 = carved.iter().map(|&b| h.block(b).size).sum();
         assert_eq!(total, G, "the 2 G hole holds one whole granule");
         for b in carved {
             h.finish_unmapping(b, true);
         }
         h.check().unwrap();
-        assert!(h.carve_holes(a, G).unwrap().is_empty());
+        assert!(h.carve_holes(&[a], G).unwrap().is_empty());
     }
 
     #[test]

@@ -34,17 +34,17 @@
 //!   (`num_alloc_retries`); if that fails too, [`EngineError::OutOfMemory`] says what was
 //!   asked and what is allocated, reserved and free (`num_ooms`).
 //! - **Release before a new peak** (opt-in, [`EngineConfig::release_before_new_peak`]):
-//!   when an online arena's growth would map past the peak of reserved bytes, the free
-//!   whole granules of its holes (not its free tail), largest holes first, are given back
-//!   first (one device synchronisation, then the unmaps: `Heap::carve_holes`), by as
-//!   much as the growth passes the peak. A best-fit arena's holes are what makes its
-//!   peak exceed the live peak; this keeps them from adding up. Replayed on the CPU,
-//!   the online peak of the shared H200 snapshots goes from 94.0 / 92.3 / 97.5 % to
-//!   98.4 / 95.2 / 99.2 % utilization (Llama 1B / GPT-2 XL / Qwen2-MoE), but 1F1B gains
-//!   nothing (97.3 %, 67 synchronisations) and FSDP2's rank 0 loses (77.0 → 74.7 %: only
-//!   the growing stream's arena gives holes back). The cost is a synchronisation per
-//!   release (most in the first iteration) and re-mapping what was given back. Off by
-//!   default: not measured on a GPU yet.
+//!   when an online arena's growth would map past the peak of reserved bytes, free whole
+//!   granules of the online arenas' holes (not their free tails), largest holes first,
+//!   are given back first (one device synchronisation, then the unmaps:
+//!   `Heap::carve_holes`), by as much as the growth passes the peak. A best-fit arena's
+//!   holes are what makes its peak exceed the live peak; this keeps them from adding up.
+//!   Replayed on the CPU, the online peak of the shared H200 snapshots goes from 94.0 /
+//!   92.3 / 97.5 % to 98.4 / 95.2 / 99.1 % utilization (Llama 1B / GPT-2 XL / Qwen2-MoE),
+//!   FSDP2's rank 0 from 77.0 to 78.6 %, 1F1B gains nothing (97.3 %, 67
+//!   synchronisations). The cost is a synchronisation per release (most in the first
+//!   iteration) and re-mapping what was given back. Off by default: not measured on a
+//!   GPU yet.
 //! - **Bad input is an error**: zero-size or overflowing requests, unknown pointers,
 //!   double frees, `record_stream` after free — every case returns an [`EngineError`],
 //!   none panics or corrupts state.
@@ -989,7 +989,7 @@ impl<D: DeviceMemory> Engine<D> {
                 // is reserved now (module docs, release before a new peak).
                 released_holes = true;
                 drop(st);
-                self.release(Some((a, over)))?;
+                self.release(Some(over))?;
                 st = self.lock()?;
                 continue;
             }
@@ -1348,9 +1348,9 @@ impl<D: DeviceMemory> Engine<D> {
     }
 
     /// Gives cached memory back to the device: everything releasable (`holes: None`), or
-    /// (`Some((arena, want))`) about `want` bytes of that arena's holes only
+    /// (`Some(want)`) about `want` bytes of the online arenas' holes only
     /// (`Heap::carve_holes`). Either way after a device synchronisation.
-    fn release(&self, holes: Option<(ArenaId, u64)>) -> Result<(), EngineError> {
+    fn release(&self, holes: Option<u64>) -> Result<(), EngineError> {
         // 1. Synchronise every pending event and complete the frees.
         let mut st = self.lock()?;
         st.stats.num_sync_all_streams += 1;
@@ -1380,17 +1380,20 @@ impl<D: DeviceMemory> Engine<D> {
             .as_ref()
             .filter(|p| p.cursor.spent())
             .map(|p| p.arena);
-        for &a in &ids {
-            let kind = st.heap.arena(a).map_or(PoolKind::Small, |x| x.kind);
-            let pieces = match holes {
-                None => st.heap.carve_releasable_with(a, spent_pool == Some(a))?,
-                Some((ha, want)) if ha == a => st.heap.carve_holes(a, want)?,
-                Some(_) => continue,
-            };
-            for i in pieces {
-                let b = st.heap.block(i);
-                carved.push((i, b.addr, b.size, kind));
+        let pieces = match holes {
+            None => {
+                let mut all = Vec::new();
+                for &a in &ids {
+                    all.extend(st.heap.carve_releasable_with(a, spent_pool == Some(a))?);
+                }
+                all
             }
+            Some(want) => st.heap.carve_holes(&ids, want)?,
+        };
+        for i in pieces {
+            let b = st.heap.block(i);
+            let kind = st.heap.arena(b.arena).map_or(PoolKind::Small, |x| x.kind);
+            carved.push((i, b.addr, b.size, kind));
         }
         st.settle_inactive();
         // 3. Unmap them after the device has finished all queued work.
