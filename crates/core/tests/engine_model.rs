@@ -61,8 +61,6 @@ struct Seg {
 struct MArena {
     stream: StreamId,
     kind: PoolKind,
-    /// Offset -> end of each mapped unit (one device `map` call: unmapped only whole).
-    units: std::collections::BTreeMap<u64, u64>,
     segs: Vec<Seg>,
 }
 
@@ -239,21 +237,10 @@ impl Model {
             let k = kidx(a.kind);
             let mut out = Vec::new();
             for s in a.segs.drain(..) {
-                let (mut lo, mut hi) = (s.off.div_ceil(G) * G, (s.off + s.size) / G * G);
-                // Whole units only: a unit sticking out at either end stays.
-                if s.st == St::Free && hi > lo {
-                    if let Some((&us, &ue)) = a.units.range(..=lo).next_back()
-                        && us < lo
-                        && ue > lo
-                    {
-                        lo = ue;
-                    }
-                    if let Some((&us, &ue)) = a.units.range(..hi).next_back()
-                        && ue > hi
-                    {
-                        hi = us;
-                    }
-                }
+                // The model's arenas are all online ones, mapped granule by granule:
+                // every wholly free granule is a whole unit (the host device refuses a
+                // partial unmap, and the harness requires none).
+                let (lo, hi) = (s.off.div_ceil(G) * G, (s.off + s.size) / G * G);
                 if s.st != St::Free || hi <= lo {
                     out.push(s);
                     continue;
@@ -276,10 +263,6 @@ impl Model {
                         size: s.off + s.size - hi,
                         ..s.clone()
                     });
-                }
-                let gone: Vec<u64> = a.units.range(lo..hi).map(|(&u, _)| u).collect();
-                for u in gone {
-                    a.units.remove(&u);
                 }
                 dec(&mut self.stats.reserved_bytes, k, hi - lo);
                 self.stats.num_device_free += 1;
@@ -378,7 +361,6 @@ impl Model {
                 self.arenas.push(MArena {
                     stream,
                     kind,
-                    units: Default::default(),
                     segs: vec![Seg {
                         off: 0,
                         size: ARENA,
@@ -458,10 +440,6 @@ impl Model {
                                 continue;
                             }
                             Self::map_range(&mut self.arenas[a].segs, off, m);
-                            // Online arenas map granule by granule (one unit each).
-                            for u in (off..off + m).step_by(G as usize) {
-                                self.arenas[a].units.insert(u, u + G);
-                            }
                             inc(&mut self.stats.reserved_bytes, k, m);
                             self.stats.num_device_alloc += 1;
                         }
@@ -591,9 +569,6 @@ impl Model {
                     });
                 }
                 segs.splice(i..=i, repl);
-                for u in (off..off + len).step_by(G as usize) {
-                    self.arenas[ai].units.insert(u, u + G);
-                }
                 let k = kidx(self.arenas[ai].kind);
                 inc(&mut self.stats.reserved_bytes, k, len);
                 self.stats.num_device_alloc += 1;

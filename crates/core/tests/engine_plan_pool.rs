@@ -3,7 +3,7 @@
 //! sentinel byte on allocation and checked on free (`HostMemory` keeps real bytes), so
 //! an overlap between two live blocks fails the test.
 
-use stweaver_core::engine::{PlanOptions, PlanSection, steady_slice};
+use stweaver_core::engine::{DevicePtr, PlanOptions, PlanSection, steady_slice};
 use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
 use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
 use stweaver_core::verify::verify_plan;
@@ -444,20 +444,28 @@ fn unloading_a_plan_keeps_its_live_blocks_serves_online_and_gives_the_pool_back(
     r.engine.check_invariants().unwrap();
 }
 
-#[test]
-fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
+/// A 3-granule memory limit, two granules held online by another stream, then the
+/// 2-granule plan: accepted, since its pool is mapped only as the run reaches it. Its
+/// first request is served (one granule). Returns the run, the other stream's block and
+/// that first request.
+fn limited_run_with_plan() -> (Run, DevicePtr, DevicePtr) {
     use stweaver_core::engine::MemoryLimit;
-    let plan = one_stream_plan();
     let mut r = run();
     r.engine
         .set_memory_limit(MemoryLimit::Bytes(Bytes(3 * G)))
         .unwrap();
-    // Two granules held online (another stream), then the 2-granule plan: accepted,
-    // since its pool is mapped only as the run reaches it.
     let other = r.alloc(2 * G, S2);
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    r.engine
+        .load_plan(&one_stream_plan(), PlanOptions::default())
+        .unwrap();
     let param = r.alloc(64 * K, S1);
     assert!(r.in_pool(param));
+    (r, other, param)
+}
+
+#[test]
+fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
+    let (mut r, other, param) = limited_run_with_plan();
     // The activation's granule would make 4 > 3 granules, and the other stream's two
     // are live (nothing cached to give back): the plan is given up, and the request
     // (served online now) is out of memory until the other stream frees.
@@ -485,18 +493,9 @@ fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
 
 #[test]
 fn cached_online_memory_is_given_back_before_a_plan_is_given_up_for_the_limit() {
-    use stweaver_core::engine::MemoryLimit;
-    let plan = one_stream_plan();
-    let mut r = run();
-    r.engine
-        .set_memory_limit(MemoryLimit::Bytes(Bytes(3 * G)))
-        .unwrap();
-    // Two granules cached online (allocated and freed on another stream, as the online
-    // phase of auto mode leaves them), then the plan.
-    let other = r.alloc(2 * G, S2);
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let param = r.alloc(64 * K, S1);
-    assert!(r.in_pool(param));
+    // The other stream's two granules are cached online once freed, as the online
+    // phase of auto mode leaves them.
+    let (mut r, other, param) = limited_run_with_plan();
     r.free(other);
     r.engine.mark_iteration().unwrap();
     // The activation's granule would make 4 > 3 granules: the cached two go back to the

@@ -52,7 +52,7 @@
 
 use super::arena::{ArenaId, Idx, NIL};
 use super::device::{DeviceMemory, DevicePtr};
-use super::stats::{self, PoolKind};
+use super::stats;
 use super::{BlockInfo, BlockState, Engine, EngineError, State};
 use crate::units::{Bytes, StreamId};
 
@@ -144,17 +144,13 @@ impl<D: DeviceMemory> Engine<D> {
             arena_of_block(&st, b)?;
         }
         // 2. Map what is unmapped.
-        let mut pieces: Vec<(Idx, u64, u64, PoolKind)> = Vec::new();
+        let mut pieces: Vec<Idx> = Vec::new();
         for b in cp {
             let a = arena_of_block(&st, b)?;
-            let kind = st.heap.arena(a).map_or(PoolKind::Large, |x| x.kind);
             match st.heap.carve_range(a, b.addr.get(), b.size.get()) {
-                Ok(carved) => pieces.extend(carved.into_iter().map(|i| {
-                    let blk = st.heap.block(i);
-                    (i, blk.addr, blk.size, kind)
-                })),
+                Ok(carved) => pieces.extend(carved),
                 Err(e) => {
-                    for &(i, ..) in &pieces {
+                    for &i in &pieces {
                         st.heap.finish_mapping(i, false);
                     }
                     return Err(e.into());
@@ -242,13 +238,13 @@ impl<D: DeviceMemory> Engine<D> {
     fn map_pieces<'a>(
         &'a self,
         mut st: std::sync::MutexGuard<'a, State>,
-        pieces: &[(Idx, u64, u64, PoolKind)],
+        pieces: &[Idx],
         stream: StreamId,
     ) -> Result<std::sync::MutexGuard<'a, State>, EngineError> {
-        let total: u64 = pieces.iter().map(|p| p.2).sum();
+        let total: u64 = pieces.iter().map(|&i| st.heap.block(i).size).sum();
         let reserved = st.stats.reserved_bytes[0].current as u64;
         if reserved + st.mapping + total > st.limit {
-            for &(i, ..) in pieces {
+            for &i in pieces {
                 st.heap.finish_mapping(i, false);
             }
             let s = &st.stats;
@@ -268,33 +264,8 @@ impl<D: DeviceMemory> Engine<D> {
                 device_free,
             });
         }
-        st.mapping += total;
-        let whole: Vec<bool> = pieces
-            .iter()
-            .map(|&(i, ..)| st.heap.whole_unit_mapping(st.heap.block(i).arena))
-            .collect();
-        drop(st);
-        let results: Vec<_> = pieces
-            .iter()
-            .zip(whole)
-            .map(|(&(_, addr, size, _), whole)| self.map_units(addr, size, whole))
-            .collect();
-        let mut st = self.lock()?;
-        st.mapping -= total;
-        let mut first_err = None;
-        for (&(i, _, size, kind), r) in pieces.iter().zip(results) {
-            st.heap.finish_mapping(i, r.is_ok());
-            match r {
-                Ok(()) => {
-                    stats::increase(&mut st.stats.reserved_bytes, kind, size);
-                    st.stats.num_device_alloc += 1;
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        st.settle_inactive();
+        let (results, st) = self.map_blocks(st, pieces)?;
+        let first_err = results.into_iter().find_map(Result::err);
         match first_err {
             Some(e) => Err(e.into()),
             None => Ok(st),

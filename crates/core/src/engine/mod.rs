@@ -546,6 +546,9 @@ pub struct Engine<D: DeviceMemory> {
     state: Mutex<State>,
 }
 
+/// One block's device result in [`Engine::map_blocks`].
+type MapResult = Result<(), DeviceError>;
+
 /// What a growth attempt came to.
 enum Growth {
     /// Memory was mapped (or another thread's was): try the arena again.
@@ -993,7 +996,7 @@ impl<D: DeviceMemory> Engine<D> {
                 st = self.lock()?;
                 continue;
             }
-            let (grown, guard) = self.grow(st, a, kind, rounded)?;
+            let (grown, guard) = self.grow(st, a, rounded)?;
             st = guard;
             match grown {
                 Growth::Retry => continue,
@@ -1062,7 +1065,6 @@ impl<D: DeviceMemory> Engine<D> {
         &'a self,
         mut st: MutexGuard<'a, State>,
         a: ArenaId,
-        kind: PoolKind,
         rounded: u64,
     ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
         let reserved = st.stats.reserved_bytes[0].current as u64;
@@ -1073,52 +1075,64 @@ impl<D: DeviceMemory> Engine<D> {
                 return Ok((Growth::Refused, st));
             }
         };
-        self.map_carved(st, carved, kind)
+        self.map_carved(st, &carved)
     }
 
     /// Maps blocks carved out as `Mapping` (the lock released around the device calls)
     /// and turns them into free memory; a block the device refuses goes back to
-    /// unmapped.
+    /// unmapped. `Growth::Refused` if the device was out of memory for one.
     fn map_carved<'a>(
         &'a self,
-        mut st: MutexGuard<'a, State>,
-        carved: Vec<Idx>,
-        kind: PoolKind,
+        st: MutexGuard<'a, State>,
+        carved: &[Idx],
     ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
-        let ranges: Vec<(Idx, u64, u64, bool)> = carved
+        let (results, st) = self.map_blocks(st, carved)?;
+        let mut outcome = Growth::Retry;
+        for r in results {
+            match r {
+                Ok(()) => {}
+                Err(DeviceError::OutOfMemory { .. }) => outcome = Growth::Refused,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok((outcome, st))
+    }
+
+    /// The one mapping step: maps each `Mapping` block (as its arena's units,
+    /// [`Engine::map_units`]) with the lock released, then finishes it — free memory
+    /// counted in `reserved_bytes` and `num_device_alloc`, or unmapped again. Returns
+    /// each block's device result, in order.
+    fn map_blocks<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        blocks: &[Idx],
+    ) -> Result<(Vec<MapResult>, MutexGuard<'a, State>), EngineError> {
+        let ranges: Vec<(u64, u64, bool, PoolKind)> = blocks
             .iter()
             .map(|&i| {
                 let b = st.heap.block(i);
-                (i, b.addr, b.size, st.heap.whole_unit_mapping(b.arena))
+                let kind = st.heap.arena(b.arena).map_or(PoolKind::Large, |x| x.kind);
+                (b.addr, b.size, st.heap.whole_unit_mapping(b.arena), kind)
             })
             .collect();
-        let total: u64 = ranges.iter().map(|r| r.2).sum();
+        let total: u64 = ranges.iter().map(|r| r.1).sum();
         st.mapping += total;
         drop(st);
         let results: Vec<Result<(), DeviceError>> = ranges
             .iter()
-            .map(|&(_, addr, size, whole)| self.map_units(addr, size, whole))
+            .map(|&(addr, size, whole, _)| self.map_units(addr, size, whole))
             .collect();
         let mut st = self.lock()?;
         st.mapping -= total;
-        let mut outcome = Ok(Growth::Retry);
-        for (&(i, _, size, _), r) in ranges.iter().zip(results) {
+        for ((&i, &(_, size, _, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
             st.heap.finish_mapping(i, r.is_ok());
-            match r {
-                Ok(()) => {
-                    stats::increase(&mut st.stats.reserved_bytes, kind, size);
-                    st.stats.num_device_alloc += 1;
-                }
-                Err(DeviceError::OutOfMemory { .. }) => {
-                    if outcome.is_ok() {
-                        outcome = Ok(Growth::Refused);
-                    }
-                }
-                Err(e) => outcome = Err(e),
+            if r.is_ok() {
+                stats::increase(&mut st.stats.reserved_bytes, kind, size);
+                st.stats.num_device_alloc += 1;
             }
         }
         st.settle_inactive();
-        Ok((outcome?, st))
+        Ok((results, st))
     }
 
     /// Maps `[addr, addr + size)` as one device `map` call (`whole`), or granule by
@@ -1186,7 +1200,7 @@ impl<D: DeviceMemory> Engine<D> {
             st.stop_plan(Some(why));
             return Ok((false, st));
         }
-        let (grown, st) = self.map_carved(st, carved, PoolKind::Large)?;
+        let (grown, st) = self.map_carved(st, &carved)?;
         Ok((matches!(grown, Growth::Retry), st))
     }
 
