@@ -25,8 +25,12 @@
 //! 2. No two `Free` blocks and no two `Unmapped` blocks are adjacent (coalescing).
 //! 3. Every boundary between mapped memory (`Free`, `Allocated`, `PendingFree`,
 //!    `Unmapping`) and unmapped memory (`Unmapped`, `Mapping`) is granule aligned.
-//! 4. The arena's fit tree holds exactly its `Free` blocks; its unmapped index exactly
-//!    its `Unmapped` blocks.
+//! 4. The arena's unmapped index holds exactly its `Unmapped` blocks; a placement
+//!    arena's by-address treap (and its free-block count) exactly its `Free` blocks.
+//!    The fit tree holds exactly the `Free` blocks whenever it is *fresh*: always in an
+//!    online arena; in a placement arena, except while it is marked stale (lazy fit
+//!    index below), and a size query (`Heap::fit_at_least`, `Heap::alloc`) makes it
+//!    fresh first. The non-releasable totals count every `Free` block either way.
 //! 5. Block addresses and sizes are multiples of the 512-B alignment.
 //! 6. The arena's mapped *units* tile its mapped memory exactly. A unit is the range of
 //!    one device `map` call, which is only ever unmapped whole (on CUDA, one physical
@@ -41,6 +45,19 @@
 //!   goes back into the tree. Expected O(log n), no heap allocation once the slab has
 //!   grown to the workload's block count.
 //! - **Free** (`Heap::free`): coalesce with free neighbours, insert. Expected O(log n).
+//! - **Lazy fit index** (placement arenas: the plan pool). A plan hit is placed by
+//!   address (`Heap::alloc_at`, through the by-address treap) and its free coalesces by
+//!   address, so the fit treap is needed only when something searches the pool by size
+//!   (a hole for a request the plan does not serve). After a run of fit-treap updates
+//!   with no size query (`Heap::lazy_after`: 64 plus 4 per free block), the treap is
+//!   dropped (marked stale) and updates skip it: a plan hit or its free then costs
+//!   only the by-address work. The next size query rebuilds it from the by-address
+//!   treap (one insert per free block, O(n log n); a treap's shape is fixed by its keys
+//!   and the slots' priorities, so the rebuilt tree is the one eager upkeep would have
+//!   built, and every answer is the same) and it is kept again from then on, so a
+//!   miss-heavy run queries a fresh treap and never rebuilds per request; the run of
+//!   updates that must pass before it is dropped again (at least 4 per free block)
+//!   bounds the rebuilds' share of the work.
 //! - **Growth** (`Heap::carve_growth`): when nothing fits, take the lowest-addressed
 //!   run of free-then-unmapped space big enough for the request (PyTorch's
 //!   `find_expandable_block`) and carve out the granules that must be mapped — only the
@@ -136,8 +153,16 @@ pub(crate) struct Arena {
     pub base: u64,
     pub len: u64,
     head: Idx,
-    /// Root of the fit treap of `Free` blocks.
+    /// Root of the fit treap of `Free` blocks; meaningless while `fit_stale`.
     root: Idx,
+    /// Placement arenas only: the fit treap is not kept (module docs, lazy fit index);
+    /// the next size query rebuilds it. Always `false` for an online arena.
+    fit_stale: bool,
+    /// Placement arenas only: fit-treap updates since the last size query. Past
+    /// `Heap::lazy_after`, the treap is dropped (`fit_stale`).
+    fit_quiet: u64,
+    /// Placement arenas only: the number of `Free` blocks (the by-address treap's).
+    free_count: u64,
     /// `Unmapped` blocks by address.
     unmapped: BTreeMap<u64, Idx>,
     /// Root of the treap of `Free` blocks by address, kept only for placement arenas
@@ -448,6 +473,9 @@ impl Heap {
             len,
             head,
             root: NIL,
+            fit_stale: placement,
+            fit_quiet: 0,
+            free_count: 0,
             unmapped,
             free_by_addr: placement.then_some(NIL),
             pinned: placement,
@@ -641,19 +669,93 @@ impl Heap {
             self.blocks[n as usize].aleft = NIL;
             self.blocks[n as usize].aright = NIL;
             let t = self.insert_rec::<true>(t, n);
-            self.arena_mut(a).free_by_addr = Some(t);
+            let arena = self.arena_mut(a);
+            arena.free_by_addr = Some(t);
+            arena.free_count += 1;
         }
         self.fit_insert(n);
     }
 
     /// Takes free block `n` out of both treaps of its arena.
     fn tree_remove(&mut self, n: Idx) {
+        self.remove_by_addr(n);
+        self.fit_remove(n);
+    }
+
+    /// Takes free block `n` out of its arena's by-address treap, if it has one.
+    fn remove_by_addr(&mut self, n: Idx) {
         let (a, addr) = (self.blocks[n as usize].arena, self.blocks[n as usize].addr);
         if let Some(t) = self.arena_mut(a).free_by_addr {
             let t = self.remove_rec::<true>(t, (addr, 0));
-            self.arena_mut(a).free_by_addr = Some(t);
+            let arena = self.arena_mut(a);
+            arena.free_by_addr = Some(t);
+            arena.free_count -= 1;
         }
-        self.fit_remove(n);
+    }
+
+    /// Fit-treap updates a placement arena with `free` free blocks goes through without
+    /// a size query before its fit treap is dropped (module docs, lazy fit index): at
+    /// least four per free block, so that the rebuild at the next query (one insert per
+    /// free block) costs at most a quarter of the updates it follows.
+    #[inline]
+    fn lazy_after(free: u64) -> u64 {
+        const BASE: u64 = if cfg!(test) { 4 } else { 64 };
+        BASE + 4 * free
+    }
+
+    /// Whether arena `a`'s fit treap is to be updated now: it is kept (an online arena
+    /// always), and for a placement arena, the run of updates without a size query
+    /// is not long enough yet to drop it (it is dropped here when it is).
+    #[inline]
+    fn fit_kept(&mut self, a: ArenaId) -> bool {
+        let arena = self.arena_mut(a);
+        if arena.fit_stale {
+            return false;
+        }
+        if arena.free_by_addr.is_some() {
+            arena.fit_quiet += 1;
+            if arena.fit_quiet > Self::lazy_after(arena.free_count) {
+                arena.fit_stale = true;
+                arena.root = NIL;
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Makes arena `a`'s fit treap fresh before a size query: a stale one (placement
+    /// arenas) is rebuilt from the by-address treap, one insert per free block, and kept
+    /// from then on until the next run of updates without a query. O(1) when fresh,
+    /// O(n log n) to rebuild.
+    fn fit_fresh(&mut self, a: ArenaId) {
+        let Some(arena) = self.arenas.get_mut(a as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        arena.fit_quiet = 0;
+        if !arena.fit_stale {
+            return;
+        }
+        arena.fit_stale = false;
+        let by_addr = arena.free_by_addr.unwrap_or(NIL);
+        let root = self.fit_rebuild(NIL, by_addr);
+        self.arena_mut(a).root = root;
+    }
+
+    /// Inserts every block of the by-address subtree `t` into the fit treap at `root`
+    /// (in address order); returns the new root.
+    fn fit_rebuild(&mut self, mut root: Idx, t: Idx) -> Idx {
+        if t == NIL {
+            return root;
+        }
+        let (l, r) = (
+            self.blocks[t as usize].aleft,
+            self.blocks[t as usize].aright,
+        );
+        root = self.fit_rebuild(root, l);
+        self.blocks[t as usize].left = NIL;
+        self.blocks[t as usize].right = NIL;
+        root = self.insert_rec::<false>(root, t);
+        self.fit_rebuild(root, r)
     }
 
     /// Indexes free block `n` in the fit treap only (and counts its non-releasable
@@ -667,6 +769,9 @@ impl Heap {
         let kind = self.arena_mut(a).kind;
         self.inactive_bytes[pool_index(kind)] += nr;
         self.inactive_count[pool_index(kind)] += u64::from(nr > 0);
+        if !self.fit_kept(a) {
+            return;
+        }
         self.blocks[n as usize].left = NIL;
         self.blocks[n as usize].right = NIL;
         let root = self.arena_mut(a).root;
@@ -684,6 +789,9 @@ impl Heap {
         let kind = self.arena_mut(a).kind;
         self.inactive_bytes[pool_index(kind)] -= nr;
         self.inactive_count[pool_index(kind)] -= u64::from(nr > 0);
+        if !self.fit_kept(a) {
+            return;
+        }
         let root = self.arena_mut(a).root;
         let key = self.key(n);
         let root = self.remove_rec::<false>(root, key);
@@ -692,25 +800,16 @@ impl Heap {
 
     /// The free block of arena `a` with the smallest `(size, addr)` such that
     /// `size >= want`, or [`NIL`].
-    fn best_fit(&self, a: ArenaId, want: u64) -> Idx {
-        let mut t = self.arena(a).map_or(NIL, |x| x.root);
-        let mut best = NIL;
-        while t != NIL {
-            let b = &self.blocks[t as usize];
-            if b.size >= want {
-                best = t;
-                t = b.left;
-            } else {
-                t = b.right;
-            }
-        }
-        best
+    fn best_fit(&mut self, a: ArenaId, want: u64) -> Idx {
+        self.fit_at_least(a, (want, 0))
     }
 
     /// The free block of arena `a` with the smallest `(size, addr)` key that is at
     /// least `key`, or [`NIL`]. Walking it with `key = (size, addr + 1)` of the last
-    /// answer lists the free blocks that fit, best fit first. O(log n).
-    pub fn fit_at_least(&self, a: ArenaId, key: (u64, u64)) -> Idx {
+    /// answer lists the free blocks that fit, best fit first. O(log n) once the fit
+    /// treap is fresh (`Heap::fit_fresh`).
+    pub fn fit_at_least(&mut self, a: ArenaId, key: (u64, u64)) -> Idx {
+        self.fit_fresh(a);
         let mut t = self.arena(a).map_or(NIL, |x| x.root);
         let mut best = NIL;
         while t != NIL {
@@ -1073,15 +1172,6 @@ impl Heap {
             self.tree_insert(t);
         }
         Ok(x)
-    }
-
-    /// Takes free block `n` out of its arena's by-address treap, if it has one.
-    fn remove_by_addr(&mut self, n: Idx) {
-        let (a, addr) = (self.blocks[n as usize].arena, self.blocks[n as usize].addr);
-        if let Some(t) = self.arena_mut(a).free_by_addr {
-            let t = self.remove_rec::<true>(t, (addr, 0));
-            self.arena_mut(a).free_by_addr = Some(t);
-        }
     }
 
     /// Claims `[addr, addr + size)` of arena `a` (any arena, placement or not) as an
@@ -1589,6 +1679,7 @@ impl Heap {
                 let mut v = Vec::new();
                 self.addr_collect(root, u32::MAX, &mut v)?;
                 if v.len() != free_blocks
+                    || arena.free_count != free_blocks as u64
                     || v.windows(2)
                         .any(|w| self.block(w[0]).addr >= self.block(w[1]).addr)
                     || v.iter().any(|&i| {
@@ -1602,9 +1693,16 @@ impl Heap {
             if unmapped_blocks != arena.unmapped.len() {
                 return Err(format!("arena {a} unmapped index has stale entries"));
             }
+            // A stale fit tree (placement arenas only) is rebuilt before any size
+            // query; a fresh one holds exactly the free blocks.
+            if arena.fit_stale && arena.free_by_addr.is_none() {
+                return Err(format!("online arena {a} has a stale fit tree"));
+            }
             let mut in_tree = 0usize;
-            self.check_tree(arena.root, a, None, None, u32::MAX, &mut in_tree)?;
-            if in_tree != free_blocks {
+            if !arena.fit_stale {
+                self.check_tree(arena.root, a, None, None, u32::MAX, &mut in_tree)?;
+            }
+            if !arena.fit_stale && in_tree != free_blocks {
                 return Err(format!(
                     "arena {a} fit tree holds {in_tree} blocks, the arena {free_blocks} free ones"
                 ));
@@ -1975,14 +2073,33 @@ mod tests {
     }
 
     proptest! {
-        /// `alloc_at` succeeds exactly when the range overlaps no live block.
+        /// `alloc_at` succeeds exactly when the range overlaps no live block, and the
+        /// lazy fit index answers every size query as a `BTreeSet` of the free blocks'
+        /// `(size, addr)` does, however many updates went by without one.
         #[test]
         fn alloc_at_matches_an_interval_model(
-            ops in proptest::collection::vec((0u64..64, 1u64..=8, any::<bool>()), 1..200)
+            ops in proptest::collection::vec((0u64..64, 1u64..=8, any::<bool>(), 0u8..8), 1..200)
         ) {
             let (mut h, a) = placement_arena(8 * G);
             let mut live: Vec<(u64, u64, Idx)> = Vec::new();
-            for (slot, len, free) in ops {
+            for (slot, len, free, query) in ops {
+                if query == 0 {
+                    let model: BTreeSet<(u64, u64)> = h
+                        .arena_blocks(a)
+                        .filter(|(_, b)| b.state == BlockState::Free)
+                        .map(|(_, b)| (b.size, b.addr))
+                        .collect();
+                    let mut key = (len * 512, slot * 512);
+                    for want in model.range(key..).take(3) {
+                        let got = h.fit_at_least(a, key);
+                        prop_assert!(got != NIL);
+                        prop_assert_eq!((h.block(got).size, h.block(got).addr), *want);
+                        key = (want.0, want.1 + 1);
+                    }
+                    if model.range(key..).next().is_none() {
+                        prop_assert_eq!(h.fit_at_least(a, key), NIL);
+                    }
+                }
                 if free && !live.is_empty() {
                     let (_, _, i) = live.swap_remove(slot as usize % live.len());
                     h.free(i);

@@ -115,7 +115,10 @@
 //!
 //! [`Engine::unload_plan`] stops serving a plan; its blocks stay until freed and its
 //! pool is then given back like an online arena. The pool's free blocks are indexed
-//! by address in a second treap threaded through the slab (no heap allocation).
+//! by address in a second treap threaded through the slab (no heap allocation); its
+//! size-keyed fit treap, which only the hole search and the pool's growth rules query,
+//! is dropped during long runs of plan hits and rebuilt at the next query ([`arena`],
+//! lazy fit index).
 
 pub mod arena;
 mod checkpoint;
