@@ -227,6 +227,8 @@ pub(crate) struct Heap {
     /// (index 0 small, 1 large); maintained on every fit-tree insert and remove.
     inactive_bytes: [u64; 2],
     inactive_count: [u64; 2],
+    /// The non-releasable totals changed since `Heap::take_inactive_changed`.
+    inactive_changed: bool,
 }
 
 /// splitmix64 finaliser: treap priorities independent of slot order.
@@ -256,6 +258,7 @@ impl Heap {
             arenas: Vec::new(),
             inactive_bytes: [0; 2],
             inactive_count: [0; 2],
+            inactive_changed: false,
         }
     }
 
@@ -315,6 +318,13 @@ impl Heap {
     /// Free blocks of `kind` holding non-releasable bytes (`inactive_split`).
     pub fn inactive_count(&self, kind: PoolKind) -> u64 {
         self.inactive_count[pool_index(kind)]
+    }
+
+    /// Whether the non-releasable totals changed since the last call (they change only
+    /// as free blocks are indexed, unindexed or resized), and forgets it.
+    #[inline]
+    pub fn take_inactive_changed(&mut self) -> bool {
+        std::mem::take(&mut self.inactive_changed)
     }
 
     // ---------------------------------------------------------------- slab
@@ -703,12 +713,11 @@ impl Heap {
         BASE + 4 * free
     }
 
-    /// Whether arena `a`'s fit treap is to be updated now: it is kept (an online arena
-    /// always), and for a placement arena, the run of updates without a size query
-    /// is not long enough yet to drop it (it is dropped here when it is).
+    /// Whether `arena`'s fit treap is to be updated now: it is kept (an online arena
+    /// always), and for a placement arena, the run of updates without a size query is
+    /// not long enough yet to drop it (it is dropped here when it is).
     #[inline]
-    fn fit_kept(&mut self, a: ArenaId) -> bool {
-        let arena = self.arena_mut(a);
+    fn fit_kept(arena: &mut Arena) -> bool {
         if arena.fit_stale {
             return false;
         }
@@ -721,6 +730,30 @@ impl Heap {
             }
         }
         true
+    }
+
+    /// Adds `sign * nr` (`nr` non-releasable bytes of one free block) to pool `k`'s
+    /// totals, and notes that they changed.
+    #[inline]
+    fn count_inactive(&mut self, k: usize, nr: u64, add: bool) {
+        if nr == 0 {
+            return;
+        }
+        if add {
+            self.inactive_bytes[k] += nr;
+            self.inactive_count[k] += 1;
+        } else {
+            self.inactive_bytes[k] -= nr;
+            self.inactive_count[k] -= 1;
+        }
+        self.inactive_changed = true;
+    }
+
+    /// The arena of block `n`.
+    #[inline]
+    fn arena_of_block(&mut self, n: Idx) -> &mut Arena {
+        let a = self.blocks[n as usize].arena;
+        self.arena_mut(a)
     }
 
     /// Makes arena `a`'s fit treap fresh before a size query: a stale one (placement
@@ -762,40 +795,63 @@ impl Heap {
     /// bytes). Alone, this is for a block whose by-address entry stays valid: its
     /// address changed, if at all, without passing another free block's.
     fn fit_insert(&mut self, n: Idx) {
-        let b = &self.blocks[n as usize];
-        debug_assert_eq!(b.state, BlockState::Free);
-        let a = b.arena;
-        let nr = self.non_releasable(b.addr, b.size);
-        let kind = self.arena_mut(a).kind;
-        self.inactive_bytes[pool_index(kind)] += nr;
-        self.inactive_count[pool_index(kind)] += u64::from(nr > 0);
-        if !self.fit_kept(a) {
-            return;
+        let (addr, size) = (self.blocks[n as usize].addr, self.blocks[n as usize].size);
+        debug_assert_eq!(self.blocks[n as usize].state, BlockState::Free);
+        let nr = self.non_releasable(addr, size);
+        let arena = self.arena_of_block(n);
+        let (k, kept, root) = (pool_index(arena.kind), Self::fit_kept(arena), arena.root);
+        self.count_inactive(k, nr, true);
+        if kept {
+            self.blocks[n as usize].left = NIL;
+            self.blocks[n as usize].right = NIL;
+            let root = self.insert_rec::<false>(root, n);
+            self.arena_of_block(n).root = root;
         }
-        self.blocks[n as usize].left = NIL;
-        self.blocks[n as usize].right = NIL;
-        let root = self.arena_mut(a).root;
-        let root = self.insert_rec::<false>(root, n);
-        self.arena_mut(a).root = root;
     }
 
     /// Takes free block `n` out of the fit treap only (the counterpart of
     /// [`Heap::fit_insert`]); call it before changing the block's size or address.
     fn fit_remove(&mut self, n: Idx) {
-        let b = &self.blocks[n as usize];
-        debug_assert_eq!(b.state, BlockState::Free);
-        let a = b.arena;
-        let nr = self.non_releasable(b.addr, b.size);
-        let kind = self.arena_mut(a).kind;
-        self.inactive_bytes[pool_index(kind)] -= nr;
-        self.inactive_count[pool_index(kind)] -= u64::from(nr > 0);
-        if !self.fit_kept(a) {
-            return;
+        let (addr, size) = (self.blocks[n as usize].addr, self.blocks[n as usize].size);
+        debug_assert_eq!(self.blocks[n as usize].state, BlockState::Free);
+        let nr = self.non_releasable(addr, size);
+        let arena = self.arena_of_block(n);
+        let (k, kept, root) = (pool_index(arena.kind), Self::fit_kept(arena), arena.root);
+        self.count_inactive(k, nr, false);
+        if kept {
+            let root = self.remove_rec::<false>(root, (size, addr));
+            self.arena_of_block(n).root = root;
         }
-        let root = self.arena_mut(a).root;
-        let key = self.key(n);
-        let root = self.remove_rec::<false>(root, key);
-        self.arena_mut(a).root = root;
+    }
+
+    /// Moves free block `n` to `[addr, addr + size)` in the fit treap and the
+    /// non-releasable totals: [`Heap::fit_remove`], the change, [`Heap::fit_insert`],
+    /// with one arena look-up and, while the treap is stale, no treap work. Its
+    /// by-address entry must stay valid (as for [`Heap::fit_insert`]).
+    fn fit_resize(&mut self, n: Idx, addr: u64, size: u64) {
+        let (oaddr, osize) = (self.blocks[n as usize].addr, self.blocks[n as usize].size);
+        debug_assert_eq!(self.blocks[n as usize].state, BlockState::Free);
+        let (onr, nr) = (
+            self.non_releasable(oaddr, osize),
+            self.non_releasable(addr, size),
+        );
+        let arena = self.arena_of_block(n);
+        let (k, kept) = (pool_index(arena.kind), Self::fit_kept(arena));
+        // Two updates of the treap when kept, as remove + insert would count.
+        let kept = kept && Self::fit_kept(arena);
+        let root = arena.root;
+        self.count_inactive(k, onr, false);
+        self.count_inactive(k, nr, true);
+        if kept {
+            let root = self.remove_rec::<false>(root, (osize, oaddr));
+            let b = &mut self.blocks[n as usize];
+            (b.addr, b.size, b.left, b.right) = (addr, size, NIL, NIL);
+            let root = self.insert_rec::<false>(root, n);
+            self.arena_of_block(n).root = root;
+        } else {
+            let b = &mut self.blocks[n as usize];
+            (b.addr, b.size) = (addr, size);
+        }
     }
 
     /// The free block of arena `a` with the smallest `(size, addr)` such that
@@ -1131,13 +1187,11 @@ impl Heap {
         // start up without passing another free block's (none lies inside it): only
         // its fit key changes. That saves two of the by-address treap's updates on a
         // plan hit.
-        self.fit_remove(b);
         let x = match x {
             // `b` stays the free head `[baddr, addr)`; the block goes right after it.
             Some(x) => {
-                self.blocks[b as usize].size = head;
+                self.fit_resize(b, baddr, head);
                 self.link_after(b, x);
-                self.fit_insert(b);
                 x
             }
             // `b` becomes the free tail; a new block takes `[addr, end)` before it.
@@ -1154,12 +1208,11 @@ impl Heap {
                     blk.requested = requested;
                 }
                 self.link_before(b, t);
-                self.blocks[b as usize].addr = end;
-                self.blocks[b as usize].size = tail;
-                self.fit_insert(b);
+                self.fit_resize(b, end, tail);
                 return Ok(t);
             }
             None => {
+                self.fit_remove(b);
                 self.remove_by_addr(b);
                 self.blocks[b as usize].size = size;
                 self.blocks[b as usize].state = BlockState::Allocated;
@@ -1236,29 +1289,30 @@ impl Heap {
         let next_free = next != NIL && self.blocks[next as usize].state == BlockState::Free;
         let size = self.blocks[i as usize].size;
         if prev_free {
-            self.fit_remove(prev);
-            self.blocks[prev as usize].size += size;
+            let (paddr, mut psize) = (
+                self.blocks[prev as usize].addr,
+                self.blocks[prev as usize].size + size,
+            );
             self.unlink(i);
             self.drop_block(i);
             if next_free {
                 self.tree_remove(next);
-                let nsize = self.blocks[next as usize].size;
-                self.blocks[prev as usize].size += nsize;
+                psize += self.blocks[next as usize].size;
                 self.unlink(next);
                 self.drop_block(next);
             }
-            self.fit_insert(prev);
+            self.fit_resize(prev, paddr, psize);
             return prev;
         }
         if next_free {
             // `next` grows down over `i`.
-            self.fit_remove(next);
-            let addr = self.blocks[i as usize].addr;
-            self.blocks[next as usize].addr = addr;
-            self.blocks[next as usize].size += size;
+            let (addr, nsize) = (
+                self.blocks[i as usize].addr,
+                self.blocks[next as usize].size + size,
+            );
             self.unlink(i);
             self.drop_block(i);
-            self.fit_insert(next);
+            self.fit_resize(next, addr, nsize);
             return next;
         }
         self.tree_insert(i);

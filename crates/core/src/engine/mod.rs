@@ -806,8 +806,13 @@ impl State {
         true
     }
 
-    /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals.
+    /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals
+    /// (nothing to do unless they changed since the last time).
+    #[inline]
     fn settle_inactive(&mut self) {
+        if !self.heap.take_inactive_changed() {
+            return;
+        }
         for kind in [PoolKind::Small, PoolKind::Large] {
             stats::settle(
                 &mut self.stats.inactive_split_bytes,
