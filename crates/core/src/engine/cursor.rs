@@ -334,23 +334,60 @@ impl Cursor {
     pub fn next(&mut self, size: u64, stream: StreamId) -> Option<Expected> {
         self.seen += 1;
         let v = self.beam[0].pos;
-        // Fast path: one hypothesis, and it matches.
-        if self.n == 1
-            && let Some(&e) = self.entry(v)
-            && e.size == size
-            && e.stream == stream
-        {
-            self.note_consumed(v, v);
+        // Fast path: one hypothesis, and it matches. `entry`, `note_consumed(v, v)` and
+        // `vtick` in one: the iteration index and the index in it come from one
+        // division.
+        if self.n == 1 {
+            let p = self.p();
+            let (e, vend) = if v < p {
+                match self.prologue.get(v as usize) {
+                    Some(&e) if e.size == size && e.stream == stream => (e, e.end),
+                    _ => return self.step(size, stream),
+                }
+            } else {
+                let l = self.l();
+                if l == 0 {
+                    return self.step(size, stream);
+                }
+                let (k, i) = ((v - p) / l, (v - p) % l);
+                match self.iteration.get(i as usize) {
+                    Some(&e) if e.size == size && e.stream == stream => {
+                        // Passing an iteration start that no marker (or the load)
+                        // counted.
+                        if i == 0 && !self.at_start {
+                            self.stats.iterations += 1;
+                        }
+                        let vend = if e.end == crate::plan::NEVER_FREED {
+                            e.end
+                        } else {
+                            self.prologue_len
+                                .saturating_add(k.saturating_mul(self.iteration_len))
+                                .saturating_add(e.end)
+                        };
+                        (e, vend)
+                    }
+                    _ => return self.step(size, stream),
+                }
+            };
+            debug_assert_eq!(vend, self.vtick(v, e.end));
             self.beam[0].pos = v + 1;
             self.streak = self.streak.saturating_add(1);
             self.at_start = false;
             self.stats.hits += 1;
-            return Some(Expected {
-                vend: self.vtick(v, e.end),
-                ..e
-            });
+            return Some(Expected { vend, ..e });
         }
         self.step(size, stream)
+    }
+
+    /// The best hypothesis's position (virtual), for [`Cursor::lives_forever_at`].
+    pub fn best_pos(&self) -> u64 {
+        self.best()
+    }
+
+    /// Whether expected request `v` (virtual position) is planned to live forever.
+    pub fn lives_forever_at(&self, v: u64) -> bool {
+        self.entry(v)
+            .is_some_and(|e| e.end == crate::plan::NEVER_FREED)
     }
 
     /// Counts the iteration starts passed when the cursor, at `from`, consumes

@@ -631,13 +631,8 @@ impl State {
         let Some(ps) = p.bind(stream, size.get()) else {
             return Ok(PlanAnswer::Nothing);
         };
-        // An unplanned request where the plan expects a tensor that lives forever
-        // (setup: parameters, optimizer state) is taken to live forever too.
-        p.until = p
-            .cursor
-            .peek()
-            .filter(|e| e.end == crate::plan::NEVER_FREED)
-            .map(|_| u64::MAX);
+        // Where the plan was before this request (for `until` below).
+        let before = p.cursor.best_pos();
         if let Some(e) = p.cursor.next(size.get(), ps) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
             // The common case first: the range is mapped and free.
@@ -649,7 +644,14 @@ impl State {
                 // First use of these granules: the caller maps them.
                 return Ok(PlanAnswer::Map { addr, e });
             }
+            // A conflict: its hole must stay free until its planned end.
             self.plan_conflict(&e);
+        } else {
+            // An unplanned request where the plan expected a tensor that lives forever
+            // (setup: parameters, optimizer state) is taken to live forever too. (`until`
+            // is read only by the hole search and the pool's growth for this request,
+            // which a conflict and a failed mapping set it for.)
+            p.until = p.cursor.lives_forever_at(before).then_some(u64::MAX);
         }
         Ok(match self.alloc_in_hole(size, rounded, stream)? {
             Some(i) => PlanAnswer::Placed(i),
