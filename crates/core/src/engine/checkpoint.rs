@@ -119,8 +119,8 @@ impl<D: DeviceMemory> Engine<D> {
         let mut blocks: Vec<CheckpointBlock> = st
             .live
             .values()
-            .filter(|&&i| st.heap.block(i).state == BlockState::Allocated)
-            .map(|&i| {
+            .filter(|&i| st.heap.block(i).state == BlockState::Allocated)
+            .map(|i| {
                 let b = st.heap.block(i);
                 CheckpointBlock {
                     addr: DevicePtr(b.addr),
@@ -164,8 +164,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut allocated: Vec<(u64, Idx)> = st
             .live
             .iter()
-            .filter(|&(_, &i)| st.heap.block(i).state == BlockState::Allocated)
-            .map(|(&addr, &i)| (addr, i))
+            .filter(|&(_, i)| st.heap.block(i).state == BlockState::Allocated)
             .collect();
         allocated.sort_unstable();
         let mut freed = Vec::with_capacity(allocated.len());

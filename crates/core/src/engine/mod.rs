@@ -25,10 +25,13 @@
 //!   synchronisation happen with the lock released, on blocks marked as owned by the
 //!   calling thread (`Mapping`, `Unmapping`, `PendingFree`) or on event queues taken out
 //!   of the state, and the result is applied after re-locking.
-//! - **Hot path**: `malloc` = lock, hash lookup of the arena, treap best fit, split, hash
-//!   insert of the pointer; `free` = lock, hash remove, coalesce, treap insert. Expected
-//!   O(log n) in the number of free blocks of the arena, no device call and no heap
-//!   allocation once the slab and maps have grown to the workload.
+//! - **Hot path**: `malloc` = lock, hash lookup of the arena, treap best fit, split,
+//!   insert of the pointer into the pointer map (module `live`: linear probing
+//!   specialised to 512-B-aligned addresses); `free` = lock, pointer-map remove,
+//!   coalesce, treap insert. A plan hit replaces the best fit by the cursor's O(1)
+//!   match and a by-address look-up. Expected O(log n) in the number of free blocks of
+//!   the arena, no device call and no heap allocation once the slab and maps have grown
+//!   to the workload.
 //! - **Out of memory**: a growth that would pass the memory limit, or that the device
 //!   refuses, triggers one release of cached memory (as `empty_cache`) and a retry
 //!   (`num_alloc_retries`); if that fails too, [`EngineError::OutOfMemory`] says what was
@@ -125,6 +128,7 @@ mod checkpoint;
 mod cursor;
 pub mod device;
 pub mod host;
+mod live;
 mod plan_pool;
 mod record;
 pub mod stats;
@@ -146,6 +150,7 @@ use self::cursor::Cursor;
 pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
+use self::live::LiveMap;
 pub use self::plan_pool::steady_slice;
 use self::plan_pool::stream_ranges;
 use self::record::Recorder;
@@ -515,7 +520,7 @@ struct State {
     heap: Heap,
     arena_of: FxHashMap<(StreamId, PoolKind), ArenaId>,
     /// Address -> block, for every `Allocated` or `PendingFree` block.
-    live: FxHashMap<u64, Idx>,
+    live: LiveMap,
     stats: DeviceStats,
     limit: u64,
     /// Bytes being mapped by threads that released the lock.
@@ -833,7 +838,7 @@ impl State {
     /// back to its arena, and stops counting as active.
     fn complete_free(&mut self, i: Idx) {
         let addr = self.heap.block(i).addr;
-        self.live.remove(&addr);
+        self.live.remove(addr);
         self.release_block(i);
     }
 
@@ -888,7 +893,7 @@ impl<D: DeviceMemory> Engine<D> {
         let state = State {
             heap: Heap::new(granule),
             arena_of: FxHashMap::default(),
-            live: FxHashMap::default(),
+            live: LiveMap::default(),
             stats: DeviceStats::default(),
             limit,
             mapping: 0,
@@ -1221,16 +1226,16 @@ impl<D: DeviceMemory> Engine<D> {
         // One hash probe: the entry is taken out at once when nothing defers the free.
         let i = {
             let s = &mut *st;
-            let std::collections::hash_map::Entry::Occupied(slot) = s.live.entry(ptr.get()) else {
+            let Some(slot) = s.live.find(ptr.get()) else {
                 return Err(EngineError::UnknownPointer(ptr));
             };
-            let i = *slot.get();
+            let i = s.live.block_at(slot);
             let b = s.heap.block(i);
             if b.state != BlockState::Allocated {
                 return Err(EngineError::AlreadyFreed(ptr));
             }
             if b.uses.is_empty() {
-                slot.remove();
+                s.live.remove_slot(slot);
             }
             i
         };
@@ -1311,7 +1316,7 @@ impl<D: DeviceMemory> Engine<D> {
     /// allocation's own stream.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), EngineError> {
         let mut st = self.lock()?;
-        let Some(&i) = st.live.get(&ptr.get()) else {
+        let Some(i) = st.live.get(ptr.get()) else {
             return Err(EngineError::UnknownPointer(ptr));
         };
         if st.heap.block(i).state != BlockState::Allocated {
@@ -1515,8 +1520,8 @@ impl<D: DeviceMemory> Engine<D> {
     /// The live (allocated or pending) block at `ptr`.
     pub fn block_info(&self, ptr: DevicePtr) -> Result<BlockInfo, EngineError> {
         let st = self.lock()?;
-        match st.live.get(&ptr.get()) {
-            Some(&i) => Ok(Self::info(&st, i)),
+        match st.live.get(ptr.get()) {
+            Some(i) => Ok(Self::info(&st, i)),
             None => Err(EngineError::UnknownPointer(ptr)),
         }
     }
@@ -1614,7 +1619,7 @@ impl<D: DeviceMemory> Engine<D> {
                 st.live.len()
             ));
         }
-        for (&addr, &i) in &st.live {
+        for (addr, i) in st.live.iter() {
             let b = st.heap.block(i);
             if b.addr != addr || !matches!(b.state, BlockState::Allocated | BlockState::PendingFree)
             {
@@ -1820,7 +1825,7 @@ impl<D: DeviceMemory> Engine<D> {
             return Ok(());
         }
         let mut rec = Recorder::new(self.device);
-        let mut live: Vec<Idx> = st.live.values().copied().collect();
+        let mut live: Vec<Idx> = st.live.values().collect();
         live.sort_by_key(|&i| st.heap.block(i).addr);
         for i in live {
             let (requested, addr) = (st.heap.block(i).requested, st.heap.block(i).addr);
