@@ -630,6 +630,7 @@ impl Heap {
     }
 
     /// The free block with the greatest address `<= addr` in the treap at `t`, or NIL.
+    #[inline]
     fn addr_floor(&self, mut t: Idx, addr: u64) -> Idx {
         let mut best = NIL;
         while t != NIL {
@@ -1120,6 +1121,7 @@ impl Heap {
     /// mapped or unmapped, or unmapped there": this is the check that a planned offset is
     /// unoccupied. `Ok(None)` when it is not (or `a` is not a placement arena).
     /// O(log n).
+    #[inline]
     pub fn alloc_at(
         &mut self,
         a: ArenaId,
@@ -1148,6 +1150,7 @@ impl Heap {
     /// Cuts `[addr, addr + size)` out of free block `b` (which holds it) as an
     /// `Allocated` block of `requested` bytes; what is left on either side stays free.
     /// O(log n).
+    #[inline]
     fn take_range(
         &mut self,
         b: Idx,

@@ -331,6 +331,7 @@ impl Cursor {
 
     /// The expected request for a request of `size` requested bytes on `stream`, or
     /// `None` if it is not planned (see the module documentation).
+    #[inline]
     pub fn next(&mut self, size: u64, stream: StreamId) -> Option<Expected> {
         self.seen += 1;
         let v = self.beam[0].pos;

@@ -385,6 +385,7 @@ impl PlanServing {
     }
 
     /// The plan stream run stream `run` is bound to, if any.
+    #[inline]
     fn to_plan(&self, run: StreamId) -> Option<StreamId> {
         self.bound.iter().find(|(r, _)| *r == run).map(|&(_, p)| p)
     }
@@ -394,6 +395,7 @@ impl PlanServing {
     /// default stream; auto mode, same process), else the stream of the expected
     /// request if that stream is unbound and the sizes agree. `None`: a stream the plan
     /// does not serve. O(streams).
+    #[inline]
     fn bind(&mut self, run: StreamId, size: u64) -> Option<StreamId> {
         if let Some(p) = self.to_plan(run) {
             return Some(p);
@@ -574,6 +576,7 @@ fn limit_bytes(limit: MemoryLimit, total: u64) -> Result<u64, EngineError> {
 }
 
 impl State {
+    #[inline]
     fn kind_of(&self, i: Idx) -> PoolKind {
         let a = self.heap.block(i).arena;
         self.heap.arena(a).map_or(PoolKind::Small, |x| x.kind)
@@ -624,6 +627,7 @@ impl State {
     /// The plan pool's answer to a request: its planned place if the plan has one and
     /// nothing occupies it, else a free hole of the pool that the next expected
     /// requests do not need (module docs, plan mode), else nothing.
+    #[inline]
     fn alloc_planned(
         &mut self,
         size: Bytes,
@@ -665,6 +669,7 @@ impl State {
     }
 
     /// Block `i` was just placed at its planned offset.
+    #[inline]
     fn planned_block(&mut self, i: Idx, cross: bool, stream: StreamId) {
         if cross {
             // Another stream plans on this range: the free waits for ours.
