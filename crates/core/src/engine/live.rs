@@ -70,7 +70,11 @@ impl LiveMap {
     /// [`LiveMap::remove_slot`]: one probe for a look-up and a removal).
     #[inline]
     pub fn find(&self, addr: u64) -> Option<usize> {
-        debug_assert!(addr != EMPTY);
+        // A caller's pointer may be anything; only a multiple of 512 can be a block's
+        // (and `EMPTY` is not one, so it never matches a vacant slot).
+        if !addr.is_multiple_of(ALIGNMENT) {
+            return None;
+        }
         let mut i = self.home(addr);
         loop {
             let k = self.slots[i].0;
@@ -197,6 +201,12 @@ mod tests {
         }
         assert_eq!(m.remove(0), None);
         assert_eq!(m.len(), 500);
+        // Pointers no block can have (a caller's free of garbage): never found, even
+        // the vacant slots' marker.
+        for bad in [EMPTY, 512 + 1, 511, EMPTY - 511] {
+            assert_eq!((m.get(bad), m.find(bad), m.remove(bad)), (None, None, None));
+        }
+        assert_eq!(m.len(), 500);
         let mut got: Vec<u64> = m.iter().map(|(a, _)| a / 512).collect();
         got.sort_unstable();
         assert_eq!(got, (1..1000).step_by(2).collect::<Vec<u64>>());
@@ -223,6 +233,10 @@ mod tests {
                     1 => prop_assert_eq!(m.remove(addr), model.remove(&addr)),
                     _ => prop_assert_eq!(m.get(addr), model.get(&addr).copied()),
                 }
+                // Any other word, aligned or not: as the model says.
+                let probe = addr.wrapping_add(u64::from(v % 1024));
+                prop_assert_eq!(m.get(probe), model.get(&probe).copied());
+                prop_assert_eq!(m.get(EMPTY - probe % 1024), None);
                 prop_assert_eq!(m.len(), model.len());
                 prop_assert!(2 * m.len() <= m.slots.len());
                 for (&a, &b) in &model {

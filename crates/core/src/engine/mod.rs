@@ -2081,6 +2081,11 @@ mod tests {
             e.record_stream(inner, S1),
             Err(EngineError::UnknownPointer(inner))
         );
+        // Pointers no block can have, the pointer map's vacant marker among them.
+        for bad in [DevicePtr(u64::MAX), DevicePtr(p.get() + 1), DevicePtr(0)] {
+            assert_eq!(e.free(bad), Err(EngineError::UnknownPointer(bad)));
+            assert_eq!(e.block_info(bad), Err(EngineError::UnknownPointer(bad)));
+        }
         e.record_stream(p, S1).unwrap();
         e.free(p).unwrap();
         assert_eq!(e.free(p), Err(EngineError::AlreadyFreed(p)));
