@@ -21,7 +21,8 @@
 //!
 //! # Invariants (checked by `Heap::check`)
 //!
-//! 1. The blocks of an arena tile it: each block starts where its predecessor ends.
+//! 1. The blocks of an arena tile it: each block starts where its predecessor ends
+//!    (and names the arena and its pool).
 //! 2. No two `Free` blocks and no two `Unmapped` blocks are adjacent (coalescing).
 //! 3. Every boundary between mapped memory (`Free`, `Allocated`, `PendingFree`,
 //!    `Unmapping`) and unmapped memory (`Unmapped`, `Mapping`) is granule aligned.
@@ -126,6 +127,9 @@ pub(crate) struct Block {
     pub requested: u64,
     pub state: BlockState,
     pub arena: ArenaId,
+    /// The pool of the block's arena (a copy of `Arena::kind`: one load fewer on the
+    /// hot path's stats updates).
+    pub kind: PoolKind,
     /// Address-order neighbours (`next` doubles as the vacant-slot list link).
     pub prev: Idx,
     pub next: Idx,
@@ -351,6 +355,7 @@ impl Heap {
                 requested: 0,
                 state: BlockState::Unmapped,
                 arena: 0,
+                kind: PoolKind::Large,
                 prev: NIL,
                 next: NIL,
                 left: NIL,
@@ -364,12 +369,20 @@ impl Heap {
             });
             i
         };
+        // The head block of a new arena is made before the arena is in place:
+        // `Heap::add_arena_with` sets its kind.
+        let kind = self
+            .arenas
+            .get(arena as usize)
+            .and_then(Option::as_ref)
+            .map_or(PoolKind::Large, |x| x.kind);
         let b = &mut self.blocks[i as usize];
         b.addr = addr;
         b.size = size;
         b.requested = 0;
         b.state = state;
         b.arena = arena;
+        b.kind = kind;
         b.prev = NIL;
         b.next = NIL;
         b.left = NIL;
@@ -474,6 +487,7 @@ impl Heap {
             }
         };
         let head = self.new_block(base, len, BlockState::Unmapped, id)?;
+        self.blocks[head as usize].kind = kind;
         let mut unmapped = BTreeMap::new();
         unmapped.insert(base, head);
         self.arenas[id as usize] = Some(Arena {
@@ -1641,8 +1655,8 @@ impl Heap {
                         blk.addr, blk.size, blk.state
                     )
                 };
-                if blk.arena != a {
-                    return Err(ctx("belongs to another arena"));
+                if blk.arena != a || blk.kind != arena.kind {
+                    return Err(ctx("belongs to another arena or pool"));
                 }
                 if blk.addr != at || blk.prev != prev {
                     return Err(ctx("does not continue its predecessor"));

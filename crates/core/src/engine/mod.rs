@@ -578,8 +578,7 @@ fn limit_bytes(limit: MemoryLimit, total: u64) -> Result<u64, EngineError> {
 impl State {
     #[inline]
     fn kind_of(&self, i: Idx) -> PoolKind {
-        let a = self.heap.block(i).arena;
-        self.heap.arena(a).map_or(PoolKind::Small, |x| x.kind)
+        self.heap.block(i).kind
     }
 
     fn stream_of(&self, i: Idx) -> StreamId {
