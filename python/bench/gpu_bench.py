@@ -641,10 +641,12 @@ class Driver:
             for entry in self.doc["workloads"]:
                 w = entry["config"]
                 rounds = entry.setdefault("step_rounds", {})
+                iters = entry.setdefault("step_rounds_iters", {})
                 if not rounds:
                     for alloc, r in entry["runs"].items():
                         if alloc == "native" or alloc in allocs:
                             rounds[alloc] = [steady_median(r)]
+                            iters[alloc] = [round_times(r)]
                 est = float(w.get("est_s", 15))
                 for alloc in ["native"] + allocs:
                     extra = {}
@@ -657,6 +659,7 @@ class Driver:
                         extra = {"trace": os.path.join(self.tmp, f"{w['name']}.round.stwt")}
                     r = self.run_one(w, alloc, est * (2 if alloc == "auto" else 1), extra)
                     rounds.setdefault(alloc, []).append(steady_median(r) if r.get("ok") else None)
+                    iters.setdefault(alloc, []).append(round_times(r))
                     print(f"{w['name']:18s} {alloc:10s} round {k}: step "
                           f"{(steady_median(r) or 0) * 1e3:.1f} ms", flush=True)
                     self.save()
@@ -823,6 +826,25 @@ def steady_median(r: dict) -> Optional[float]:
     return _median([st[i] for i in steady_indices(r)])
 
 
+def round_times(r: dict) -> Optional[dict]:
+    """One round's per-iteration step times and the iterations that count (for pairing)."""
+    if not r.get("ok"):
+        return None
+    return {"step_s": r.get("step_s") or [], "steady": steady_indices(r)}
+
+
+def paired_ratios(nat_rounds: list, rounds: list) -> List[float]:
+    """Per-iteration ratios allocator / native, pairing the same iteration of the same round
+    (the same data: every run draws its batches from the same seed), over all rounds."""
+    out = []
+    for n, a in zip(nat_rounds, rounds):
+        if not n or not a:
+            continue
+        both = sorted(set(n["steady"]) & set(a["steady"]))
+        out += [a["step_s"][i] / n["step_s"][i] for i in both if n["step_s"][i] > 0]
+    return out
+
+
 def render_step_rounds(doc: dict) -> List[str]:
     """Per workload and allocator: each round's step ratio to that round's native, and the
     median over rounds (`run --step-rounds`)."""
@@ -841,10 +863,18 @@ def render_step_rounds(doc: dict) -> List[str]:
             srt = sorted(ratios)
             med = srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2
             key = "auto_steady" if alloc == "auto" else alloc
-            out.append(f"{e['config']['name']:18s} {LABELS.get(key, alloc):30s} "
-                       + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
+            line = (f"{e['config']['name']:18s} {LABELS.get(key, alloc):30s} "
+                    + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
+            iters = e.get("step_rounds_iters") or {}
+            pairs = paired_ratios(iters.get("native") or [], iters.get(alloc) or [])
+            if pairs:
+                q = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [pairs[0]] * 3
+                line += (f"; paired iterations: median {statistics.median(pairs):.3f} "
+                         f"(IQR {q[0]:.3f}-{q[2]:.3f}, n={len(pairs)})")
+            out.append(line)
     if out:
-        out.insert(0, "step time / native per round (round 0 = the main run), median over rounds:")
+        out.insert(0, "step time / native per round (round 0 = the main run), median over rounds; "
+                      "paired: the same iteration of the same round, over all rounds:")
     return out
 
 
