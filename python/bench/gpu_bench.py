@@ -200,8 +200,8 @@ def run_spec(spec: dict) -> dict:
         else:
             import stweaver
 
-            if spec.get("release_at_peak"):
-                os.environ["STWEAVER_RELEASE_AT_PEAK"] = "1"  # read by the engine at install
+            if spec.get("release_at_peak") is not None:  # read by the engine at install
+                os.environ["STWEAVER_RELEASE_AT_PEAK"] = "1" if spec["release_at_peak"] else "0"
             stweaver.install(alloc, plan=spec.get("plan"), trace=spec.get("trace"), hook_optimizer=True)
             st = stweaver
     import torch
@@ -504,8 +504,8 @@ class Driver:
         spec = {"alloc": alloc, "workload": workload, "result": result, "dry_run": self.dry,
                 "deadline": min(self.deadline - 10, time.time() + 4 * est_s)}
         spec.update(extra or {})
-        if self.args.release_at_peak:
-            spec["release_at_peak"] = True
+        if self.args.no_release_at_peak:
+            spec["release_at_peak"] = False
         p, log = self.pool.take(alloc)
         t0 = time.time()
         limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
@@ -818,19 +818,29 @@ def steady_indices(r: dict) -> List[int]:
     return list(range(min(WARMUP, max(0, n - 1)), n))
 
 
+def round_indices(r: dict) -> List[int]:
+    """Iterations a step-time round counts: `steady_indices`, or for auto that never served
+    a plan (it stays online by design: MoE, variable lengths) its iterations after warm-up."""
+    idx = steady_indices(r)
+    n = len(r.get("step_s") or [])
+    if not idx and r.get("alloc") == "auto" and r.get("steady_from") is None:
+        idx = list(range(min(WARMUP, max(0, n - 1)), n))
+    return idx
+
+
 def steady_median(r: dict) -> Optional[float]:
-    """Median step time over `steady_indices` (None without a steady window)."""
+    """Median step time over `round_indices` (None without any)."""
     if not r.get("ok"):
         return None
     st = r.get("step_s") or []
-    return _median([st[i] for i in steady_indices(r)])
+    return _median([st[i] for i in round_indices(r)])
 
 
 def round_times(r: dict) -> Optional[dict]:
     """One round's per-iteration step times and the iterations that count (for pairing)."""
     if not r.get("ok"):
         return None
-    return {"step_s": r.get("step_s") or [], "steady": steady_indices(r)}
+    return {"step_s": r.get("step_s") or [], "steady": round_indices(r)}
 
 
 def paired_ratios(nat_rounds: list, rounds: list) -> List[float]:
@@ -862,8 +872,8 @@ def render_step_rounds(doc: dict) -> List[str]:
                 continue
             srt = sorted(ratios)
             med = srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2
-            key = "auto_steady" if alloc == "auto" else alloc
-            line = (f"{e['config']['name']:18s} {LABELS.get(key, alloc):30s} "
+            label = "stweaver auto (after switch*)" if alloc == "auto" else LABELS.get(alloc, alloc)
+            line = (f"{e['config']['name']:18s} {label:30s} "
                     + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
             iters = e.get("step_rounds_iters") or {}
             pairs = paired_ratios(iters.get("native") or [], iters.get(alloc) or [])
@@ -874,7 +884,8 @@ def render_step_rounds(doc: dict) -> List[str]:
             out.append(line)
     if out:
         out.insert(0, "step time / native per round (round 0 = the main run), median over rounds; "
-                      "paired: the same iteration of the same round, over all rounds:")
+                      "paired: the same iteration of the same round, over all rounds "
+                      "(* auto that never switches: its iterations after warm-up):")
     return out
 
 
@@ -1095,9 +1106,9 @@ def main(argv=None) -> int:
                    help="extra interleaved rounds of native + --step-allocators per workload, for "
                         "step time alone (one run per configuration does not resolve 1 %% here)")
     r.add_argument("--step-allocators", default="plan,auto,expandable")
-    r.add_argument("--release-at-peak", action="store_true",
-                   help="stweaver runs with STWEAVER_RELEASE_AT_PEAK=1 (give holes back before a "
-                        "new peak)")
+    r.add_argument("--no-release-at-peak", action="store_true",
+                   help="stweaver runs with STWEAVER_RELEASE_AT_PEAK=0 (no giving holes back "
+                        "before a new peak; it is on by default)")
     p = sub.add_parser("report", help="print the table of a result file")
     p.add_argument("json")
     p.add_argument("--markdown", action="store_true")

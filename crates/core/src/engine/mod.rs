@@ -143,7 +143,7 @@ use self::cursor::Cursor;
 pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
-pub use self::plan_pool::steady_slice;
+pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::plan_pool::stream_ranges;
 use self::record::Recorder;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
