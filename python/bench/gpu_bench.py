@@ -27,6 +27,7 @@ stweaver can still be installed and PYTORCH_CUDA_ALLOC_CONF (set at spawn) appli
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import math
@@ -248,6 +249,17 @@ def run_spec(spec: dict) -> dict:
         torch.cuda.synchronize()
     res["build_s"] = time.perf_counter() - t_build
 
+    # Python's cyclic garbage collector runs when allocation counts say so, i.e. at a random
+    # point of some iteration, and a full pass over a model's object graph takes tens of ms:
+    # with --gc-outside-steps (the default) it is frozen after setup, off while an iteration
+    # is timed, and run between iterations (untimed), the same for every allocator.
+    gc_control = spec.get("gc_outside_steps", False)
+    if gc_control:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    res["gc_outside_steps"] = gc_control
+
     vocab = model.config.vocab_size
     micro, seq = c["micro"], c["seq"]
     mb = c["batch"] // micro
@@ -273,6 +285,8 @@ def run_spec(spec: dict) -> dict:
                 batches.append(torch.randint(0, vocab, (mb, L), generator=gen))
             if dry and spec.get("cap_bytes") and c["batch"] > fake_cap.get(alloc, 0) and i == 1:
                 raise MemoryError("simulated out of memory (dry run)")
+            if gc_control:
+                gc.collect()
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -506,6 +520,7 @@ class Driver:
         spec.update(extra or {})
         if self.args.no_release_at_peak:
             spec["release_at_peak"] = False
+        spec["gc_outside_steps"] = not self.args.gc_in_steps
         p, log = self.pool.take(alloc)
         t0 = time.time()
         limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
@@ -1106,6 +1121,9 @@ def main(argv=None) -> int:
                    help="extra interleaved rounds of native + --step-allocators per workload, for "
                         "step time alone (one run per configuration does not resolve 1 %% here)")
     r.add_argument("--step-allocators", default="plan,auto,expandable")
+    r.add_argument("--gc-in-steps", action="store_true",
+                   help="leave Python's garbage collector alone (by default it is frozen after "
+                        "setup and run between iterations, outside the timed window)")
     r.add_argument("--no-release-at-peak", action="store_true",
                    help="stweaver runs with STWEAVER_RELEASE_AT_PEAK=0 (no giving holes back "
                         "before a new peak; it is on by default)")
