@@ -27,6 +27,7 @@ stweaver can still be installed and PYTORCH_CUDA_ALLOC_CONF (set at spawn) appli
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import math
@@ -200,8 +201,8 @@ def run_spec(spec: dict) -> dict:
         else:
             import stweaver
 
-            if spec.get("release_at_peak"):
-                os.environ["STWEAVER_RELEASE_AT_PEAK"] = "1"  # read by the engine at install
+            if spec.get("release_at_peak") is not None:  # read by the engine at install
+                os.environ["STWEAVER_RELEASE_AT_PEAK"] = "1" if spec["release_at_peak"] else "0"
             stweaver.install(alloc, plan=spec.get("plan"), trace=spec.get("trace"), hook_optimizer=True)
             st = stweaver
     import torch
@@ -248,6 +249,17 @@ def run_spec(spec: dict) -> dict:
         torch.cuda.synchronize()
     res["build_s"] = time.perf_counter() - t_build
 
+    # Python's cyclic garbage collector runs when allocation counts say so, i.e. at a random
+    # point of some iteration, and a full pass over a model's object graph takes tens of ms:
+    # with --gc-outside-steps (the default) it is frozen after setup, off while an iteration
+    # is timed, and run between iterations (untimed), the same for every allocator.
+    gc_control = spec.get("gc_outside_steps", False)
+    if gc_control:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    res["gc_outside_steps"] = gc_control
+
     vocab = model.config.vocab_size
     micro, seq = c["micro"], c["seq"]
     mb = c["batch"] // micro
@@ -273,6 +285,8 @@ def run_spec(spec: dict) -> dict:
                 batches.append(torch.randint(0, vocab, (mb, L), generator=gen))
             if dry and spec.get("cap_bytes") and c["batch"] > fake_cap.get(alloc, 0) and i == 1:
                 raise MemoryError("simulated out of memory (dry run)")
+            if gc_control:
+                gc.collect()
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -504,8 +518,9 @@ class Driver:
         spec = {"alloc": alloc, "workload": workload, "result": result, "dry_run": self.dry,
                 "deadline": min(self.deadline - 10, time.time() + 4 * est_s)}
         spec.update(extra or {})
-        if self.args.release_at_peak:
-            spec["release_at_peak"] = True
+        if self.args.no_release_at_peak:
+            spec["release_at_peak"] = False
+        spec["gc_outside_steps"] = not self.args.gc_in_steps
         p, log = self.pool.take(alloc)
         t0 = time.time()
         limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
@@ -641,10 +656,12 @@ class Driver:
             for entry in self.doc["workloads"]:
                 w = entry["config"]
                 rounds = entry.setdefault("step_rounds", {})
+                iters = entry.setdefault("step_rounds_iters", {})
                 if not rounds:
                     for alloc, r in entry["runs"].items():
                         if alloc == "native" or alloc in allocs:
                             rounds[alloc] = [steady_median(r)]
+                            iters[alloc] = [round_times(r)]
                 est = float(w.get("est_s", 15))
                 for alloc in ["native"] + allocs:
                     extra = {}
@@ -657,6 +674,7 @@ class Driver:
                         extra = {"trace": os.path.join(self.tmp, f"{w['name']}.round.stwt")}
                     r = self.run_one(w, alloc, est * (2 if alloc == "auto" else 1), extra)
                     rounds.setdefault(alloc, []).append(steady_median(r) if r.get("ok") else None)
+                    iters.setdefault(alloc, []).append(round_times(r))
                     print(f"{w['name']:18s} {alloc:10s} round {k}: step "
                           f"{(steady_median(r) or 0) * 1e3:.1f} ms", flush=True)
                     self.save()
@@ -815,12 +833,41 @@ def steady_indices(r: dict) -> List[int]:
     return list(range(min(WARMUP, max(0, n - 1)), n))
 
 
+def round_indices(r: dict) -> List[int]:
+    """Iterations a step-time round counts: `steady_indices`, or for auto that never served
+    a plan (it stays online by design: MoE, variable lengths) its iterations after warm-up."""
+    idx = steady_indices(r)
+    n = len(r.get("step_s") or [])
+    if not idx and r.get("alloc") == "auto" and r.get("steady_from") is None:
+        idx = list(range(min(WARMUP, max(0, n - 1)), n))
+    return idx
+
+
 def steady_median(r: dict) -> Optional[float]:
-    """Median step time over `steady_indices` (None without a steady window)."""
+    """Median step time over `round_indices` (None without any)."""
     if not r.get("ok"):
         return None
     st = r.get("step_s") or []
-    return _median([st[i] for i in steady_indices(r)])
+    return _median([st[i] for i in round_indices(r)])
+
+
+def round_times(r: dict) -> Optional[dict]:
+    """One round's per-iteration step times and the iterations that count (for pairing)."""
+    if not r.get("ok"):
+        return None
+    return {"step_s": r.get("step_s") or [], "steady": round_indices(r)}
+
+
+def paired_ratios(nat_rounds: list, rounds: list) -> List[float]:
+    """Per-iteration ratios allocator / native, pairing the same iteration of the same round
+    (the same data: every run draws its batches from the same seed), over all rounds."""
+    out = []
+    for n, a in zip(nat_rounds, rounds):
+        if not n or not a:
+            continue
+        both = sorted(set(n["steady"]) & set(a["steady"]))
+        out += [a["step_s"][i] / n["step_s"][i] for i in both if n["step_s"][i] > 0]
+    return out
 
 
 def render_step_rounds(doc: dict) -> List[str]:
@@ -840,11 +887,20 @@ def render_step_rounds(doc: dict) -> List[str]:
                 continue
             srt = sorted(ratios)
             med = srt[len(srt) // 2] if len(srt) % 2 else (srt[len(srt) // 2 - 1] + srt[len(srt) // 2]) / 2
-            key = "auto_steady" if alloc == "auto" else alloc
-            out.append(f"{e['config']['name']:18s} {LABELS.get(key, alloc):30s} "
-                       + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
+            label = "stweaver auto (after switch*)" if alloc == "auto" else LABELS.get(alloc, alloc)
+            line = (f"{e['config']['name']:18s} {label:30s} "
+                    + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
+            iters = e.get("step_rounds_iters") or {}
+            pairs = paired_ratios(iters.get("native") or [], iters.get(alloc) or [])
+            if pairs:
+                q = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [pairs[0]] * 3
+                line += (f"; paired iterations: median {statistics.median(pairs):.3f} "
+                         f"(IQR {q[0]:.3f}-{q[2]:.3f}, n={len(pairs)})")
+            out.append(line)
     if out:
-        out.insert(0, "step time / native per round (round 0 = the main run), median over rounds:")
+        out.insert(0, "step time / native per round (round 0 = the main run), median over rounds; "
+                      "paired: the same iteration of the same round, over all rounds "
+                      "(* auto that never switches: its iterations after warm-up):")
     return out
 
 
@@ -1065,9 +1121,12 @@ def main(argv=None) -> int:
                    help="extra interleaved rounds of native + --step-allocators per workload, for "
                         "step time alone (one run per configuration does not resolve 1 %% here)")
     r.add_argument("--step-allocators", default="plan,auto,expandable")
-    r.add_argument("--release-at-peak", action="store_true",
-                   help="stweaver runs with STWEAVER_RELEASE_AT_PEAK=1 (give holes back before a "
-                        "new peak)")
+    r.add_argument("--gc-in-steps", action="store_true",
+                   help="leave Python's garbage collector alone (by default it is frozen after "
+                        "setup and run between iterations, outside the timed window)")
+    r.add_argument("--no-release-at-peak", action="store_true",
+                   help="stweaver runs with STWEAVER_RELEASE_AT_PEAK=0 (no giving holes back "
+                        "before a new peak; it is on by default)")
     p = sub.add_parser("report", help="print the table of a result file")
     p.add_argument("json")
     p.add_argument("--markdown", action="store_true")

@@ -18,6 +18,7 @@ Writes DIR/gpu_dist_bench.json and DIR/bench_table.txt (printed last).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -211,6 +212,9 @@ def main(argv=None) -> int:
                          "interleaved, for step time alone (one run per configuration does not "
                          "resolve 1 %% on a shared machine)")
     ap.add_argument("--repeat-allocators", default="native,expandable,auto")
+    ap.add_argument("--keep-traces", action="store_true",
+                    help="gzip every rank's trace of the trace run into --out "
+                         "({strategy}.rank{R}.stwt.gz), for a CPU replay of the plan run")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
@@ -237,6 +241,12 @@ def main(argv=None) -> int:
                     doc["plans"][os.path.basename(plan)] = dl.plan_cli(a.stweaver_bin, trace, plan, plan + ".log")
             r = run(a, s, alloc, fdir, min(a.timeout_s, max(30.0, left)))
             runs[alloc] = r
+            if alloc == "trace" and a.keep_traces:
+                for rk in range(a.gpus):
+                    src = os.path.join(fdir, f"{s}.rank{rk}.stwt")
+                    if os.path.isfile(src):
+                        with open(src, "rb") as fi, gzip.open(os.path.join(a.out, os.path.basename(src) + ".gz"), "wb") as fo:
+                            shutil.copyfileobj(fi, fo)
             oks = [x and x.get("ok") for x in r["ranks"]]
             print(f"{s} {alloc}: rc {r['rc']} {r['wall_s']} s ranks ok {oks}", flush=True)
             if not all(oks):

@@ -7,12 +7,13 @@ allocation handle (``cuMemCreate`` + ``cuMemMap``); PyTorch's native allocator t
 - ``native``: ``torch.empty`` under PyTorch's own allocator (``cudaMalloc``);
 - ``vmm_2m``: a reserved range mapped with one handle per 2 MiB granule;
 - ``vmm_big``: the same range mapped with one handle for the whole buffer;
+- with ``--chunks-mib 4,32,...``: the same range mapped with one handle per that many MiB;
 
 and prints the median time of each kernel per kind, and the ratio to native. Kernels:
 streaming copy, fp16 GEMM, row gather and scatter-add over a large table (TLB-sensitive
 random rows), exp and row sums over a GPT-2-sized logits tensor.
 
-    python python/bench/vmm_probe.py [--gib 4] [--reps 30]
+    python python/bench/vmm_probe.py [--gib 4] [--reps 30] [--chunks-mib 4,8,32,128]
 
 Uses the driver API through ctypes; the tensors over VMM memory are made with
 ``__cuda_array_interface__`` (no copy). Needs nothing but torch and a GPU.
@@ -174,17 +175,24 @@ def main() -> None:
     ap.add_argument("--gib", type=int, default=6, help="VMM buffer size")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--chunks-mib", default="",
+                    help="comma-separated extra handle sizes in MiB (e.g. 4,8,32,128): one VMM "
+                         "run per size, between vmm_2m and vmm_big")
     args = ap.parse_args()
     torch.zeros(1, device="cuda")
     dev = torch.cuda.current_device()
     nbytes = args.gib << 30
     results = {}
-    order = ["native", "vmm_2m", "vmm_big", "native_again"]
+    extra = [int(c) for c in args.chunks_mib.split(",") if c.strip()]
+    for c in extra:
+        if c <= 0 or c % 2 or nbytes % (c << 20):
+            ap.error(f"--chunks-mib: {c} MiB must be a positive multiple of 2 that divides {args.gib} GiB")
+    order = ["native", "vmm_2m"] + [f"vmm_{c}m" for c in extra] + ["vmm_big", "native_again"]
     for kind in order:
         if kind.startswith("native"):
             results[kind] = kernels(lambda s, d: torch.empty(s, dtype=d, device="cuda"), args.reps)
         else:
-            chunk = (2 << 20) if kind == "vmm_2m" else nbytes
+            chunk = nbytes if kind == "vmm_big" else int(kind[4:-1]) << 20
             buf = VmmBuffer(nbytes, chunk, dev)
             results[kind] = kernels(buf.take, args.reps)
         torch.cuda.empty_cache()

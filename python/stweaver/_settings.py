@@ -13,7 +13,7 @@ with no arguments):
 ``STWEAVER_AUTO_ITERATIONS`` iterations ``auto`` records before planning (default 4)
 ``STWEAVER_RELEASE_AT_PEAK`` ``1``/``0``: before an online arena grows past the peak of
                            reserved memory, give its free holes back first (lower peak,
-                           more device synchronisations; default off)
+                           a device synchronisation each time; default on)
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``

@@ -128,15 +128,35 @@ def test_step_rounds_are_ratios_to_the_same_rounds_native_and_their_median():
     doc = {"workloads": [e]}
     lines = gb.render_step_rounds(doc)
     assert lines[0].startswith("step time / native per round")
-    plan = next(x for x in lines if "plan" in x)
+    plan = next(x for x in lines[1:] if "plan" in x)
     assert "1.010 0.950 1.050" in plan and plan.endswith("median 1.010")
-    auto = next(x for x in lines if "auto" in x)
+    auto = next(x for x in lines[1:] if "auto" in x)
     # The failed round is left out; two rounds: the median is their mean.
     assert "1.100 1.000" in auto and auto.endswith("median 1.050")
     assert gb.render_step_rounds({"workloads": [entry()]}) == []
+
+
+def test_paired_ratios_pair_the_same_iteration_of_the_same_round():
+    nat = [{"step_s": [9.0, 1.0, 2.0, 4.0], "steady": [1, 2, 3]},
+           {"step_s": [9.0, 2.0, 2.0], "steady": [1, 2]}]
+    # auto's steady window starts later in round 0; round 1 failed (None).
+    auto = [{"step_s": [9.0, 9.0, 2.2, 4.4], "steady": [2, 3]}, None]
+    assert [round(x, 6) for x in gb.paired_ratios(nat, auto)] == [1.1, 1.1]
+    plan = [{"step_s": [1.0, 1.0, 2.0, 4.0], "steady": [1, 2, 3]},
+            {"step_s": [1.0, 3.0, 2.0], "steady": [1, 2]}]
+    assert gb.paired_ratios(nat, plan) == [1.0, 1.0, 1.0, 1.5, 1.0]
+    e = entry()
+    e["step_rounds"] = {"native": [0.3, 0.4], "plan": [0.3, 0.4]}
+    e["step_rounds_iters"] = {"native": nat, "plan": plan}
+    line = next(x for x in gb.render_step_rounds({"workloads": [e]}) if "plan" in x)
+    assert "paired iterations: median 1.000" in line and "n=5" in line
 
 
 def test_steady_median_uses_the_steady_window():
     r = run("auto", G, G, [0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1], [], steady_from=4)
     assert gb.steady_median(r) == 0.1
     assert gb.steady_median({"ok": False}) is None
+    # auto that never switched (stays online by design): its iterations after warm-up.
+    never = run("auto", G, G, [0.5, 0.4, 0.3, 0.2, 0.2, 0.2], [])
+    assert gb.steady_indices(never) == [] and gb.round_indices(never) == [3, 4, 5]
+    assert gb.steady_median(never) == 0.2

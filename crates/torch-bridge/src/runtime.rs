@@ -35,6 +35,7 @@ use std::time::Duration;
 
 use stweaver_core::Plan;
 use stweaver_core::engine::PlanOptions as EnginePlanOptions;
+use stweaver_core::engine::servable_from_start;
 use stweaver_core::engine::{
     BlockState, Checkpoint, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineConfig,
     EngineError, MemoryLimit, PoolKind, Restored, SegmentInfo, Stat,
@@ -95,8 +96,10 @@ pub struct Settings {
     /// Under `torchrun` (`WORLD_SIZE` > 1): this process's rank; file names carry it
     /// (module [`crate::dist`]).
     pub rank: Option<RankInfo>,
-    /// `STWEAVER_RELEASE_AT_PEAK=1`: [`EngineConfig::release_before_new_peak`] (off by
-    /// default: it trades device synchronisations and re-mapping for a lower peak).
+    /// `STWEAVER_RELEASE_AT_PEAK` (default on; `0` turns it off):
+    /// [`EngineConfig::release_before_new_peak`]. It trades a device synchronisation
+    /// each time an online arena would set a new reserved peak for a lower peak (on the
+    /// H200, Qwen2-MoE online 97.58 -> 98.69 %, variable lengths 92.60 -> 95.12 %).
     pub release_at_peak: bool,
 }
 
@@ -130,7 +133,7 @@ impl Settings {
                     ));
                 }
             },
-            Err(_) => false,
+            Err(_) => true,
         };
         let settings = |mode| Settings {
             mode,
@@ -509,7 +512,16 @@ impl Core {
                     control.stage = PlanStage::Fallback(why);
                 } else {
                     match read_plan_file(source.path()) {
-                        Ok(plan) => control.file_plan = Some(Arc::new(plan)),
+                        // A one-shot plan of shapes that do not repeat would reserve more
+                        // than online serving (plan_pool::servable_from_start).
+                        Ok(plan) => match servable_from_start(&plan) {
+                            Ok(()) => control.file_plan = Some(Arc::new(plan)),
+                            Err(why) => {
+                                let why = format!("{}: {why}", source.path().display());
+                                eprintln!("stweaver: warning: plan refused, serving online: {why}");
+                                control.stage = PlanStage::Fallback(why);
+                            }
+                        },
                         Err(e) => control.stage = PlanStage::Fallback(e.to_string()),
                     }
                 }

@@ -594,5 +594,44 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     iteration(&rt);
     rt.step().unwrap();
     assert!(plan_stats(&rt).is_null());
+
+    // A one-shot plan whose trace was mostly dynamic (shapes that never repeat) is
+    // refused too: served, it would reserve more than online serving.
+    let one_shot = dir.join("one_shot.stwp");
+    let plan = stweaver_core::plan::Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(MIB),
+        prologue: vec![stweaver_core::plan::PlannedRequest {
+            size: Bytes(MIB),
+            stream: StreamId(0),
+            offset: stweaver_core::units::Offset(0),
+            start: 0,
+            end: 1,
+        }],
+        prologue_len: 2,
+        dynamic: stweaver_core::plan::DynamicSummary {
+            requests: 40,
+            peak_bytes: Bytes(4 * MIB),
+        },
+        ..Default::default()
+    };
+    stweaver_core::plan_file::write_plan_file(&one_shot, &plan).unwrap();
+    let devs4: Vec<Arc<HostMemory>> =
+        vec![Arc::new(HostMemory::new(Bytes(64 * MIB), Bytes(2 * MIB)))];
+    let f4 = devs4.clone();
+    let factory = Box::new(move |d: i32| Ok(f4[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let rt = Runtime::with_core(Core::new(
+        Settings::parse("plan", one_shot.to_str().unwrap(), "").unwrap(),
+        factory,
+    ));
+    rt.init(1).unwrap();
+    let m = rt.mode().unwrap();
+    assert!(
+        m.starts_with("online (plan rejected:") && m.contains("40 requests to dynamic serving"),
+        "{m}"
+    );
+    iteration(&rt);
+    assert!(plan_stats(&rt).is_null());
+    drop(devs4);
     std::fs::remove_dir_all(&dir).unwrap();
 }

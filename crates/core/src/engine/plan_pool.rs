@@ -27,6 +27,16 @@
 //! no iteration request straddles a gap (a gap is unused at every tick), two requests
 //! that were disjoint in address stay disjoint, and those live at the same time never
 //! overlap — the slice is as valid as the plan (and is verified again on load). O(n log n).
+//!
+//! # Plans that would do worse than online
+//!
+//! [`servable_from_start`] refuses, for plan mode, a plan without an iteration section
+//! whose trace had more requests left to dynamic serving than planned (token-dependent
+//! shapes: Qwen2-MoE's eager experts, variable sequence lengths). Such a plan is the
+//! recorded run's one-shot layout: its dynamic requests take the pool's holes, collide
+//! with planned ones and spill into the fallback arena, next to a pool that stays
+//! reserved — on the H200, MoE served that way reserved 9.97 GiB against 9.49 GiB
+//! online. O(1).
 
 use crate::plan::{Plan, PlannedRequest};
 use crate::units::{Bytes, Offset, StreamId};
@@ -95,6 +105,21 @@ pub(crate) fn stream_ranges(plan: &Plan) -> (StreamRanges, Vec<bool>) {
             .collect()
     };
     (per, cross)
+}
+
+/// Whether plan mode should serve `plan` from the start (module docs, plans that
+/// would do worse than online); the error says why not.
+pub fn servable_from_start(plan: &Plan) -> Result<(), String> {
+    let planned = plan.prologue.len() as u64;
+    if plan.iteration.is_empty() && plan.dynamic.requests > planned {
+        return Err(format!(
+            "the plan has no iteration section and its trace left {} requests to dynamic \
+             serving against {planned} planned (shapes that do not repeat): serving it \
+             would reserve more than online allocation",
+            plan.dynamic.requests
+        ));
+    }
+    Ok(())
 }
 
 /// The iteration section of `plan` alone, with the pool ranges no iteration request
@@ -201,6 +226,33 @@ mod tests {
             ..plan
         };
         assert!(steady_slice(&empty).is_err());
+    }
+
+    #[test]
+    fn one_shot_plans_mostly_left_to_dynamic_serving_are_not_served_from_the_start() {
+        let one_shot = |dynamic: u64| Plan {
+            device: DeviceId(0),
+            alignment: Bytes(512),
+            pool_size: Bytes(4096),
+            prologue: vec![req(1024, 0, 0, 2, 0), req(1024, 1024, 1, 3, 0)],
+            prologue_len: 4,
+            dynamic: crate::plan::DynamicSummary {
+                requests: dynamic,
+                peak_bytes: Bytes(4096),
+            },
+            ..Plan::default()
+        };
+        // As many dynamic requests as planned: still served.
+        assert_eq!(servable_from_start(&one_shot(2)), Ok(()));
+        let err = servable_from_start(&one_shot(3)).unwrap_err();
+        assert!(err.contains("3 requests to dynamic serving against 2 planned"), "{err}");
+        // A plan with a steady iteration is served whatever its dynamic share.
+        let steady = Plan {
+            iteration: vec![req(512, 2048, 0, 1, 0)],
+            iteration_len: 2,
+            ..one_shot(1000)
+        };
+        assert_eq!(servable_from_start(&steady), Ok(()));
     }
 
     #[test]

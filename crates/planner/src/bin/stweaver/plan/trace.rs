@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use stweaver_core::engine::servable_from_start;
 use stweaver_core::plan_file::write_plan_file;
 use stweaver_core::{Bytes, DeviceId, Trace};
 use stweaver_planner::classify::{DynamicReason, Steady};
@@ -109,6 +110,7 @@ fn json(args: &PlanArgs, o: &PlanOutcome, load_s: f64) -> serde_json::Value {
         },
         "requests": { "prologue": r.prologue_requests, "iteration": r.iteration_requests },
         "dynamic": { "requests": r.dynamic.requests, "peak_bytes": r.dynamic.peak_bytes.get() },
+        "servable_from_start": servable_from_start(&o.plan).err(),
         "seconds": {
             "load": load_s,
             "classify": r.timings.classify.as_secs_f64(),
@@ -183,5 +185,8 @@ fn print_text(args: &PlanArgs, o: &PlanOutcome, load_s: f64) {
     match &args.output {
         Some(out) => println!("  written          {}", out.display()),
         None => println!("  written          nothing (no -o)"),
+    }
+    if let Err(why) = servable_from_start(&o.plan) {
+        println!("  warning          plan mode will not serve it: {why}; use auto mode");
     }
 }
