@@ -245,7 +245,10 @@ mod tests {
         // As many dynamic requests as planned: still served.
         assert_eq!(servable_from_start(&one_shot(2)), Ok(()));
         let err = servable_from_start(&one_shot(3)).unwrap_err();
-        assert!(err.contains("3 requests to dynamic serving against 2 planned"), "{err}");
+        assert!(
+            err.contains("3 requests to dynamic serving against 2 planned"),
+            "{err}"
+        );
         // A plan with a steady iteration is served whatever its dynamic share.
         let steady = Plan {
             iteration: vec![req(512, 2048, 0, 1, 0)],
