@@ -21,8 +21,14 @@ mod gpu_dist;
 mod planner_bench;
 mod torch_ext;
 
+const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().take(2).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("codegen") => codegen::run(&args[1..]),
@@ -38,9 +44,7 @@ fn main() -> Result<()> {
         },
         Some("planner-bench") => planner_bench::planner_bench(&args[1..]),
         _ => {
-            eprintln!(
-                "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|gpu-bench [--dry-run|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>"
-            );
+            eprintln!("{USAGE}");
             bail!("unknown or missing task")
         }
     }
