@@ -2,7 +2,7 @@
 //! lower bound: online, plan (from the first iterations, the whole trace served) and
 //! auto (record the first iterations online, plan them, switch).
 //!
-//!     [LAG=K] [RELEASE_AT_PEAK=1] [LOG_ITERATIONS=1] cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
+//!     [LAG=K] [RELEASE_AT_PEAK=1] [LOG_ITERATIONS=1] [SHARE_STREAMS=1] cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
 //!
 //! TRACE: a `.stwt` trace or a PyTorch snapshot; ITERATIONS (default 3): how many the plan
 //! and the auto recording take.
@@ -72,6 +72,11 @@ fn main() -> anyhow::Result<()> {
         log_iterations: std::env::var_os("LOG_ITERATIONS").is_some(),
         ..EngineReplayOptions::default()
     };
+    // SHARE_STREAMS=1: one joint solve over all streams (`PlanOptions::share_streams`).
+    let popts = PlanOptions {
+        share_streams: std::env::var_os("SHARE_STREAMS").is_some(),
+        ..PlanOptions::default()
+    };
     println!(
         "{path}: lower bound {:.3} GiB",
         trace.lower_bound().bytes.get() as f64 / (1u64 << 30) as f64
@@ -80,7 +85,7 @@ fn main() -> anyhow::Result<()> {
     let r = replay_engine(&trace, &ServeMode::Online, &opts)?;
     show(&r, t.elapsed().as_secs_f64());
     let t = Instant::now();
-    match plan_first_iterations(&trace, k, &PlanOptions::default()) {
+    match plan_first_iterations(&trace, k, &popts) {
         Ok((outcome, _)) => {
             let r = replay_engine(&trace, &ServeMode::Plan(&outcome.plan), &opts)?;
             show(&r, t.elapsed().as_secs_f64());
@@ -88,7 +93,7 @@ fn main() -> anyhow::Result<()> {
         Err(e) => println!("plan    (first {k} iterations): {e}"),
     }
     let planner = |recorded: &Trace| {
-        plan_trace(recorded, &PlanOptions::default())
+        plan_trace(recorded, &popts)
             .map(|o| o.plan)
             .map_err(|e| e.to_string())
     };
