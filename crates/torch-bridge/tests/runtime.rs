@@ -24,13 +24,24 @@ const GRAPH: PoolId = PoolId {
 /// A runtime over `n` host devices of `cap_mib` MiB each (2 MiB granules); returns the
 /// devices too, so tests can drive their fake events.
 fn runtime(mode: &str, trace: &str, n: i32, cap_mib: u64) -> (Runtime, Vec<Arc<HostMemory>>) {
+    runtime_with_plan(mode, "", trace, n, cap_mib)
+}
+
+/// [`runtime`] with a plan file argument too.
+fn runtime_with_plan(
+    mode: &str,
+    plan: &str,
+    trace: &str,
+    n: i32,
+    cap_mib: u64,
+) -> (Runtime, Vec<Arc<HostMemory>>) {
     let devs: Vec<Arc<HostMemory>> = (0..n)
         .map(|_| Arc::new(HostMemory::new(Bytes(cap_mib * MIB), Bytes(2 * MIB))))
         .collect();
     let for_factory = devs.clone();
     let factory =
         Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
-    let core = Core::new(Settings::parse(mode, "", trace).unwrap(), factory);
+    let core = Core::new(Settings::parse(mode, plan, trace).unwrap(), factory);
     let rt = Runtime::with_core(core);
     rt.init(n).unwrap();
     (rt, devs)
@@ -554,15 +565,7 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     rt.free(weights).unwrap();
 
     // Plan mode serves the file auto wrote.
-    let devs2: Vec<Arc<HostMemory>> =
-        vec![Arc::new(HostMemory::new(Bytes(256 * MIB), Bytes(2 * MIB)))];
-    let f2 = devs2.clone();
-    let factory = Box::new(move |d: i32| Ok(f2[d as usize].clone() as Arc<dyn BridgeDevice>));
-    let rt = Runtime::with_core(Core::new(
-        Settings::parse("plan", plan_path.to_str().unwrap(), "").unwrap(),
-        factory,
-    ));
-    rt.init(1).unwrap();
+    let (rt, devs2) = runtime_with_plan("plan", plan_path.to_str().unwrap(), "", 1, 256);
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
     assert_eq!(rt.mode().unwrap(), "plan");
     for _ in 0..6 {
@@ -577,15 +580,7 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     let bad = dir.join("bad.stwp");
     std::fs::write(&bad, b"not a plan at all").unwrap();
     let (_, _) = (devs, devs2);
-    let devs3: Vec<Arc<HostMemory>> =
-        vec![Arc::new(HostMemory::new(Bytes(64 * MIB), Bytes(2 * MIB)))];
-    let f3 = devs3.clone();
-    let factory = Box::new(move |d: i32| Ok(f3[d as usize].clone() as Arc<dyn BridgeDevice>));
-    let rt = Runtime::with_core(Core::new(
-        Settings::parse("plan", bad.to_str().unwrap(), "").unwrap(),
-        factory,
-    ));
-    rt.init(1).unwrap();
+    let (rt, _devs3) = runtime_with_plan("plan", bad.to_str().unwrap(), "", 1, 64);
     let m = rt.mode().unwrap();
     assert!(
         m.starts_with("online (plan rejected:") && m.contains("bad.stwp"),
@@ -616,15 +611,7 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
         ..Default::default()
     };
     stweaver_core::plan_file::write_plan_file(&one_shot, &plan).unwrap();
-    let devs4: Vec<Arc<HostMemory>> =
-        vec![Arc::new(HostMemory::new(Bytes(64 * MIB), Bytes(2 * MIB)))];
-    let f4 = devs4.clone();
-    let factory = Box::new(move |d: i32| Ok(f4[d as usize].clone() as Arc<dyn BridgeDevice>));
-    let rt = Runtime::with_core(Core::new(
-        Settings::parse("plan", one_shot.to_str().unwrap(), "").unwrap(),
-        factory,
-    ));
-    rt.init(1).unwrap();
+    let (rt, _devs4) = runtime_with_plan("plan", one_shot.to_str().unwrap(), "", 1, 64);
     let m = rt.mode().unwrap();
     assert!(
         m.starts_with("online (plan rejected:") && m.contains("40 requests to dynamic serving"),
@@ -632,6 +619,5 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     );
     iteration(&rt);
     assert!(plan_stats(&rt).is_null());
-    drop(devs4);
     std::fs::remove_dir_all(&dir).unwrap();
 }
