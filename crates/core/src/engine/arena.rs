@@ -1539,39 +1539,34 @@ impl Heap {
     /// block (returned); what is left on either side stays free.
     fn carve_unmapping(&mut self, a: ArenaId, b: Idx, lo: u64, hi: u64) -> Result<Idx, SlabFull> {
         let (addr, size) = (self.blocks[b as usize].addr, self.blocks[b as usize].size);
-        let head = (lo > addr).then_some(lo - addr);
-        let tail = (addr + size > hi).then_some(addr + size - hi);
-        let slots = usize::from(head.is_some()) + usize::from(tail.is_some());
-        let mut spares = Vec::with_capacity(slots);
-        for _ in 0..slots {
-            match self.new_block(0, 0, BlockState::Free, a) {
-                Ok(s) => spares.push(s),
+        // The free head and tail left on either side, as new blocks (both slots taken
+        // before anything changes, so a full slab leaves the arena as it was).
+        let head = if lo > addr {
+            Some(self.new_block(addr, lo - addr, BlockState::Free, a)?)
+        } else {
+            None
+        };
+        let tail = if addr + size > hi {
+            match self.new_block(hi, addr + size - hi, BlockState::Free, a) {
+                Ok(t) => Some(t),
                 Err(e) => {
-                    spares.into_iter().for_each(|s| self.drop_block(s));
+                    head.into_iter().for_each(|h| self.drop_block(h));
                     return Err(e);
                 }
             }
-        }
+        } else {
+            None
+        };
         self.tree_remove(b);
-        // `b` becomes the unmapping middle; head and tail are new free blocks.
+        // `b` becomes the unmapping middle.
         self.blocks[b as usize].addr = lo;
         self.blocks[b as usize].size = hi - lo;
         self.blocks[b as usize].state = BlockState::Unmapping;
-        if let Some(h) = head {
-            let Some(s) = spares.pop() else {
-                unreachable!("spare for head")
-            };
-            self.blocks[s as usize].addr = addr;
-            self.blocks[s as usize].size = h;
+        if let Some(s) = head {
             self.link_before(b, s);
             self.tree_insert(s);
         }
-        if let Some(t) = tail {
-            let Some(s) = spares.pop() else {
-                unreachable!("spare for tail")
-            };
-            self.blocks[s as usize].addr = hi;
-            self.blocks[s as usize].size = t;
+        if let Some(s) = tail {
             self.link_after(b, s);
             self.tree_insert(s);
         }
