@@ -580,15 +580,7 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     let bad = dir.join("bad.stwp");
     std::fs::write(&bad, b"not a plan at all").unwrap();
     let (_, _) = (devs, devs2);
-    let (rt, _devs3) = runtime_with_plan("plan", bad.to_str().unwrap(), "", 1, 64);
-    let m = rt.mode().unwrap();
-    assert!(
-        m.starts_with("online (plan rejected:") && m.contains("bad.stwp"),
-        "{m}"
-    );
-    iteration(&rt);
-    rt.step().unwrap();
-    assert!(plan_stats(&rt).is_null());
+    serves_online_refusing(&bad, "bad.stwp");
 
     // A one-shot plan whose trace was mostly dynamic (shapes that never repeat) is
     // refused too: served, it would reserve more than online serving.
@@ -611,13 +603,19 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
         ..Default::default()
     };
     stweaver_core::plan_file::write_plan_file(&one_shot, &plan).unwrap();
-    let (rt, _devs4) = runtime_with_plan("plan", one_shot.to_str().unwrap(), "", 1, 64);
+    serves_online_refusing(&one_shot, "40 requests to dynamic serving");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Plan mode on `plan` reports the refusal (its reason mentions `why`) and trains online.
+fn serves_online_refusing(plan: &std::path::Path, why: &str) {
+    let (rt, _devs) = runtime_with_plan("plan", plan.to_str().unwrap(), "", 1, 64);
     let m = rt.mode().unwrap();
     assert!(
-        m.starts_with("online (plan rejected:") && m.contains("40 requests to dynamic serving"),
+        m.starts_with("online (plan rejected:") && m.contains(why),
         "{m}"
     );
     iteration(&rt);
+    rt.step().unwrap();
     assert!(plan_stats(&rt).is_null());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
