@@ -84,6 +84,8 @@ fn plan_then_verify_against_the_right_and_the_wrong_trace() {
     assert!(v["classes"]["per_iteration"].as_u64().unwrap() > 0);
     assert!(v["pool"].as_u64().unwrap() >= v["lower_bound"].as_u64().unwrap());
     assert!(v["pool_over_lb"].as_f64().unwrap() <= 1.01);
+    // A periodic trace: plan mode will serve it (no refusal, no warning in the text).
+    assert!(v["plan_mode_refuses"].is_null(), "{v}");
     assert!(Path::new(&plan).exists());
 
     let o = stweaver(&["plan", &own]);
@@ -98,6 +100,11 @@ fn plan_then_verify_against_the_right_and_the_wrong_trace() {
     ] {
         assert!(text(&o).contains(key), "missing {key:?}: {}", text(&o));
     }
+    assert!(
+        !text(&o).contains("plan mode will not serve it"),
+        "{}",
+        text(&o)
+    );
 
     let o = stweaver(&["verify", &plan]);
     assert!(o.status.success(), "{}", text(&o));
@@ -159,4 +166,45 @@ fn csv_only_options_are_refused_for_traces_and_vice_versa() {
     let o = stweaver(&["plan", &csv.display().to_string()]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("peak/LB"), "{}", text(&o));
+}
+
+/// A trace whose sizes never repeat (no steady state, nearly every request dynamic):
+/// `stweaver plan` still writes the plan, and says that plan mode will refuse it.
+#[test]
+fn a_plan_of_shapes_that_never_repeat_is_flagged_for_plan_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Trace::default();
+    for k in 0..12u64 {
+        let id = AllocId(k as u32);
+        t.allocations.push(Allocation {
+            size: Bytes(512 * (k + 1) * (k + 3)),
+            stream: StreamId(7),
+            addr: 0,
+            preexisting: false,
+        });
+        for kind in [
+            EventKind::Alloc(id),
+            EventKind::FreeRequested(id),
+            EventKind::FreeCompleted(id),
+        ] {
+            t.events.push(Event { kind, time_us: 0 });
+        }
+    }
+    t.validate().unwrap();
+    let trace = write(dir.path(), "aperiodic.stwt", &t);
+    let plan = dir.path().join("aperiodic.stwp").display().to_string();
+    let o = stweaver(&["plan", &trace, "-o", &plan, "--json"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let why = v["plan_mode_refuses"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"));
+    assert!(why.contains("dynamic serving"), "{why}");
+    let o = stweaver(&["plan", &trace, "-o", &plan]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("plan mode will not serve it"),
+        "{}",
+        text(&o)
+    );
 }

@@ -110,7 +110,7 @@ fn json(args: &PlanArgs, o: &PlanOutcome, load_s: f64) -> serde_json::Value {
         },
         "requests": { "prologue": r.prologue_requests, "iteration": r.iteration_requests },
         "dynamic": { "requests": r.dynamic.requests, "peak_bytes": r.dynamic.peak_bytes.get() },
-        "servable_from_start": servable_from_start(&o.plan).err(),
+        "plan_mode_refuses": servable_from_start(&o.plan).err(),
         "seconds": {
             "load": load_s,
             "classify": r.timings.classify.as_secs_f64(),
