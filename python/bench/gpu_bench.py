@@ -20,8 +20,21 @@ workload, the largest micro-batch that fits under a fixed cap
 (`torch.cuda.set_per_process_memory_fraction`) per allocator, and tokens/s at it.
 
 Fresh processes are spawned ahead (they import torch and transformers while the previous run
-trains, then wait for their spec on stdin); nothing touches CUDA before the spec arrives, so
-stweaver can still be installed and PYTORCH_CUDA_ALLOC_CONF (set at spawn) applies.
+builds its model and warms up, then wait for their spec on stdin); nothing touches CUDA before
+the spec arrives, so stweaver can still be installed and PYTORCH_CUDA_ALLOC_CONF (set at spawn)
+applies.
+
+Step time (see BENCHMARKS.md, "Session 5: step-time method"): a run's timed iterations never
+overlap another child's imports (each child signals "imports done" through a ready file, and a
+run waits for every pre-spawned child's before its first counted iteration); the training child
+runs pinned to one half of the CPUs, children importing and the driver on the other
+(`--no-quiet`, `--no-pin` restore the old behaviour). Every iteration records wall time, the
+time spent launching and then waiting for the GPU, CPU time, run-queue wait and the machine's
+other CPU use (`diag`). The step-time verdict per workload and allocator is the median of
+paired per-iteration ratios to native (the same iteration of the same round) with a 95 %
+bootstrap CI that resamples rounds, then iterations: "within 1 %" only when the CI lies in
+[0.99, 1.01]. `--step-rounds 2,gpt2xl_rcp=4` adds interleaved rounds (native first, then last,
+alternately), more for the noisy loops.
 """
 
 from __future__ import annotations
@@ -33,13 +46,19 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+try:
+    import resource
+except ImportError:  # not on Linux: no per-thread context-switch counts
+    resource = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -186,6 +205,75 @@ def _median(xs: List[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+class IterClock:
+    """Per-iteration diagnostics, read just outside the timed window: this thread's CPU time,
+    the process's, this thread's wait on the run queue (/proc/thread-self/schedstat, ns),
+    involuntary / voluntary context switches (getrusage of the thread), and from /proc/stat
+    every CPU's busy and steal time (clock ticks). What cannot be read is left out."""
+
+    KEYS = ("cpu_s", "proc_cpu_s", "runq_s", "nivcsw", "nvcsw", "host_busy_s", "steal_s")
+
+    def snap(self) -> dict:
+        s = {"cpu_s": time.thread_time(), "proc_cpu_s": time.process_time()}
+        ss = _read("/proc/thread-self/schedstat")
+        if ss:
+            f = ss.split()
+            if len(f) >= 2:
+                s["runq_s"] = int(f[1]) / 1e9
+        if resource is not None and hasattr(resource, "RUSAGE_THREAD"):
+            ru = resource.getrusage(resource.RUSAGE_THREAD)
+            s["nivcsw"], s["nvcsw"] = ru.ru_nivcsw, ru.ru_nvcsw
+        st = _read("/proc/stat")
+        if st and st.startswith("cpu "):
+            f = [int(x) for x in st.split("\n", 1)[0].split()[1:]]
+            if len(f) >= 8:
+                # user nice system idle iowait irq softirq steal
+                s["host_busy_s"] = (f[0] + f[1] + f[2] + f[5] + f[6]) / _CLK_TCK
+                s["steal_s"] = f[7] / _CLK_TCK
+        return s
+
+    @staticmethod
+    def delta(a: dict, b: dict) -> dict:
+        return {k: b[k] - a[k] for k in IterClock.KEYS if k in a and k in b}
+
+
+def pin_process(cpus: List[int]) -> List[int]:
+    """Every thread of this process onto `cpus` (threads started later inherit it)."""
+    cpus = sorted(set(cpus) & os.sched_getaffinity(0)) or sorted(os.sched_getaffinity(0))
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for t in tids:
+        try:
+            os.sched_setaffinity(t, cpus)
+        except OSError:
+            pass
+    return cpus
+
+
+def wait_ready(paths: List[str], timeout: float) -> Tuple[float, List[str]]:
+    """Wait until every path exists (children that finished importing): seconds waited and the
+    paths still missing at the timeout."""
+    t0 = time.perf_counter()
+    left = [p for p in paths if not os.path.exists(p)]
+    while left and time.perf_counter() - t0 < timeout:
+        time.sleep(0.02)
+        left = [p for p in left if not os.path.exists(p)]
+    return time.perf_counter() - t0, left
+
+
 def run_spec(spec: dict) -> dict:
     """One training run in this (fresh) process. CUDA is first touched here."""
     import warnings
@@ -194,6 +282,9 @@ def run_spec(spec: dict) -> dict:
     alloc = spec["alloc"]
     c = spec["workload"]
     res: dict = {"alloc": alloc, "workload": c["name"], "batch": c["batch"], "ok": False}
+    if spec.get("cpus"):
+        # Before CUDA and stweaver start their threads: they inherit the set.
+        res["cpus"] = pin_process(spec["cpus"])
     st = None
     if alloc in ("auto", "trace", "plan"):
         if dry:
@@ -226,6 +317,9 @@ def run_spec(spec: dict) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     torch.utils.deterministic.fill_uninitialized_memory = False  # no NaN fill of torch.empty
     torch.backends.cudnn.benchmark = False
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    res["torch_threads"] = torch.get_num_threads()
     device = "cpu" if dry else "cuda"
     cuda = device == "cuda"
     res["backend"] = torch.cuda.memory.get_allocator_backend() if cuda else "cpu"
@@ -269,6 +363,15 @@ def run_spec(spec: dict) -> dict:
     max_n = c.get("max_iters", 2 * base_n) if alloc == "auto" else base_n
     deadline = spec.get("deadline", time.time() + 3600)
     steps, losses, seqlens, reserved, allocated, max_res, dev_used, modes = [], [], [], [], [], [], [], []
+    # Per iteration: launch_s (t0 until the last op is queued) + sync_s (then waiting for the
+    # GPU) = step_s; gpu_s: CUDA events around the iteration (the GPU's span, idle gaps
+    # included); the IterClock deltas. sync_s near 0 means the GPU waited for the CPU
+    # (launch-bound); runq_s > 0 means this thread was runnable but another one had its CPU.
+    diag: Dict[str, list] = {"launch_s": [], "sync_s": [], "gpu_s": []}
+    clock = IterClock()
+    quiet = spec.get("quiet")
+    if cuda:
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     switched_at = steady_from = None
     steady_peaks = pre_peaks = None
     digest = None
@@ -285,11 +388,18 @@ def run_spec(spec: dict) -> dict:
                 batches.append(torch.randint(0, vocab, (mb, L), generator=gen))
             if dry and spec.get("cap_bytes") and c["batch"] > fake_cap.get(alloc, 0) and i == 1:
                 raise MemoryError("simulated out of memory (dry run)")
+            if quiet and i == quiet.get("at", WARMUP):
+                # From here on iterations count: no other child may still be importing.
+                waited, missing = wait_ready(quiet.get("wait") or [], quiet.get("timeout", 60.0))
+                res["quiet_wait_s"], res["quiet_missing"] = waited, missing
             if gc_control:
                 gc.collect()
             if cuda:
                 torch.cuda.synchronize()
+            d0 = clock.snap()
             t0 = time.perf_counter()
+            if cuda:
+                ev0.record()
             pending, it_losses = [], []
             for x in batches:
                 # 1F1B-like: keep up to `inflight` micro-batch graphs alive, backward the oldest
@@ -303,9 +413,19 @@ def run_spec(spec: dict) -> dict:
                 pending.pop(0).backward()
             opt.step()  # stweaver's optimizer hook marks the iteration here
             opt.zero_grad(set_to_none=True)
+            t_launch = time.perf_counter()
             if cuda:
+                ev1.record()
                 torch.cuda.synchronize()
-            steps.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            d1 = clock.snap()
+            steps.append(t1 - t0)
+            diag["launch_s"].append(t_launch - t0)
+            diag["sync_s"].append(t1 - t_launch)
+            if cuda:
+                diag["gpu_s"].append(ev0.elapsed_time(ev1) / 1e3)
+            for k, v in IterClock.delta(d0, d1).items():
+                diag.setdefault(k, []).append(v)
             losses.append([float(v).hex() for v in torch.stack(it_losses).float().tolist()])
             seqlens.append(lens)
             if cuda:
@@ -359,6 +479,7 @@ def run_spec(spec: dict) -> dict:
     res["iterations"] = i
     res["base_iters"] = base_n
     res["step_s"] = steps
+    res["diag"] = diag
     res["losses"] = losses
     res["seqlens"] = seqlens if c.get("seq_min") else None
     res["param_digest"] = digest
@@ -397,11 +518,20 @@ def run_spec(spec: dict) -> dict:
     return res
 
 
-def child_main() -> int:
-    # Phase 1, before the spec arrives: imports only (no CUDA).
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2MoeForCausalLM  # noqa: F401
+def child_main(ready: Optional[str] = None) -> int:
+    # Phase 1, before the spec arrives: imports only (no CUDA). Then `ready` is written (also
+    # when an import failed), which a run in another child waits for before it times anything.
+    t_imp = time.perf_counter()
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM, Qwen2MoeForCausalLM  # noqa: F401
+    finally:
+        import_s = time.perf_counter() - t_imp
+        if ready:
+            with open(ready + ".tmp", "w") as f:
+                json.dump({"import_s": import_s, "pid": os.getpid()}, f)
+            os.replace(ready + ".tmp", ready)
 
     if PY_DIR not in sys.path:
         sys.path.insert(0, PY_DIR)
@@ -419,6 +549,7 @@ def child_main() -> int:
         res = {"ok": False, "alloc": spec.get("alloc"), "workload": spec["workload"]["name"],
                "error": f"{type(e).__name__}: {e}"[:2000]}
     res["child_wall_s"] = time.time() - t0
+    res["import_s"] = import_s
     with open(spec["result"], "w") as f:
         json.dump(res, f)
     return 0
@@ -428,10 +559,12 @@ def child_main() -> int:
 
 
 class Pool:
-    """Children spawned ahead, per environment class (PYTORCH_CUDA_ALLOC_CONF differs)."""
+    """Children spawned ahead, per environment class (PYTORCH_CUDA_ALLOC_CONF differs). Each
+    writes its ready file once its imports are done; `importing()` lists those still at it."""
 
-    def __init__(self, logdir: str, dry: bool):
+    def __init__(self, logdir: str, dry: bool, spare_cpus: Optional[List[int]] = None):
         self.logdir, self.dry, self.ready, self.n = logdir, dry, {}, 0
+        self.spare_cpus = spare_cpus
 
     def _env(self, kind: str) -> dict:
         env = dict(os.environ)
@@ -448,10 +581,16 @@ class Pool:
 
     def _spawn(self, kind: str):
         self.n += 1
-        log = open(os.path.join(self.logdir, f"child{self.n:03d}.log"), "w")
-        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child"], stdin=subprocess.PIPE,
-                             stdout=log, stderr=subprocess.STDOUT, env=self._env(kind), text=True)
-        return (p, log)
+        base = os.path.join(self.logdir, f"child{self.n:03d}")
+        log = open(base + ".log", "w")
+        spare = self.spare_cpus
+        # Imports run on the spare CPUs; the child moves itself to the training CPUs when its
+        # spec says so.
+        pre = (lambda: os.sched_setaffinity(0, spare)) if spare else None
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", base + ".ready"],
+                             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                             env=self._env(kind), text=True, preexec_fn=pre)
+        return (p, log, base + ".ready")
 
     def warm(self, kinds):
         for kind in kinds:
@@ -464,8 +603,20 @@ class Pool:
         self.ready[kind] = self._spawn(kind)  # the next run of this kind imports meanwhile
         return child
 
+    def importing(self) -> List[str]:
+        """Ready files not written yet by children still alive."""
+        return [r for p, _, r in self.ready.values() if p.poll() is None and not os.path.exists(r)]
+
+    @staticmethod
+    def import_s(ready: str) -> Optional[float]:
+        try:
+            with open(ready) as f:
+                return json.load(f).get("import_s")
+        except (OSError, ValueError):
+            return None
+
     def close(self):
-        for p, log in self.ready.values():
+        for p, log, _ in self.ready.values():
             try:
                 p.stdin.close()
                 p.wait(timeout=60)
@@ -473,6 +624,46 @@ class Pool:
                 p.kill()
             log.close()
         self.ready = {}
+
+
+def cpu_split(cpus: List[int]) -> Tuple[List[int], List[int]]:
+    """Training CPUs (the upper half: CPU 0 takes most interrupts) and spare CPUs (the rest)."""
+    cpus = sorted(cpus)
+    if len(cpus) < 4:
+        return cpus, cpus
+    h = len(cpus) // 2
+    return cpus[h:], cpus[:h]
+
+
+def parse_cpus(text: str) -> List[int]:
+    """'8-15' or '0,2,4-7' -> CPU numbers."""
+    out: List[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            out += list(range(int(a), int(b) + 1))
+        else:
+            out.append(int(part))
+    return sorted(set(out))
+
+
+def parse_rounds(text) -> Tuple[int, Dict[str, int]]:
+    """`--step-rounds`: '2' (every workload), '2,gpt2xl_rcp=4' (4 for that one) or
+    'gpt2xl_rcp=4' (that one only)."""
+    default, per = 0, {}
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" in part:
+            k, v = part.split("=", 1)
+            per[k.strip()] = int(v)
+        else:
+            default = int(part)
+    return default, per
 
 
 class Driver:
@@ -484,7 +675,16 @@ class Driver:
         self.tmp = tempfile.mkdtemp(prefix="stweaver-bench-")
         self.logdir = os.path.join(self.tmp, "logs")
         os.makedirs(self.logdir)
-        self.pool = Pool(self.logdir, self.dry)
+        avail = sorted(os.sched_getaffinity(0))
+        self.train_cpus: Optional[List[int]] = None
+        spare: Optional[List[int]] = None
+        if not args.no_pin:
+            self.train_cpus, spare = cpu_split(avail)
+            if args.train_cpus:
+                self.train_cpus = [c for c in parse_cpus(args.train_cpus) if c in avail] or self.train_cpus
+                spare = [c for c in avail if c not in self.train_cpus] or spare
+            os.sched_setaffinity(0, spare)  # the driver and `stweaver plan` stay off them too
+        self.pool = Pool(self.logdir, self.dry, spare)
         self.out = args.out
         os.makedirs(self.out, exist_ok=True)
         self.doc: dict = {
@@ -496,6 +696,9 @@ class Driver:
             "workloads": [],
             "cap_search": None,
             "skipped": [],
+            "timing": {"quiet": not args.no_quiet, "cpus": avail, "train_cpus": self.train_cpus,
+                       "spare_cpus": spare, "threads": args.threads, "warmup": WARMUP,
+                       "step_rounds": args.step_rounds, "order": "ABBA"},
         }
 
     def remaining(self) -> float:
@@ -521,7 +724,15 @@ class Driver:
         if self.args.no_release_at_peak:
             spec["release_at_peak"] = False
         spec["gc_outside_steps"] = not self.args.gc_in_steps
-        p, log = self.pool.take(alloc)
+        if self.train_cpus:
+            spec["cpus"] = self.train_cpus
+        if self.args.threads:
+            spec["threads"] = self.args.threads
+        p, log, ready = self.pool.take(alloc)
+        if not self.args.no_quiet:
+            # The replacement child just spawned (and any other still importing) must be done
+            # before this run's first counted iteration.
+            spec["quiet"] = {"at": WARMUP, "wait": self.pool.importing(), "timeout": 60.0}
         t0 = time.time()
         limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
         rc, done_at = None, None
@@ -552,6 +763,7 @@ class Driver:
             res = {"ok": False, "alloc": alloc, "workload": workload["name"], "error": f"no result (rc={rc})"}
         res["wall_s"] = wall
         res["rc"] = rc
+        res["child_import_s"] = Pool.import_s(ready)
         if not res.get("ok") and not res.get("oom"):
             with open(log.name) as f:
                 res["log_tail"] = f.read()[-4000:]
@@ -641,20 +853,25 @@ class Driver:
             s += f" steady_res={r['steady_max_reserved'] / GiB:.3f}G from_it={r['steady_from']}"
         if r.get("stweaver"):
             s += f" mode={r['stweaver'].get('mode')!r}"
-        return s
+        return s + noise_note(r)
 
     # ---------------------------------------------------------- step-time rounds
 
     def step_rounds(self):
-        """Extra interleaved rounds for step time alone: per round and workload, native then
+        """Extra interleaved rounds for step time alone: per round and workload, native and
         each allocator of --step-allocators (the plan run reuses the workload's plan file), a
-        fresh process each. Each round's ratio is against the same round's native run, so a
-        slow drift of the shared machine cancels; round 0 is the main run."""
+        fresh process each, native first in even rounds and last in odd ones (round 0, the
+        main run, has it first), so a slow drift of the machine cancels in the paired ratios.
+        `--step-rounds 2,gpt2xl_rcp=4`: 2 rounds for every workload, 4 for gpt2xl_rcp."""
         allocs = [a for a in self.args.step_allocators.split(",") if a and a != "native"]
-        for k in range(1, self.args.step_rounds + 1):
+        default, per = parse_rounds(self.args.step_rounds)
+        n_rounds = max([default] + list(per.values()))
+        for k in range(1, n_rounds + 1):
             print(f"== step-time round {k}", flush=True)
             for entry in self.doc["workloads"]:
                 w = entry["config"]
+                if k > per.get(w["name"], default):
+                    continue
                 rounds = entry.setdefault("step_rounds", {})
                 iters = entry.setdefault("step_rounds_iters", {})
                 if not rounds:
@@ -663,7 +880,9 @@ class Driver:
                             rounds[alloc] = [steady_median(r)]
                             iters[alloc] = [round_times(r)]
                 est = float(w.get("est_s", 15))
-                for alloc in ["native"] + allocs:
+                order = ["native"] + allocs if k % 2 == 0 else allocs + ["native"]
+                entry.setdefault("step_rounds_order", [["native"] + allocs]).append(order)
+                for alloc in order:
                     extra = {}
                     if alloc == "plan":
                         plan = os.path.join(self.tmp, f"{w['name']}.stwp")
@@ -676,7 +895,7 @@ class Driver:
                     rounds.setdefault(alloc, []).append(steady_median(r) if r.get("ok") else None)
                     iters.setdefault(alloc, []).append(round_times(r))
                     print(f"{w['name']:18s} {alloc:10s} round {k}: step "
-                          f"{(steady_median(r) or 0) * 1e3:.1f} ms", flush=True)
+                          f"{(steady_median(r) or 0) * 1e3:.1f} ms{noise_note(r)}", flush=True)
                     self.save()
 
     # ---------------------------------------------------------- memory you can spend
@@ -738,12 +957,15 @@ class Driver:
     def main(self):
         self.pool.warm(["default", "expandable"])
         ws = dry_workloads() if self.dry else WORKLOADS
-        if self.args.only:
+        if self.args.cap_only:
+            ws = []
+        elif self.args.only:
             ws = [w for w in ws if w["name"] in self.args.only.split(",")]
         for w in ws:
             print(f"== {w['name']}: {w['note']}", flush=True)
             self.workload(w)
-        if self.args.step_rounds > 0:
+        default, per = parse_rounds(self.args.step_rounds)
+        if default > 0 or any(v > 0 for v in per.values()):
             self.step_rounds()
         if not self.args.no_cap:
             print("== memory you can spend", flush=True)
@@ -769,6 +991,9 @@ class Driver:
         rounds = render_step_rounds(self.doc)
         if rounds:
             text += "\n" + "\n".join(rounds) + "\n"
+        noise = render_noise(self.doc)
+        if noise:
+            text += "\n" + "\n".join(noise) + "\n"
         with open(os.path.join(self.out, "table.txt"), "w") as f:
             f.write(text)
         print("\n" + text, flush=True)
@@ -852,21 +1077,178 @@ def steady_median(r: dict) -> Optional[float]:
 
 
 def round_times(r: dict) -> Optional[dict]:
-    """One round's per-iteration step times and the iterations that count (for pairing)."""
+    """One round's per-iteration step times and the iterations that count (for pairing), with
+    the run's per-iteration diagnostics."""
     if not r.get("ok"):
         return None
-    return {"step_s": r.get("step_s") or [], "steady": round_indices(r)}
+    out = {"step_s": r.get("step_s") or [], "steady": round_indices(r)}
+    if r.get("diag"):
+        out["diag"] = r["diag"]
+        out["noise"] = run_noise(r)
+    return out
 
 
-def paired_ratios(nat_rounds: list, rounds: list) -> List[float]:
+def paired_ratio_groups(nat_rounds: list, rounds: list) -> List[List[float]]:
     """Per-iteration ratios allocator / native, pairing the same iteration of the same round
-    (the same data: every run draws its batches from the same seed), over all rounds."""
+    (the same data: every run draws its batches from the same seed), one list per round."""
     out = []
     for n, a in zip(nat_rounds, rounds):
         if not n or not a:
             continue
         both = sorted(set(n["steady"]) & set(a["steady"]))
-        out += [a["step_s"][i] / n["step_s"][i] for i in both if n["step_s"][i] > 0]
+        g = [a["step_s"][i] / n["step_s"][i] for i in both if n["step_s"][i] > 0]
+        if g:
+            out.append(g)
+    return out
+
+
+def paired_ratios(nat_rounds: list, rounds: list) -> List[float]:
+    """`paired_ratio_groups`, pooled over all rounds."""
+    return [x for g in paired_ratio_groups(nat_rounds, rounds) for x in g]
+
+
+def bootstrap_median_ci(groups: List[List[float]], reps: int = 2000, level: float = 0.95,
+                        seed: int = 0) -> Optional[dict]:
+    """Median of the pooled values and a percentile-bootstrap CI for it that resamples the
+    groups (rounds: fresh processes, whose medians differ by more than their iterations do),
+    then the values inside each drawn group. With one group it is the iteration-level
+    bootstrap, which does not see how far another process would land."""
+    groups = [list(g) for g in groups if g]
+    if not groups:
+        return None
+    pooled = [x for g in groups for x in g]
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(reps):
+        sample: List[float] = []
+        for g in rng.choices(groups, k=len(groups)):
+            sample += rng.choices(g, k=len(g))
+        meds.append(statistics.median(sample))
+    meds.sort()
+    a = (1.0 - level) / 2.0
+    lo = meds[max(0, int(math.floor(a * reps)))]
+    hi = meds[min(reps - 1, int(math.ceil((1.0 - a) * reps)) - 1)]
+    return {"median": statistics.median(pooled), "lo": lo, "hi": hi, "n": len(pooled),
+            "rounds": len(groups), "level": level}
+
+
+def step_verdict(ci: Optional[dict], tol: float = 0.01) -> str:
+    """'within 1 %' only when the whole CI lies in [1 - tol, 1 + tol]."""
+    if not ci:
+        return "no data"
+    if ci["lo"] >= 1.0 - tol and ci["hi"] <= 1.0 + tol:
+        return f"within {100 * tol:g} %"
+    if ci["lo"] > 1.0 + tol:
+        return f"slower than native by more than {100 * tol:g} %"
+    if ci["hi"] < 1.0 - tol:
+        return f"faster than native by more than {100 * tol:g} %"
+    return "not resolved"
+
+
+def fmt_ci(ci: Optional[dict]) -> str:
+    if not ci:
+        return "–"
+    return f"{ci['median']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"
+
+
+def step_estimates(entry: dict) -> Dict[str, dict]:
+    """Per allocator: the paired per-iteration ratio to native over every round (the main run
+    is round 0; without --step-rounds it is the only one), its CI and verdict."""
+    iters = entry.get("step_rounds_iters")
+    if not iters:
+        iters = {a: [round_times(r)] for a, r in entry.get("runs", {}).items()}
+    nat = iters.get("native") or []
+    out = {}
+    for alloc, rounds in iters.items():
+        if alloc == "native":
+            continue
+        ci = bootstrap_median_ci(paired_ratio_groups(nat, rounds))
+        if ci:
+            ci["verdict"] = step_verdict(ci)
+            out[alloc] = ci
+    return out
+
+
+def _cv(xs: List[float]) -> Optional[float]:
+    return statistics.pstdev(xs) / statistics.mean(xs) if len(xs) >= 2 and statistics.mean(xs) > 0 else None
+
+
+def run_noise(r: dict) -> dict:
+    """What one process's counted iterations looked like: their median and coefficient of
+    variation, and medians of the diagnostics (the share of the step spent launching before
+    the final synchronisation, run-queue wait, the other CPUs' busy time, steal)."""
+    st = r.get("step_s") or []
+    idx = round_indices(r) if r.get("ok") else []
+    times = [st[i] for i in idx]
+    out: dict = {"n": len(times), "median_s": _median(times), "cv": _cv(times)}
+    d = r.get("diag") or {}
+
+    def med(key, f=lambda v, i: v):
+        xs = d.get(key) or []
+        vals = [f(xs[i], i) for i in idx if i < len(xs)]
+        return _median(vals)
+
+    out["launch_frac"] = med("launch_s", lambda v, i: v / st[i] if st[i] else 0.0)
+    out["cpu_frac"] = med("cpu_s", lambda v, i: v / st[i] if st[i] else 0.0)
+    out["runq_s"] = med("runq_s")
+    out["nivcsw"] = med("nivcsw")
+    if d.get("host_busy_s") and d.get("proc_cpu_s"):
+        # CPUs' worth of busy time outside this process during the iteration
+        hb, pc = d["host_busy_s"], d["proc_cpu_s"]
+        out["others_cpus"] = _median([max(0.0, hb[i] - pc[i]) / st[i] for i in idx
+                                      if i < len(hb) and i < len(pc) and st[i]])
+    out["steal_s"] = med("steal_s")
+    return out
+
+
+def noise_note(r: dict) -> str:
+    if not r.get("ok") or not r.get("diag"):
+        return ""
+    n = run_noise(r)
+    parts = []
+    if n.get("cv") is not None:
+        parts.append(f"cv={100 * n['cv']:.1f}%")
+    if n.get("launch_frac") is not None:
+        parts.append(f"launch={100 * n['launch_frac']:.0f}%")
+    if n.get("runq_s") is not None:
+        parts.append(f"runq={1e3 * n['runq_s']:.1f}ms")
+    if n.get("others_cpus") is not None:
+        parts.append(f"others={n['others_cpus']:.2f}cpu")
+    if r.get("quiet_wait_s") is not None:
+        parts.append(f"quiet_wait={r['quiet_wait_s']:.1f}s")
+    return (" " + " ".join(parts)) if parts else ""
+
+
+def render_noise(doc: dict) -> List[str]:
+    """Per workload and allocator over every process that ran it (main run and rounds): the
+    per-process CV of counted iterations, the spread of the processes' medians, and medians of
+    the diagnostics. Tells a launch-bound loop (launch ~100 %) from a GPU-bound one, and CPU
+    contention (runq, others) from noise with no visible cause."""
+    out = []
+    for e in doc["workloads"]:
+        iters = e.get("step_rounds_iters") or {a: [round_times(r)] for a, r in e.get("runs", {}).items()}
+        for alloc, rounds in iters.items():
+            ns = [r["noise"] for r in rounds if r and r.get("noise") and r["noise"].get("n")]
+            if not ns:
+                continue
+            meds = [n["median_s"] for n in ns if n.get("median_s")]
+            cvs = [n["cv"] for n in ns if n.get("cv") is not None]
+
+            def m(key, scale=1.0, fmt="{:.1f}"):
+                xs = [n[key] for n in ns if n.get(key) is not None]
+                return fmt.format(scale * statistics.median(xs)) if xs else "–"
+
+            out.append(f"{e['config']['name']:18s} {alloc:10s} procs={len(ns)} "
+                       f"median {1e3 * statistics.median(meds):.1f} ms, process medians spread "
+                       f"{100 * (max(meds) / min(meds) - 1):.1f} %, CV per process "
+                       + "/".join(f"{100 * c:.1f}" for c in cvs) + " %"
+                       + f", launch {m('launch_frac', 100, '{:.0f}')} %, cpu {m('cpu_frac', 100, '{:.0f}')} %"
+                       + f", runq {m('runq_s', 1e3)} ms, nivcsw {m('nivcsw', 1, '{:.0f}')}"
+                       + f", others {m('others_cpus', 1, '{:.2f}')} CPUs, steal {m('steal_s', 1e3)} ms")
+    if out:
+        out.insert(0, "noise per workload and allocator (counted iterations; launch: share of the "
+                      "step before the final synchronisation; cpu: this thread's CPU time / step; "
+                      "runq: its run-queue wait per iteration; others: CPUs busy outside the process):")
     return out
 
 
@@ -891,15 +1273,20 @@ def render_step_rounds(doc: dict) -> List[str]:
             line = (f"{e['config']['name']:18s} {label:30s} "
                     + " ".join(f"{x:.3f}" for x in ratios) + f"  -> median {med:.3f}")
             iters = e.get("step_rounds_iters") or {}
-            pairs = paired_ratios(iters.get("native") or [], iters.get(alloc) or [])
+            groups = paired_ratio_groups(iters.get("native") or [], iters.get(alloc) or [])
+            pairs = [x for g in groups for x in g]
             if pairs:
                 q = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else [pairs[0]] * 3
                 line += (f"; paired iterations: median {statistics.median(pairs):.3f} "
                          f"(IQR {q[0]:.3f}-{q[2]:.3f}, n={len(pairs)})")
+                ci = bootstrap_median_ci(groups)
+                line += (f", 95 % CI [{ci['lo']:.3f}, {ci['hi']:.3f}] over {ci['rounds']} rounds: "
+                         f"{step_verdict(ci)}")
             out.append(line)
     if out:
         out.insert(0, "step time / native per round (round 0 = the main run), median over rounds; "
-                      "paired: the same iteration of the same round, over all rounds "
+                      "paired: the same iteration of the same round, over all rounds, with a "
+                      "bootstrap CI resampling rounds then iterations "
                       "(* auto that never switches: its iterations after warm-up):")
     return out
 
@@ -985,6 +1372,11 @@ def finalize_workload(entry: dict) -> None:
             if r.get("nondeterministic_ops"):
                 row["nondeterministic_ops"] = r["nondeterministic_ops"]
             rows.append(row)
+    est = step_estimates(entry)
+    entry["step_paired"] = est
+    for row in rows:
+        if row["ok"] and row["key"] != "auto" and row["alloc"] in est:
+            row["step_paired"] = est[row["alloc"]]
     entry["rows"] = rows
 
 
@@ -1002,13 +1394,13 @@ def _ratio(x) -> str:
 
 def render_table(doc: dict, markdown: bool) -> str:
     head = ["workload", "allocator", "peak reserved GiB", "peak alloc GiB", "util", "LB/res",
-            "waste GiB", "step ms", "vs native", "losses = native"]
+            "waste GiB", "step ms", "vs native", "paired vs native [95 % CI]", "losses = native"]
     lines = []
     for e in doc["workloads"]:
         for row in e.get("rows", []):
             name = e["config"]["name"]
             if not row["ok"]:
-                lines.append([name, row["label"], "failed: " + str(row.get("error", ""))[:110]] + [""] * 7)
+                lines.append([name, row["label"], "failed: " + str(row.get("error", ""))[:110]] + [""] * 8)
                 continue
             match = row.get("losses_match")
             m = "–" if match is None else ("yes" if match else "NO")
@@ -1018,7 +1410,7 @@ def render_table(doc: dict, markdown: bool) -> str:
                 name, row["label"], _gib(row.get("reserved")), _gib(row.get("allocated")),
                 _pct(row.get("utilization")), _pct(row.get("lb_over_reserved")), _gib(row.get("waste")),
                 "–" if row.get("step_s") is None else f"{row['step_s'] * 1e3:.1f}",
-                _ratio(row.get("step_ratio")), m,
+                _ratio(row.get("step_ratio")), fmt_ci(row.get("step_paired")), m,
             ])
     cap = doc.get("cap_search")
     cap_lines = []
@@ -1042,7 +1434,8 @@ def render_table(doc: dict, markdown: bool) -> str:
             out.append("|---|---|---|---|---|")
             out += ["| " + " | ".join(l) + " |" for l in cap_lines]
     else:
-        short = ["workload", "allocator", "reserved", "alloc", "util", "LB/res", "waste", "step ms", "vs nat", "loss="]
+        short = ["workload", "allocator", "reserved", "alloc", "util", "LB/res", "waste", "step ms", "vs nat",
+                 "paired [95% CI]", "loss="]
         rows = [short] + [l for l in lines]
         good = [r for r in rows if not r[2].startswith("failed")]
         widths = [max(len(r[i]) for r in good) for i in range(len(short))]
@@ -1079,8 +1472,14 @@ def targets(doc: dict) -> List[str]:
             if exp:
                 parts.append(f"reserved {_gib(r['reserved'])} vs expandable {_gib(exp)} GiB: "
                              f"{'met' if r['reserved'] < exp else 'MISSED'}")
-            if r.get("step_ratio") is not None:
-                parts.append(f"step x{r['step_ratio']:.3f}: {'met' if r['step_ratio'] <= 1.01 else 'MISSED'}")
+            sp = r.get("step_paired")
+            if sp:
+                v = sp["verdict"]
+                parts.append(f"step paired x{fmt_ci(sp)} ({sp['rounds']} rounds, n={sp['n']}): "
+                             + ("met, " if v.startswith("within") else ("MISSED, " if v.startswith("slower") else ""))
+                             + v)
+            elif r.get("step_ratio") is not None:
+                parts.append(f"step x{r['step_ratio']:.3f} (one run, no CI): not resolved")
             if r.get("losses_match") is not None:
                 parts.append(f"losses {'identical' if r['losses_match'] else 'DIFFER'}")
             out.append(f"{name} {key}: " + "; ".join(parts))
@@ -1102,7 +1501,7 @@ def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["child"]:
-        return child_main()
+        return child_main(argv[1] if len(argv) > 1 else None)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the benchmark")
@@ -1117,9 +1516,18 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(ALLOCATORS)} (default: all)")
     r.add_argument("--save-traces", default=None, help="copy each trace run's .stwt, gzipped, here")
     r.add_argument("--keep-tmp", action="store_true", help="keep traces, plans and child logs")
-    r.add_argument("--step-rounds", type=int, default=0,
+    r.add_argument("--step-rounds", default="0",
                    help="extra interleaved rounds of native + --step-allocators per workload, for "
-                        "step time alone (one run per configuration does not resolve 1 %% here)")
+                        "step time alone (one run per configuration does not resolve 1 %% here): "
+                        "N, or N,NAME=M,... for M rounds of workload NAME")
+    r.add_argument("--cap-only", action="store_true", help="the memory-cap search alone")
+    r.add_argument("--no-quiet", action="store_true",
+                   help="let a run's timed iterations overlap the next child's imports (the old way)")
+    r.add_argument("--no-pin", action="store_true",
+                   help="no CPU pinning (by default a training child runs on the upper half of "
+                        "the CPUs, children importing and the driver on the lower half)")
+    r.add_argument("--train-cpus", default=None, help="the training child's CPUs, e.g. 8-15")
+    r.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in each child")
     r.add_argument("--step-allocators", default="plan,auto,expandable")
     r.add_argument("--gc-in-steps", action="store_true",
                    help="leave Python's garbage collector alone (by default it is frozen after "

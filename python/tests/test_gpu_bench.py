@@ -160,3 +160,76 @@ def test_steady_median_uses_the_steady_window():
     never = run("auto", G, G, [0.5, 0.4, 0.3, 0.2, 0.2, 0.2], [])
     assert gb.steady_indices(never) == [] and gb.round_indices(never) == [3, 4, 5]
     assert gb.steady_median(never) == 0.2
+
+
+def test_bootstrap_ci_and_verdict():
+    # Two rounds of paired ratios, both tight around 1.000: the CI lies inside [0.99, 1.01].
+    tight = [[1.000, 1.002, 0.998, 1.001, 0.999, 1.003, 0.997] * 2,
+             [1.001, 0.999, 1.000, 1.002, 0.998, 1.000, 1.001] * 2]
+    ci = gb.bootstrap_median_ci(tight)
+    assert ci["rounds"] == 2 and ci["n"] == 28
+    assert 0.99 <= ci["lo"] <= ci["median"] <= ci["hi"] <= 1.01
+    assert gb.step_verdict(ci) == "within 1 %"
+    # Deterministic (seeded).
+    assert gb.bootstrap_median_ci(tight) == ci
+    # Iterations swinging by +-10 %: the median may sit at 1.00, but the CI is wide.
+    wide = [[0.90, 1.10, 0.95, 1.05, 1.00, 0.92, 1.08]]
+    ci = gb.bootstrap_median_ci(wide)
+    assert ci["median"] == 1.00 and ci["lo"] < 0.99 and ci["hi"] > 1.01
+    assert gb.step_verdict(ci) == "not resolved"
+    # Tight rounds whose medians differ by 4 %: resampling rounds keeps the CI that wide,
+    # where pooling the iterations alone would call it resolved.
+    apart = [[0.98, 0.981, 0.979, 0.98] * 3, [1.02, 1.021, 1.019, 1.02] * 3]
+    ci = gb.bootstrap_median_ci(apart)
+    assert ci["lo"] <= 0.981 and ci["hi"] >= 1.019
+    assert gb.step_verdict(ci) == "not resolved"
+    slow = gb.bootstrap_median_ci([[1.05, 1.06, 1.04, 1.05, 1.055]])
+    assert gb.step_verdict(slow).startswith("slower")
+    fast = gb.bootstrap_median_ci([[0.95, 0.96, 0.94, 0.95, 0.955]])
+    assert gb.step_verdict(fast).startswith("faster")
+    assert gb.bootstrap_median_ci([[], []]) is None and gb.step_verdict(None) == "no data"
+
+
+def test_step_estimates_pair_rounds_and_reach_the_rows_and_targets():
+    e = entry()
+    gb.finalize_workload(e)
+    rows = {r["key"]: r for r in e["rows"]}
+    # Main runs only: plan is 0.301 / 0.300 on every counted iteration.
+    assert abs(rows["plan"]["step_paired"]["median"] - 0.301 / 0.30) < 1e-9
+    assert rows["plan"]["step_paired"]["rounds"] == 1
+    assert rows["plan"]["step_paired"]["verdict"] == "within 1 %"
+    assert "step_paired" not in rows["auto"]  # the whole-run row mixes recording and plan
+    assert rows["auto_steady"]["step_paired"]["n"] == 3  # native ran 8, auto's window 5..9
+    t = next(x for x in gb.targets({"workloads": [e]}) if x.startswith("llama1b_rcp plan"))
+    assert "met, within 1 %" in t and "1 rounds, n=5" in t
+    text = gb.render_table({"workloads": [e]}, markdown=True)
+    assert "1.003 [1.003, 1.003]" in text
+
+
+def test_parse_rounds_and_cpus():
+    assert gb.parse_rounds("0") == (0, {})
+    assert gb.parse_rounds(2) == (2, {})
+    assert gb.parse_rounds("2,gpt2xl_rcp=4") == (2, {"gpt2xl_rcp": 4})
+    assert gb.parse_rounds("llama1b_1f1b=3") == (0, {"llama1b_1f1b": 3})
+    assert gb.parse_cpus("8-11,2,3") == [2, 3, 8, 9, 10, 11]
+    assert gb.cpu_split(list(range(16))) == (list(range(8, 16)), list(range(8)))
+    assert gb.cpu_split([0, 1]) == ([0, 1], [0, 1])
+
+
+def test_run_noise_reads_the_diagnostics_of_counted_iterations():
+    steps = [1.0, 0.5, 0.5, 0.2, 0.3, 0.2, 0.3]
+    r = run("native", G, G, steps, [], diag={
+        "launch_s": [0.9, 0.4, 0.4, 0.19, 0.29, 0.19, 0.29],
+        "cpu_s": [0.9, 0.4, 0.4, 0.2, 0.3, 0.2, 0.3],
+        "proc_cpu_s": [1.0, 0.5, 0.5, 0.2, 0.3, 0.2, 0.3],
+        "host_busy_s": [1.0, 0.5, 0.5, 0.4, 0.3, 0.4, 0.3],
+        "runq_s": [0, 0, 0, 0.001, 0.002, 0.001, 0.002]})
+    n = gb.run_noise(r)
+    assert n["n"] == 4 and n["median_s"] == 0.25
+    assert abs(n["cv"] - 0.2) < 1e-9
+    assert abs(n["runq_s"] - 0.0015) < 1e-12
+    assert abs(n["others_cpus"] - 0.5) < 1e-9  # (0.4 - 0.2) / 0.2 = 1 twice, 0 twice
+    assert "cv=20.0%" in gb.noise_note(r)
+    e = {"config": {"name": "x"}, "runs": {"native": r}}
+    lines = gb.render_noise({"workloads": [e]})
+    assert lines and "procs=1" in lines[1] and "CV per process 20.0 %" in lines[1]
