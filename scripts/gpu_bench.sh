@@ -28,6 +28,7 @@ PY="${PYTHON:-python3}"
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 nproc
+grep -m1 "model name" /proc/cpuinfo || true
 "$PY" -c 'import torch, transformers, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "python", sys.version.split()[0])'
 
 echo "== build the extension"

@@ -1550,6 +1550,9 @@ def main(argv=None) -> int:
     rounds = render_step_rounds(doc)
     if rounds:
         print("\n" + "\n".join(rounds))
+    noise = render_noise(doc)
+    if noise:
+        print("\n" + "\n".join(noise))
     if a.targets:
         print("\n".join(targets(doc)))
     return 0
