@@ -233,3 +233,12 @@ def test_run_noise_reads_the_diagnostics_of_counted_iterations():
     e = {"config": {"name": "x"}, "runs": {"native": r}}
     lines = gb.render_noise({"workloads": [e]})
     assert lines and "procs=1" in lines[1] and "CV per process 20.0 %" in lines[1]
+
+
+def test_floor_ratios_compare_low_quantiles_of_the_same_iterations():
+    nat = [{"step_s": [9.0, 1.0, 1.2, 1.0, 1.3, 1.0], "steady": [1, 2, 3, 4, 5]}]
+    # The same floor, more iterations disturbed: the low quantile sees no difference.
+    alloc = [{"step_s": [9.0, 1.3, 1.0, 1.3, 1.0, 1.3], "steady": [1, 2, 3, 4, 5]}]
+    assert gb.floor_ratios(nat, alloc) == [1.0]
+    assert gb.floor_ratios(nat, [None]) == []
+    assert gb.low_quantile([5, 1, 4, 2, 3], 0.2) == 1 and gb.low_quantile([]) is None
