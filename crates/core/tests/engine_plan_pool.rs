@@ -167,9 +167,32 @@ fn without_a_safe_hole_a_request_goes_online() {
     r.engine.check_invariants().unwrap();
 }
 
+/// Stream 1 writes [0, 32K) then stream 2 reuses it; [32K, 64K) is stream 2's alone.
+fn shared_range_plan() -> Plan {
+    verified_plan(
+        64 * K,
+        vec![],
+        0,
+        vec![
+            req(32 * K, 0, 0, 1, S1),
+            req(32 * K, 0, 2, 4, S2),
+            req(16 * K, 32 * K, 3, 5, S2),
+        ],
+        6,
+    )
+}
+
+/// Plan options with stream waits off: a range held by a pending free is a conflict.
+fn no_waits() -> PlanOptions {
+    PlanOptions {
+        wait_for_pending_frees: false,
+        ..PlanOptions::default()
+    }
+}
+
 #[test]
 fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
-    // Stream 1 writes [0, 32K) then stream 2 reuses it; [32K, 64K) is stream 2's alone.
+    // Without stream waits: stream 2 gets the range only once stream 1 has passed it.
     let plan = verified_plan(
         64 * K,
         vec![],
@@ -182,7 +205,7 @@ fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
         6,
     );
     let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    r.engine.load_plan(&plan, no_waits()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();
     for it in 0..3 {
         r.engine.mark_iteration().unwrap();
@@ -574,7 +597,8 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
     }
     let plan = verified_plan(n * 4 * K, vec![], 0, iteration, 2 * n + 1);
     let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    // (With stream waits on, stream 2 would wait for stream 1's frees instead.)
+    r.engine.load_plan(&plan, no_waits()).unwrap();
     let mut held = Vec::new();
     for it in 0..4 {
         r.engine.mark_iteration().unwrap();
@@ -599,7 +623,7 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
     let mut r = run();
     let opts = PlanOptions {
         give_up_conflict_percent: 0,
-        ..PlanOptions::default()
+        ..no_waits()
     };
     r.engine.load_plan(&plan, opts).unwrap();
     for _ in 0..4 {
@@ -613,4 +637,159 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
     }
     assert!(r.engine.plan_pool().unwrap().is_some());
     assert!(r.engine.plan_abandoned().unwrap().is_none());
+}
+
+#[test]
+fn a_range_held_by_a_pending_free_is_taken_after_its_stream_waits() {
+    let plan = shared_range_plan();
+    let mut r = run();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    for it in 0..3 {
+        r.engine.mark_iteration().unwrap();
+        let a = r.alloc(32 * K, S1);
+        assert_eq!(a, base, "iteration {it}");
+        let mark = r.host.events().recordings();
+        r.free(a);
+        // The free recorded one event on stream 1, which has not passed it.
+        let recs = r.host.events().recorded_since(mark);
+        assert_eq!(recs.len(), 1, "iteration {it}: {recs:?}");
+        let (on, seq) = recs[0];
+        assert_eq!(on, S1);
+        assert!(!r.host.events().passed(on, seq));
+        assert!(!r.host.events().ordered_after(S2, on, seq));
+        // Stream 2 is made to wait for it, and gets its planned range.
+        let b = r.alloc(32 * K, S2);
+        assert_eq!(b, base, "iteration {it}: planned range after the wait");
+        assert!(r.host.events().ordered_after(S2, on, seq), "iteration {it}");
+        let c = r.alloc(16 * K, S2);
+        assert_eq!(c.get(), base.get() + 32 * K);
+        r.free(b);
+        r.free(c);
+        r.engine.check_invariants().unwrap();
+    }
+    // Stream 2 waited in every iteration, and stream 1 from the second on (for stream
+    // 2's free of the shared range, which no stream passed either).
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.waits, st.conflicts), (5, 0), "{st:?}");
+    let ev = r.host.events();
+    assert_eq!(ev.waits(), 5);
+    // Each stream waited for the other's frees: stream 1 alone stops at its first wait
+    // for an event stream 2 has not passed, and both get through together.
+    ev.pass_all(S1);
+    assert!(ev.outstanding(S1) > 0);
+    ev.pass_everything();
+    assert_eq!((ev.outstanding(S1), ev.outstanding(S2)), (0, 0));
+    r.engine.process_events().unwrap();
+    r.engine.check_invariants().unwrap();
+    assert_eq!(r.engine.stats().unwrap().active_bytes[0].current, 0);
+}
+
+#[test]
+fn the_part_of_a_pending_free_outside_the_range_is_fenced_behind_the_waiting_stream() {
+    // Stream 1 uses [0, 64K); then stream 2 reuses [0, 32K) and stream 3 [32K, 64K).
+    let s3 = StreamId(3);
+    let plan = verified_plan(
+        64 * K,
+        vec![],
+        0,
+        vec![
+            req(64 * K, 0, 0, 1, S1),
+            req(32 * K, 0, 2, 5, S2),
+            req(32 * K, 32 * K, 3, 5, s3),
+        ],
+        6,
+    );
+    let mut r = run();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    for it in 0..3 {
+        r.engine.mark_iteration().unwrap();
+        let a = r.alloc(64 * K, S1);
+        assert_eq!(a, base, "iteration {it}");
+        let mark = r.host.events().recordings();
+        r.free(a);
+        let (on, seq) = r.host.events().recorded_since(mark)[0];
+        let b = r.alloc(32 * K, S2);
+        assert_eq!(b, base, "iteration {it}: stream 2 waited");
+        // [32K, 64K) was freed by stream 1 too: stream 3 may have it only once it is
+        // ordered after stream 1's free (through stream 2's fence event).
+        let c = r.alloc(32 * K, s3);
+        if c.get() == base.get() + 32 * K {
+            assert!(
+                r.host.events().ordered_after(s3, on, seq),
+                "iteration {it}: stream 3 got stream 1's memory unordered"
+            );
+        }
+        r.free(b);
+        r.free(c);
+        r.engine.check_invariants().unwrap();
+    }
+    // Nothing in use is left once every stream has passed everything.
+    r.host.events().pass_everything();
+    r.engine.process_events().unwrap();
+    r.engine.check_invariants().unwrap();
+    let s = r.engine.stats().unwrap();
+    assert_eq!(s.active_bytes[0].current, 0);
+    assert_eq!(s.active[0].current, 0);
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert!(st.waits >= 3, "{st:?}");
+}
+
+#[test]
+fn a_live_block_in_the_planned_range_is_a_conflict_not_a_wait() {
+    let plan = shared_range_plan();
+    let mut r = run();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    assert_eq!(a, base);
+    // Something else pending, so that the engine looks for pending frees at all.
+    let x = r.alloc(4 * K, S1);
+    r.engine.record_stream(x, S2).unwrap();
+    r.free(x);
+    // Stream 1's block is still live: stream 2 must go elsewhere.
+    let b = r.alloc(32 * K, S2);
+    assert_ne!(b, base);
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.waits, st.conflicts), (0, 1), "{st:?}");
+    assert_eq!(r.host.events().waits(), 0);
+    r.free(a);
+    r.free(b);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
+fn a_refused_wait_leaves_the_free_pending_and_serves_the_request_elsewhere() {
+    let plan = shared_range_plan();
+    let mut r = run();
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    r.host.events().refuse_waits(true);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    r.free(a);
+    let b = r.alloc(32 * K, S2);
+    assert_ne!(b, base, "no wait, no reuse");
+    let c = r.alloc(16 * K, S2);
+    r.free(b);
+    r.free(c);
+    r.engine.check_invariants().unwrap();
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.waits, st.conflicts), (0, 1), "{st:?}");
+    // The free is still pending, and completes once stream 1 passes it.
+    assert!(r.engine.stats().unwrap().active_bytes[0].current > 0);
+    r.host.events().pass_everything();
+    r.engine.process_events().unwrap();
+    assert_eq!(r.engine.stats().unwrap().active_bytes[0].current, 0);
+    // Waits work again: the next iteration waits instead.
+    r.host.events().refuse_waits(false);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    r.free(a);
+    let b = r.alloc(32 * K, S2);
+    assert_eq!(b, base);
+    r.free(b);
+    r.engine.check_invariants().unwrap();
 }

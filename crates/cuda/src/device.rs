@@ -250,6 +250,31 @@ impl CudaDevice {
         event.record_raw(stream)
     }
 
+    /// Makes work queued on `stream` from now on wait for `event`'s last recording
+    /// (`cuStreamWaitEvent`; the host does not block). Refused, with nothing queued, on a
+    /// stream being captured into a CUDA graph: a captured wait on an event recorded
+    /// outside the capture would invalidate the capture.
+    pub fn wait_event(&self, event: &Event, stream: usize) -> Result<()> {
+        let _g = CtxGuard::push(self.ctx)?;
+        let s = stream as sys::CUstream;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // Safety: `stream` is a live stream handle of this device's context (the caller got
+        // it from PyTorch), `status` a valid out-pointer; a context is current.
+        call("cuStreamIsCapturing", || unsafe {
+            sys::cuStreamIsCapturing(s, &mut status)
+        })?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(CudaError::invalid(
+                "cuStreamWaitEvent",
+                "the stream is being captured into a CUDA graph",
+            ));
+        }
+        // Safety: `event.raw` is a live event and `stream` a live stream of this context.
+        call("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(s, event.raw, 0)
+        })
+    }
+
     /// Creates an event (timing disabled) in this device's context.
     pub fn create_event(&self) -> Result<Event> {
         let _g = CtxGuard::push(self.ctx)?;

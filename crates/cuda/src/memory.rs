@@ -36,6 +36,8 @@ pub struct CudaCounters {
     pub mapped_bytes: u64,
     pub events_created: u64,
     pub synchronizes: u64,
+    /// `cuStreamWaitEvent` calls (a plan placing a request over pending frees).
+    pub stream_waits: u64,
 }
 
 /// The CUDA implementation of [`DeviceMemory`] for one device.
@@ -315,6 +317,12 @@ impl DeviceMemory for CudaMemory {
 
     fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
         self.with_event(event, |ev| self.device.record_event(ev, stream.0 as usize))
+    }
+
+    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.with_event(event, |ev| self.device.wait_event(ev, stream.0 as usize))?;
+        lock(&self.state).counters.stream_waits += 1;
+        Ok(())
     }
 
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {

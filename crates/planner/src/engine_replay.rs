@@ -58,11 +58,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use stweaver_core::engine::{
-    DevicePtr, Engine, EngineConfig, EngineError, PlanOptions as ServeOptions, PlanStats,
-    VirtualMemory,
+    DevicePtr, Engine, EngineConfig, EngineError, FakeEvents, PlanOptions as ServeOptions,
+    PlanStats, VirtualMemory,
 };
 use stweaver_core::{
-    AllocId, Allocation, Bytes, Event, EventKind, MarkerKind, Plan, Trace, TraceError,
+    AllocId, Allocation, Bytes, Event, EventKind, MarkerKind, Plan, StreamId, Trace, TraceError,
 };
 
 use crate::iteration::detect_period;
@@ -247,6 +247,18 @@ pub enum EngineReplayError {
         other: AllocId,
         other_start: u64,
         other_end: u64,
+    },
+    #[error(
+        "event {event}: UNORDERED REUSE: allocation {alloc} on stream {stream} got [{start:#x}, {end:#x}), which allocation {other} used until its free, and stream {other_stream} has neither passed that free's event nor been waited for"
+    )]
+    Unordered {
+        event: usize,
+        alloc: AllocId,
+        stream: StreamId,
+        start: u64,
+        end: u64,
+        other: AllocId,
+        other_stream: StreamId,
     },
     #[error("event {event}: allocation {alloc} got the misaligned address {ptr}")]
     Misaligned {
@@ -437,6 +449,64 @@ impl LiveRanges {
     }
 }
 
+/// Frees that recorded events (the block was used on other streams, or its planned
+/// range is shared with another stream): the range and each recording (stream,
+/// sequence number). Until every stream has passed them, memory in the range may only
+/// be handed to a stream that is ordered after each recording (the same stream, or
+/// one made to wait for the event: [`FakeEvents::ordered_after`]).
+#[derive(Default)]
+struct PendingRanges {
+    list: Vec<PendingRange>,
+}
+
+/// `[start, end)` freed by allocation `alloc`, and the recordings its free made.
+struct PendingRange {
+    start: u64,
+    end: u64,
+    alloc: AllocId,
+    recordings: Vec<(StreamId, u64)>,
+}
+
+impl PendingRanges {
+    fn check(
+        &self,
+        events: &FakeEvents,
+        event: usize,
+        alloc: AllocId,
+        stream: StreamId,
+        start: u64,
+        end: u64,
+    ) -> Result<(), EngineReplayError> {
+        for p in &self.list {
+            if p.start >= end || start >= p.end {
+                continue;
+            }
+            if let Some(&(on, _)) = p
+                .recordings
+                .iter()
+                .find(|&&(on, seq)| !events.ordered_after(stream, on, seq))
+            {
+                return Err(EngineReplayError::Unordered {
+                    event,
+                    alloc,
+                    stream,
+                    start,
+                    end,
+                    other: p.alloc,
+                    other_stream: on,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the frees whose recordings every stream has passed.
+    fn prune(&mut self, events: &FakeEvents) {
+        self.list
+            .retain(|p| !p.recordings.iter().all(|&(on, seq)| events.passed(on, seq)));
+    }
+}
+
 struct Replayer<'t> {
     trace: &'t Trace,
     engine: Engine<Arc<VirtualMemory>>,
@@ -446,6 +516,7 @@ struct Replayer<'t> {
     addrs: Vec<u64>,
     counts: ServedCounts,
     live: LiveRanges,
+    pending: PendingRanges,
     plan_base: Option<(u64, u64)>,
 }
 
@@ -471,6 +542,14 @@ impl Replayer<'_> {
         }
         let rounded = a.size.get().div_ceil(512) * 512;
         self.live.insert(event, id, p.get(), p.get() + rounded)?;
+        self.pending.check(
+            self.dev.events(),
+            event,
+            id,
+            a.stream,
+            p.get(),
+            p.get() + rounded,
+        )?;
         let after = self.plan_counts()?;
         let served = if after.0 > before.0 {
             Served::Plan
@@ -493,9 +572,24 @@ impl Replayer<'_> {
     fn free(&mut self, event: usize, id: AllocId) -> Result<(), EngineReplayError> {
         if let Some(p) = self.ptr[id.index()].take() {
             self.live.remove(p.get());
+            let mark = self.dev.events().recordings();
             self.engine
                 .free(p)
                 .map_err(Self::err(event, format!("free {id} at {p}")))?;
+            let recs = self.dev.events().recorded_since(mark);
+            if !recs.is_empty()
+                && !recs
+                    .iter()
+                    .all(|&(on, seq)| self.dev.events().passed(on, seq))
+            {
+                let rounded = self.trace.allocations[id.index()].size.get().div_ceil(512) * 512;
+                self.pending.list.push(PendingRange {
+                    start: p.get(),
+                    end: p.get() + rounded,
+                    alloc: id,
+                    recordings: recs,
+                });
+            }
         }
         Ok(())
     }
@@ -548,6 +642,7 @@ pub fn replay_engine(
         addrs: vec![0; n],
         counts: ServedCounts::default(),
         live: LiveRanges::default(),
+        pending: PendingRanges::default(),
         plan_base: None,
     };
     let mut plan_error = None;
@@ -581,11 +676,14 @@ pub fn replay_engine(
             && i % k == 0
         {
             r.dev.events().pass_everything();
+            r.pending.prune(r.dev.events());
         }
         if next_bound < bounds.len() && bounds[next_bound] == i {
             next_bound += 1;
             if opts.event_lag.is_some() {
                 r.dev.events().pass_everything();
+                r.pending.prune(r.dev.events());
+                r.pending.prune(r.dev.events());
             }
             r.engine
                 .mark_iteration()

@@ -101,6 +101,26 @@ pub struct Settings {
     /// each time an online arena would set a new reserved peak for a lower peak (on the
     /// H200, Qwen2-MoE online 97.58 -> 98.69 %, variable lengths 92.60 -> 95.12 %).
     pub release_at_peak: bool,
+    /// `STWEAVER_PLAN_WAIT` (default on; `0` turns it off):
+    /// [`EnginePlanOptions::wait_for_pending_frees`]. A planned request whose range only
+    /// frees pending on other streams hold makes its stream wait for their events
+    /// instead of being served elsewhere (streams running behind the host: DDP, FSDP).
+    pub plan_wait: bool,
+}
+
+/// A boolean environment setting: `default` when unset; the same words as the Python
+/// side's `parse_bool`.
+fn env_bool(name: &str, default: bool) -> Result<bool> {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "0" | "false" | "no" | "off" => Ok(false),
+            _ => Err(BridgeError::Settings(format!(
+                "{name}={v:?} is not a boolean (use 1/0, true/false, yes/no, on/off)"
+            ))),
+        },
+        Err(_) => Ok(default),
+    }
 }
 
 impl Settings {
@@ -121,20 +141,8 @@ impl Settings {
             Err(_) => DEFAULT_AUTO_ITERATIONS,
         };
         let rank = RankInfo::from_env().map_err(BridgeError::Settings)?;
-        // The same words as the Python side's `parse_bool`.
-        let release_at_peak = match std::env::var("STWEAVER_RELEASE_AT_PEAK") {
-            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" => true,
-                "0" | "false" | "no" | "off" => false,
-                _ => {
-                    return bad(format!(
-                        "STWEAVER_RELEASE_AT_PEAK={v:?} is not a boolean (use 1/0, true/false, \
-                         yes/no, on/off)"
-                    ));
-                }
-            },
-            Err(_) => true,
-        };
+        let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", true)?;
+        let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
         let settings = |mode| Settings {
             mode,
             trace_path: path(trace),
@@ -142,6 +150,7 @@ impl Settings {
             auto_iterations,
             rank,
             release_at_peak,
+            plan_wait,
         };
         match mode {
             "online" => {
@@ -705,9 +714,17 @@ impl Core {
                 return;
             }
         }
-        match e.load_plan(&plan, EnginePlanOptions::default()) {
+        match e.load_plan(&plan, self.plan_options()) {
             Ok(()) => pc.stage = PlanStage::Serving(vec![device]),
             Err(err) => pc.stage = PlanStage::Fallback(format!("cuda:{device}: {err}")),
+        }
+    }
+
+    /// How the engines serve a plan (install settings).
+    fn plan_options(&self) -> EnginePlanOptions {
+        EnginePlanOptions {
+            wait_for_pending_frees: self.settings.plan_wait,
+            ..EnginePlanOptions::default()
         }
     }
 
@@ -1413,7 +1430,7 @@ impl Core {
                     // prologue already ran online; the persistent tensors' room is squeezed
                     // out of the pool) and releases the online cache first, so the pool
                     // replaces it instead of adding to it. step() marked the iteration.
-                    match e.switch_to_plan(&plan, EnginePlanOptions::default()) {
+                    match e.switch_to_plan(&plan, self.plan_options()) {
                         Ok(()) => {
                             serving.push(d);
                             pc.settle.push(d);

@@ -186,6 +186,10 @@ impl DeviceMemory for Tracked {
         self.inner.record_event(event, stream)
     }
 
+    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.inner.wait_event(stream, event)
+    }
+
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
         self.inner.query_event(event)
     }

@@ -389,6 +389,9 @@ impl DeviceMemory for Shifted {
     fn record_event(&self, e: DeviceEvent, s: StreamId) -> Result<(), DeviceError> {
         self.inner.record_event(e, s)
     }
+    fn wait_event(&self, s: StreamId, e: DeviceEvent) -> Result<(), DeviceError> {
+        self.inner.wait_event(s, e)
+    }
     fn query_event(&self, e: DeviceEvent) -> Result<bool, DeviceError> {
         self.inner.query_event(e)
     }

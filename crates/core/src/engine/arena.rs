@@ -659,6 +659,14 @@ impl Heap {
         best
     }
 
+    /// The `Free` block of placement arena `a` that contains `addr`, if any. O(log n).
+    pub fn free_block_containing(&self, a: ArenaId, addr: u64) -> Option<Idx> {
+        let root = self.arena(a)?.free_by_addr?;
+        let b = self.addr_floor(root, addr);
+        (b != NIL && addr < self.blocks[b as usize].addr + self.blocks[b as usize].size)
+            .then_some(b)
+    }
+
     /// In-order nodes of the by-address treap at `t`, checking the heap order
     /// (invariant checks only).
     fn addr_collect(&self, t: Idx, max_prio: u32, out: &mut Vec<Idx>) -> Result<(), String> {

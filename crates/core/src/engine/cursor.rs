@@ -107,6 +107,11 @@ pub struct PlanStats {
     pub hits: u64,
     /// Requests that matched, but whose planned range was occupied.
     pub conflicts: u64,
+    /// Hits whose planned range was held only by frees still waiting for other
+    /// streams: the request's stream was made to wait for their events
+    /// ([`crate::engine::PlanOptions::wait_for_pending_frees`]), then the request got its
+    /// planned offset (counted in `hits` too).
+    pub waits: u64,
     /// Requests that matched nothing (the best alignment calls them extra).
     pub unplanned: u64,
     /// Requests not served at a planned offset (unplanned, conflicts) that were

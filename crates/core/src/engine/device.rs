@@ -11,6 +11,7 @@
 //! - **events** to order a free behind work on other streams
 //!   ([`DeviceMemory::create_event`], [`DeviceMemory::record_event`],
 //!   [`DeviceMemory::query_event`], [`DeviceMemory::synchronize_event`],
+//!   [`DeviceMemory::wait_event`],
 //!   [`DeviceMemory::destroy_event`]; CUDA: `cudaEvent*`),
 //! - a **device-wide synchronisation** before memory is unmapped
 //!   ([`DeviceMemory::synchronize`]), and the device's **memory size**
@@ -137,6 +138,14 @@ pub trait DeviceMemory: Send + Sync {
     /// Records `event` on `stream`: it completes once the stream has passed this point.
     fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError>;
 
+    /// Makes work queued on `stream` from now on wait until `event` has completed,
+    /// without blocking the host (CUDA: `cuStreamWaitEvent`). The engine calls it when a
+    /// plan places a request on memory whose free still waits for `event` (plan mode,
+    /// "waiting for pending frees", in the engine's module docs). A device that cannot
+    /// order `stream` behind `event` (a stream being captured into a CUDA graph) returns
+    /// an error, and the engine serves the request elsewhere.
+    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError>;
+
     /// Whether the stream `event` was recorded on has passed it. Never blocks.
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError>;
 
@@ -178,6 +187,9 @@ impl<T: DeviceMemory + ?Sized> DeviceMemory for std::sync::Arc<T> {
     }
     fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
         (**self).record_event(event, stream)
+    }
+    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+        (**self).wait_event(stream, event)
     }
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
         (**self).query_event(event)

@@ -401,6 +401,10 @@ impl DeviceMemory for HostMemory {
         self.events.record(event, stream)
     }
 
+    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.events.wait(stream, event)
+    }
+
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
         self.events.query(event)
     }
@@ -420,6 +424,12 @@ impl DeviceMemory for HostMemory {
 /// passed; an event recorded as the stream's `n`-th completes once the stream has passed
 /// `n` events. Streams pass events in the order they were recorded, as CUDA streams do.
 /// An event never recorded is complete (CUDA semantics); re-recording moves it.
+///
+/// A stream told to wait for an event ([`DeviceMemory::wait_event`]) is ordered after
+/// the event's stream up to that event: [`FakeEvents::ordered_after`] answers whether
+/// work queued on one stream now runs after a recorded point of another, so that tests
+/// can check a reuse of pending memory against every recording made at its free
+/// ([`FakeEvents::recorded_since`]).
 #[derive(Debug, Default)]
 pub struct FakeEvents {
     inner: Mutex<FakeInner>,
@@ -431,6 +441,106 @@ struct FakeInner {
     /// event -> (stream, sequence number on that stream) of its last recording.
     events: HashMap<u64, Option<(StreamId, u64)>>,
     streams: HashMap<StreamId, StreamClock>,
+    /// Per stream, the waits it was told to do, in order.
+    waits: HashMap<StreamId, Vec<Wait>>,
+    /// Every recording, in order: (stream, sequence number).
+    log: Vec<(StreamId, u64)>,
+    /// Successful waits.
+    wait_calls: u64,
+    /// Refuse every wait (as CUDA does on a stream being captured).
+    refuse_waits: bool,
+}
+
+/// `stream.wait_event(e)`: the waiting stream's recordings after the first `at` pass
+/// only once stream `on` has passed its `seq`-th recording.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    at: u64,
+    on: StreamId,
+    seq: u64,
+}
+
+impl FakeInner {
+    fn passed(&self, on: StreamId, seq: u64) -> bool {
+        self.streams.get(&on).is_some_and(|c| c.passed >= seq)
+    }
+
+    /// The last recording `stream` may pass now: before its first wait whose event
+    /// has not been passed yet.
+    fn cap(&self, stream: StreamId) -> u64 {
+        let recorded = self.streams.get(&stream).map_or(0, |c| c.recorded);
+        self.waits.get(&stream).map_or(recorded, |ws| {
+            ws.iter()
+                .filter(|w| !self.passed(w.on, w.seq))
+                .map(|w| w.at)
+                .min()
+                .unwrap_or(recorded)
+                .min(recorded)
+        })
+    }
+
+    /// Lets `stream` pass everything its waits allow; whether it moved.
+    fn pass_allowed(&mut self, stream: StreamId) -> bool {
+        let cap = self.cap(stream);
+        let clock = self.streams.entry(stream).or_default();
+        let moved = clock.passed < cap;
+        if moved {
+            clock.passed = cap;
+            self.prune_waits();
+        }
+        moved
+    }
+
+    /// Forgets the waits for passed events: they hold nothing back, and whatever they
+    /// order after has been passed too (a stream passes a point only once everything
+    /// it waited for before it is passed), which [`FakeInner::passed`] answers.
+    fn prune_waits(&mut self) {
+        let mut waits = std::mem::take(&mut self.waits);
+        for ws in waits.values_mut() {
+            ws.retain(|w| !self.passed(w.on, w.seq));
+        }
+        waits.retain(|_, ws| !ws.is_empty());
+        self.waits = waits;
+    }
+
+    /// Makes stream `on` pass its `seq`-th recording, and first whatever it waits for
+    /// before it (a blocking synchronisation: everything before completes).
+    fn force(&mut self, on: StreamId, seq: u64) {
+        let before: Vec<Wait> = self
+            .waits
+            .get(&on)
+            .map(|ws| ws.iter().filter(|w| w.at < seq).copied().collect())
+            .unwrap_or_default();
+        for w in before {
+            if !self.passed(w.on, w.seq) {
+                self.force(w.on, w.seq);
+            }
+        }
+        let clock = self.streams.entry(on).or_default();
+        clock.passed = clock.passed.max(seq);
+        self.prune_waits();
+    }
+
+    /// Whether recording `k` of stream `z` (`u64::MAX`: work `z` queues from now on)
+    /// comes after recording `seq` of stream `on`, through waits (`z`'s, then those
+    /// of the streams it waited for before that point, and so on). A search that keeps,
+    /// per stream, the latest point reached: O(waits) per call.
+    fn after(&self, z: StreamId, k: u64, on: StreamId, seq: u64) -> bool {
+        let mut best: HashMap<StreamId, u64> = HashMap::from([(z, k)]);
+        let mut stack = vec![(z, k)];
+        while let Some((z, k)) = stack.pop() {
+            if z == on && k >= seq {
+                return true;
+            }
+            for w in self.waits.get(&z).into_iter().flatten() {
+                if w.at < k && best.get(&w.on).is_none_or(|&b| b < w.seq) {
+                    best.insert(w.on, w.seq);
+                    stack.push((w.on, w.seq));
+                }
+            }
+        }
+        false
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -457,7 +567,70 @@ impl FakeEvents {
         clock.recorded += 1;
         let seq = clock.recorded;
         inner.events.insert(event.0, Some((stream, seq)));
+        inner.log.push((stream, seq));
         Ok(())
+    }
+
+    pub(crate) fn wait(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+        let mut inner = lock(&self.inner);
+        if inner.refuse_waits {
+            return Err(DeviceError::Driver {
+                call: "cuStreamWaitEvent",
+                code: 900,
+                message: "refused by the test (as on a stream being captured)".into(),
+            });
+        }
+        match inner.events.get(&event.0).copied() {
+            None => Err(DeviceError::UnknownEvent(event)),
+            Some(None) => {
+                inner.wait_calls += 1;
+                Ok(())
+            }
+            Some(Some((on, seq))) => {
+                let at = inner.streams.get(&stream).map_or(0, |c| c.recorded);
+                inner
+                    .waits
+                    .entry(stream)
+                    .or_default()
+                    .push(Wait { at, on, seq });
+                inner.wait_calls += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether work queued on `stream` from now on runs after the `seq`-th recording on
+    /// stream `on`: the same stream, `on` has passed it, or `stream` waited for it or
+    /// for a later point of a stream that waited for it (and so on).
+    pub fn ordered_after(&self, stream: StreamId, on: StreamId, seq: u64) -> bool {
+        let inner = lock(&self.inner);
+        inner.passed(on, seq) || inner.after(stream, u64::MAX, on, seq)
+    }
+
+    /// Whether stream `on` has passed its `seq`-th recording.
+    pub fn passed(&self, on: StreamId, seq: u64) -> bool {
+        lock(&self.inner).passed(on, seq)
+    }
+
+    /// How many recordings were made so far (a mark for [`FakeEvents::recorded_since`]).
+    pub fn recordings(&self) -> usize {
+        lock(&self.inner).log.len()
+    }
+
+    /// The recordings made since `mark` (from [`FakeEvents::recordings`]), as (stream,
+    /// sequence number) pairs for [`FakeEvents::ordered_after`].
+    pub fn recorded_since(&self, mark: usize) -> Vec<(StreamId, u64)> {
+        lock(&self.inner).log.get(mark..).unwrap_or(&[]).to_vec()
+    }
+
+    /// Makes every later [`DeviceMemory::wait_event`] fail (`true`) or work again.
+    pub fn refuse_waits(&self, refuse: bool) {
+        lock(&self.inner).refuse_waits = refuse;
+    }
+
+    /// Successful [`DeviceMemory::wait_event`] calls so far.
+    pub fn waits(&self) -> u64 {
+        lock(&self.inner).wait_calls
     }
 
     pub(crate) fn query(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
@@ -477,8 +650,7 @@ impl FakeEvents {
             None => Err(DeviceError::UnknownEvent(event)),
             Some(None) => Ok(()),
             Some(Some((stream, seq))) => {
-                let clock = inner.streams.entry(stream).or_default();
-                clock.passed = clock.passed.max(seq);
+                inner.force(stream, seq);
                 Ok(())
             }
         }
@@ -491,11 +663,13 @@ impl FakeEvents {
         }
     }
 
-    /// Lets `stream` pass its oldest not yet passed event. Returns whether there was one.
+    /// Lets `stream` pass its oldest not yet passed event, unless a wait holds it
+    /// back. Returns whether it passed one.
     pub fn pass_next(&self, stream: StreamId) -> bool {
         let mut inner = lock(&self.inner);
+        let cap = inner.cap(stream);
         let clock = inner.streams.entry(stream).or_default();
-        if clock.passed < clock.recorded {
+        if clock.passed < cap {
             clock.passed += 1;
             true
         } else {
@@ -503,18 +677,21 @@ impl FakeEvents {
         }
     }
 
-    /// Lets `stream` pass every event recorded on it so far.
+    /// Lets `stream` pass every event recorded on it so far, up to where a wait for an
+    /// event not passed yet holds it back.
     pub fn pass_all(&self, stream: StreamId) {
-        let mut inner = lock(&self.inner);
-        let clock = inner.streams.entry(stream).or_default();
-        clock.passed = clock.recorded;
+        lock(&self.inner).pass_allowed(stream);
     }
 
     /// Lets every stream pass every event recorded so far.
     pub fn pass_everything(&self) {
-        for clock in lock(&self.inner).streams.values_mut() {
-            clock.passed = clock.recorded;
-        }
+        let mut inner = lock(&self.inner);
+        let streams: Vec<StreamId> = inner.streams.keys().copied().collect();
+        // Waits only refer to earlier recordings, so this settles.
+        while streams
+            .iter()
+            .fold(false, |moved, &s| inner.pass_allowed(s) | moved)
+        {}
     }
 
     /// Events recorded on `stream` that it has not passed yet.

@@ -103,6 +103,21 @@ impl EventQueue {
         }
     }
 
+    /// Takes the queued events of `blocks` out of the queue (the rest stay queued), for
+    /// waiting on them without the lock; give them back through the engine's
+    /// `apply_events`. O(queue × blocks).
+    pub fn take_for(&mut self, blocks: &[Idx]) -> Vec<PendingEvent> {
+        let mut taken = Vec::new();
+        self.pending.retain(|e| {
+            let ours = blocks.contains(&e.block);
+            if ours {
+                taken.push(*e);
+            }
+            !ours
+        });
+        taken
+    }
+
     /// Every queued event (for consistency checks).
     pub fn iter(&self) -> impl Iterator<Item = &PendingEvent> {
         self.pending.iter()

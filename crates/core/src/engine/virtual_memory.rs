@@ -237,6 +237,10 @@ impl DeviceMemory for VirtualMemory {
         Ok(())
     }
 
+    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+        self.events.wait(stream, event)
+    }
+
     fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
         self.events.query(event)
     }
