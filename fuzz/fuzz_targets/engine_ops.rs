@@ -1,14 +1,17 @@
 //! Arbitrary programs of engine operations (talc's `fuzz_talc` style): malloc, free,
 //! bad frees, record_stream, streams passing events, process_events, empty_cache,
-//! markers, trace start/take, stat resets, limit changes, injected map failures and
-//! loading and unloading a plan (random requests, kept when the verifier accepts them), on a
-//! host-memory device with small granules. Requests that do not follow the plan make
-//! the engine's occupancy check and cursor do their work.
+//! markers, trace start/take, stat resets, limit changes, injected map failures, refused
+//! stream waits and loading and unloading a plan (random requests, kept when the verifier
+//! accepts them), on a host-memory device with small granules. Requests that do not follow
+//! the plan make the engine's occupancy check and cursor do their work, and ranges held by
+//! pending frees its stream waits (fences included).
 //!
 //! After every operation: the engine's own consistency check passes; no live or pending
 //! block overlaps another; every pending block's sentinel bytes are intact (nobody was
-//! handed memory other streams may still use); allocated / active / requested bytes and
-//! the allocation count equal what the harness holds. Every block's sentinel is checked
+//! handed memory other streams may still use); every allocation over memory whose free
+//! recorded events is on a stream ordered after each of them (`FakeEvents::ordered_after`:
+//! passed, or waited for); allocated / active / requested bytes and the allocation count
+//! equal what the harness holds (plus the engine's fences: pending blocks it owns). Every block's sentinel is checked
 //! when it is freed. At the end, after freeing everything and `empty_cache`, nothing is
 //! allocated, active, reserved or mapped, and a recorded trace validates.
 #![no_main]
@@ -49,6 +52,8 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     )
     .expect("engine");
     let mut held: BTreeMap<u64, Held> = BTreeMap::new();
+    // Frees that recorded events: (start, end, recordings).
+    let mut hazards: Vec<(u64, u64, Vec<(StreamId, u64)>)> = Vec::new();
     let mut live: Vec<u64> = Vec::new();
     let mut tag = 0u8;
     let stream =
@@ -80,6 +85,20 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                                         .block_info(DevicePtr(q))
                                         .is_ok_and(|i| i.state == BlockState::PendingFree)
                             });
+                            let ev = host.events();
+                            hazards.retain(|(_, _, recs)| {
+                                !recs.iter().all(|&(on, seq)| ev.passed(on, seq))
+                            });
+                            for (a, b, recs) in &hazards {
+                                if *a < p + len && p < *b {
+                                    for &(on, seq) in recs {
+                                        assert!(
+                                            ev.ordered_after(s, on, seq),
+                                            "{p:#x}+{len:#x} on {s} reuses memory freed behind {on}'s work"
+                                        );
+                                    }
+                                }
+                            }
                             if let Some((&q, h)) = held.range(..p + len).next_back() {
                                 assert!(
                                     q + h.len <= p,
@@ -114,8 +133,13 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                         host.check(DevicePtr(p), Bytes(h.len), h.byte).unwrap(),
                         "sentinel at {p:#x}"
                     );
+                    let mark = host.events().recordings();
                     engine.free(DevicePtr(p)).unwrap();
                     h.freed = true;
+                    let recs = host.events().recorded_since(mark);
+                    if !recs.is_empty() {
+                        hazards.push((p, p + h.len, recs));
+                    }
                     assert!(matches!(
                         engine.free(DevicePtr(p)),
                         Err(EngineError::AlreadyFreed(_) | EngineError::UnknownPointer(_))
@@ -179,6 +203,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                 14 => engine
                     .set_memory_limit(MemoryLimit::Bytes(Bytes(u.int_in_range(1u64..=64)? << 18)))
                     .unwrap(),
+                15 if u.ratio(1u8, 4u8)? => host.events().refuse_waits(u.arbitrary()?),
                 _ => host.fail_map_in(u.int_in_range(1u32..=3)?),
             }
             check(&engine, &host, &mut held);
@@ -285,6 +310,15 @@ fn check(engine: &Engine<Arc<HostMemory>>, host: &HostMemory, held: &mut BTreeMa
             Err(_) => false,
         }
     });
+    // The engine's fences: pending blocks nobody holds (their size is their request).
+    for seg in engine.snapshot().unwrap() {
+        for b in &seg.blocks {
+            if b.state == BlockState::PendingFree && !held.contains_key(&b.addr.get()) {
+                active += b.size.get();
+                requested += b.size.get();
+            }
+        }
+    }
     for (&p, h) in held.iter() {
         assert!(p >= end, "held blocks overlap at {p:#x}");
         end = p + h.len;
