@@ -21,6 +21,9 @@ const K: u64 = 1 << 10;
 /// One planned request of the iteration: size (KiB), stream, start tick, lifetime.
 type Spec = (u64, u64, u64, u64);
 
+/// A freed range and the recordings its free made: (start, end, (stream, sequence)).
+type Hazard = (u64, u64, Vec<(StreamId, u64)>);
+
 /// Greedy first-fit placement of the requests over time: a valid plan by construction.
 fn greedy_plan(specs: &[Spec]) -> Plan {
     let len = specs.len() as u64 * 2 + 2;
@@ -85,7 +88,7 @@ proptest! {
         let mut r = common::Checked::new(64 << 10, 64 << 20);
         r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
         // Frees that recorded events: (start, end, recordings).
-        let mut hazards: Vec<(u64, u64, Vec<(StreamId, u64)>)> = Vec::new();
+        let mut hazards: Vec<Hazard> = Vec::new();
         let mut step = 0usize;
         for _ in 0..iterations {
             r.engine.mark_iteration().unwrap();
@@ -118,10 +121,10 @@ proptest! {
                             }
                         }
                     }
-                    if let Some(&s) = record.get(tick as usize % record.len().max(1)) {
-                        if s < 3 {
-                            r.engine.record_stream(p, StreamId(s)).unwrap();
-                        }
+                    if let Some(&s) = record.get(tick as usize % record.len().max(1))
+                        && s < 3
+                    {
+                        r.engine.record_stream(p, StreamId(s)).unwrap();
                     }
                     live.push((req.end, p));
                 }
