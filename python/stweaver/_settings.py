@@ -14,6 +14,12 @@ with no arguments):
 ``STWEAVER_RELEASE_AT_PEAK`` ``1``/``0``: before an online arena grows past the peak of
                            reserved memory, give its free holes back first (lower peak,
                            a device synchronisation each time; default on)
+``STWEAVER_PLAN_WAIT``     ``1``/``0``: a planned range held only by frees pending on
+                           other streams makes the request's stream wait for them on the
+                           device instead of a conflict (default on)
+``STWEAVER_SHARE_STREAMS`` ``1``/``0``: ``auto`` plans all streams in one joint solve
+                           (smallest pool; streams wait for each other's work on reuse;
+                           default off)
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
@@ -156,9 +162,10 @@ def resolve(
     raw_iters = env.get("STWEAVER_AUTO_ITERATIONS")
     if raw_iters is not None and not (raw_iters.strip().isdigit() and int(raw_iters) > 0):
         raise SettingsError(f"STWEAVER_AUTO_ITERATIONS={raw_iters!r} is not a positive integer")
-    raw_release = env.get("STWEAVER_RELEASE_AT_PEAK")
-    if raw_release is not None:
-        parse_bool(raw_release, "STWEAVER_RELEASE_AT_PEAK")  # read by the Rust side
+    for var in ("STWEAVER_RELEASE_AT_PEAK", "STWEAVER_PLAN_WAIT", "STWEAVER_SHARE_STREAMS"):
+        raw = env.get(var)
+        if raw is not None:
+            parse_bool(raw, var)  # read by the Rust side
     if check_files:
         # plan mode reads the plan; auto mode writes the plan it makes (and the trace).
         if mode == "plan" and not os.path.isfile(rank_plan_path(plan_s, env)):

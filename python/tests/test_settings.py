@@ -65,6 +65,8 @@ def test_path_like_arguments(tmp_path):
         ({}, {"STWEAVER_AUTO_ITERATIONS": "0"}, "positive integer"),
         ({}, {"STWEAVER_AUTO_ITERATIONS": "many"}, "positive integer"),
         ({}, {"STWEAVER_RELEASE_AT_PEAK": "sometimes"}, "STWEAVER_RELEASE_AT_PEAK"),
+        ({}, {"STWEAVER_PLAN_WAIT": "later"}, "STWEAVER_PLAN_WAIT"),
+        ({}, {"STWEAVER_SHARE_STREAMS": "2"}, "STWEAVER_SHARE_STREAMS"),
         ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
     ],
 )

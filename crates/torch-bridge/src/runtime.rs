@@ -106,6 +106,10 @@ pub struct Settings {
     /// frees pending on other streams hold makes its stream wait for their events
     /// instead of being served elsewhere (streams running behind the host: DDP, FSDP).
     pub plan_wait: bool,
+    /// `STWEAVER_SHARE_STREAMS` (default off): auto mode plans with
+    /// [`PlannerOptions::share_streams`] (one joint solve; streams reuse each other's
+    /// ranges, waiting on the device for the earlier stream's work).
+    pub share_streams: bool,
 }
 
 /// A boolean environment setting: `default` when unset; the same words as the Python
@@ -143,6 +147,7 @@ impl Settings {
         let rank = RankInfo::from_env().map_err(BridgeError::Settings)?;
         let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", true)?;
         let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
+        let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
         let settings = |mode| Settings {
             mode,
             trace_path: path(trace),
@@ -151,6 +156,7 @@ impl Settings {
             rank,
             release_at_peak,
             plan_wait,
+            share_streams,
         };
         match mode {
             "online" => {
@@ -1354,6 +1360,7 @@ impl Core {
         }
         match pc.stage {
             PlanStage::Recording if n > self.settings.auto_iterations => {
+                let share_streams = self.settings.share_streams;
                 let mut jobs = Vec::new();
                 for slot in self.slots()? {
                     let Some(e) = slot.default.get() else {
@@ -1376,6 +1383,7 @@ impl Core {
                             // recording; the improvement stage took 0.5 s there, longer
                             // than whole short runs.
                             let opts = PlannerOptions {
+                                share_streams,
                                 solve: SolveOptions {
                                     improve: false,
                                     time_budget: Some(Duration::from_secs(5)),
@@ -1552,6 +1560,7 @@ impl Core {
                         serde_json::json!({
                             "hits": p.hits,
                             "conflicts": p.conflicts,
+                            "waits": p.waits,
                             "unplanned": p.unplanned,
                             "skipped": p.skipped,
                             "iterations": p.iterations,

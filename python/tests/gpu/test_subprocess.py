@@ -179,3 +179,29 @@ def test_auto_mode_peak_reserved_stays_close_to_native(tmp_path_factory):
     native = native_run()
     auto = auto_run(tmp_path_factory)["result"]
     assert auto["max_reserved"] <= 1.25 * native["max_reserved"], (auto["max_reserved"], native["max_reserved"])
+
+
+def test_a_plan_waits_for_a_free_pending_on_another_stream(metric):
+    """scripts/plan_wait.py: once auto mode serves its plan, z is planned on x's range while
+    x's free still waits for a sleeping side stream. With stream waits (default) the main
+    stream waits for the side stream's event and z takes x's address; with
+    STWEAVER_PLAN_WAIT=0 z goes elsewhere. The side stream's copy of x must be intact in
+    every iteration either way (a missing wait would let z's fill overwrite x first)."""
+    script = os.path.join(SCRIPTS, "plan_wait.py")
+    results = {"wait": last_json(run([script])),
+               "no_wait": last_json(run([script], {"STWEAVER_PLAN_WAIT": "0"}))}
+    served = {}
+    for name, r in results.items():
+        served[name] = [x for x in r["rows"] if x["served"]]
+        p = r["stweaver"]["devices"][0]["plan"]
+        metric(f"{name}_served_iterations", len(served[name]))
+        metric(f"{name}_z_on_x", sum(x["reused"] for x in served[name]))
+        metric(f"{name}_plan_waits", p.get("waits"))
+        metric(f"{name}_plan_conflicts", p.get("conflicts"))
+        assert served[name], f"{name}: the plan was never served: {r}"
+        assert all(x["intact"] for x in r["rows"]), f"{name}: the side stream read overwritten data"
+    p_wait = results["wait"]["stweaver"]["devices"][0]["plan"]
+    p_none = results["no_wait"]["stweaver"]["devices"][0]["plan"]
+    assert p_wait["waits"] > 0, p_wait
+    assert any(x["reused"] for x in served["wait"]), "z never got x's planned range"
+    assert p_none["waits"] == 0 and not any(x["reused"] for x in served["no_wait"]), p_none

@@ -20,7 +20,8 @@ SAFETY = os.path.join(HERE, "nccl_stream_safety.py")
 # NVLink multicast stays off on the shared H200 machines.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STWEAVER_VARS = ("STWEAVER_MODE", "STWEAVER_PLAN", "STWEAVER_TRACE", "STWEAVER_HOOK_OPTIMIZER",
-                 "STWEAVER_AUTO_ITERATIONS", "STWEAVER_RELEASE_AT_PEAK", "PYTORCH_CUDA_ALLOC_CONF")
+                 "STWEAVER_AUTO_ITERATIONS", "STWEAVER_RELEASE_AT_PEAK", "STWEAVER_PLAN_WAIT",
+                 "STWEAVER_SHARE_STREAMS", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def base_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

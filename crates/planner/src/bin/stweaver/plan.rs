@@ -46,6 +46,12 @@ pub struct PlanArgs {
     /// Greedy portfolio only (no exact / neighbourhood improvement).
     #[arg(long)]
     pub no_improve: bool,
+    /// One joint solve over every stream: requests of different streams may share
+    /// ranges (smallest pool). At run time a stream reusing another's range waits for
+    /// that stream's work on the device (a plan served with stream waits, the default).
+    /// Default: each stream solved apart, pools stacked.
+    #[arg(long)]
+    pub share_streams: bool,
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -61,6 +61,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let loaded = started.elapsed();
     let mut opts = PlanOptions {
         solve: solve_options(args)?,
+        share_streams: args.share_streams,
         ..PlanOptions::default()
     };
     let spinner = Spinner::start(&mut opts.solve, !args.json);
