@@ -30,9 +30,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "gpu_dist"))
 import distlaunch as dl  # noqa: E402
 
 ALLOCS = ("native", "expandable", "trace", "plan", "auto")
+# Variants run only when named in --allocators: plans of all streams in one joint solve
+# (`stweaver plan --share-streams`, STWEAVER_SHARE_STREAMS=1 for auto), and plan mode with
+# stream waits off (STWEAVER_PLAN_WAIT=0: conflicts instead, the behaviour before them).
+VARIANTS = ("plan_joint", "auto_joint", "plan_nowait")
 LABEL = {"native": "native", "expandable": "expandable segments", "trace": "stweaver online (trace run)",
          "plan": "stweaver trace -> plan", "auto": "stweaver auto (whole run)",
-         "auto_steady": "stweaver auto (after switch)"}
+         "auto_steady": "stweaver auto (after switch)",
+         "plan_joint": "stweaver trace -> joint plan", "auto_joint": "stweaver auto, joint (whole)",
+         "auto_joint_steady": "stweaver auto, joint (after sw.)",
+         "plan_nowait": "stweaver plan, waits off"}
 GiB = float(1 << 30)
 
 
@@ -49,8 +56,14 @@ def run(a, strategy, alloc, fdir, timeout, suffix=""):
         extra["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     elif alloc == "trace":
         extra["STWEAVER_TRACE"] = os.path.join(fdir, f"{strategy}.stwt")
-    elif alloc == "plan":
+    elif alloc in ("plan", "plan_nowait"):
         extra["STWEAVER_PLAN"] = os.path.join(fdir, f"{strategy}.stwp")
+        if alloc == "plan_nowait":
+            extra["STWEAVER_PLAN_WAIT"] = "0"
+    elif alloc == "plan_joint":
+        extra["STWEAVER_PLAN"] = os.path.join(fdir, f"{strategy}.joint.stwp")
+    elif alloc == "auto_joint":
+        extra["STWEAVER_SHARE_STREAMS"] = "1"
     if kind == "stweaver":
         extra["STWEAVER_HOOK_OPTIMIZER"] = "1"
     args = ["--strategy", strategy, "--alloc", "native" if a.dry_run else kind, "--config", a.config,
@@ -67,13 +80,13 @@ def rows_of(doc):
     rows = []
     for s, runs in doc["runs"].items():
         native = runs.get("native")
-        for alloc in ALLOCS:
+        for alloc in ALLOCS + VARIANTS:
             r = runs.get(alloc)
             if r is None:
                 continue
             variants = [(alloc, "max_reserved", "max_allocated", "step_median_s")]
-            if alloc == "auto":
-                variants.append(("auto_steady", "steady_max_reserved", "steady_max_allocated",
+            if alloc in ("auto", "auto_joint"):
+                variants.append((alloc + "_steady", "steady_max_reserved", "steady_max_allocated",
                                  "steady_step_median_s"))
             for label, kr, ka, kt in variants:
                 for rank, x in enumerate(r["ranks"]):
@@ -128,7 +141,7 @@ def render(doc) -> str:
 
 def step_of(r, alloc):
     """Per-rank step medians of run `r` (auto: after its switch), None where a rank failed."""
-    key = "steady_step_median_s" if alloc == "auto" else "step_median_s"
+    key = "steady_step_median_s" if alloc in ("auto", "auto_joint") else "step_median_s"
     return [(x or {}).get(key) if x and x.get("ok") else None for x in r["ranks"]]
 
 
@@ -202,7 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--strategies", default="ddp,fsdp")
-    ap.add_argument("--allocators", default=None, help=f"comma-separated subset of {','.join(ALLOCS)}")
+    ap.add_argument("--allocators", default=None,
+                    help=f"comma-separated subset of {','.join(ALLOCS + VARIANTS)} (default: {','.join(ALLOCS)}); "
+                         "plan_nowait needs plan's files, so run it after plan")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--est-run-s", type=float, default=30, help="a run is not started with less left")
     ap.add_argument("--timeout-s", type=float, default=180)
@@ -226,19 +241,25 @@ def main(argv=None) -> int:
     for s in a.strategies.split(","):
         runs = doc["runs"].setdefault(s, {})
         allocs = tuple(a.allocators.split(",")) if a.allocators else ALLOCS
+        unknown = [x for x in allocs if x not in ALLOCS + VARIANTS]
+        if unknown:
+            ap.error(f"unknown allocators {unknown}")
         for alloc in (("native",) if a.dry_run else allocs):
             left = a.budget_s - (time.time() - t0)
             if left < a.est_run_s:
                 doc["skipped"].append(f"{s} {alloc}")
                 continue
-            if alloc == "plan":
+            if alloc in ("plan", "plan_joint"):
                 if not a.stweaver_bin:
-                    doc["skipped"].append(f"{s} plan (no planner binary)")
+                    doc["skipped"].append(f"{s} {alloc} (no planner binary)")
                     continue
+                joint = alloc == "plan_joint"
                 for r in range(a.gpus):
                     trace = os.path.join(fdir, f"{s}.rank{r}.stwt")
-                    plan = os.path.join(fdir, f"{s}.rank{r}.stwp")
-                    doc["plans"][os.path.basename(plan)] = dl.plan_cli(a.stweaver_bin, trace, plan, plan + ".log")
+                    plan = os.path.join(fdir, f"{s}{'.joint' if joint else ''}.rank{r}.stwp")
+                    doc["plans"][os.path.basename(plan)] = dl.plan_cli(
+                        a.stweaver_bin, trace, plan, plan + ".log",
+                        extra=("--share-streams",) if joint else ())
             r = run(a, s, alloc, fdir, min(a.timeout_s, max(30.0, left)))
             runs[alloc] = r
             if alloc == "trace" and a.keep_traces:

@@ -84,8 +84,9 @@ def parallel(jobs: List[tuple], workers: int) -> List:
         return [f.result() for f in futs]
 
 
-def plan_cli(stweaver_bin: str, trace: str, plan: str, log: str, timeout: float = 60) -> dict:
-    cmd = [stweaver_bin, "plan", trace, "-o", plan, "--time-budget", "5"]
+def plan_cli(stweaver_bin: str, trace: str, plan: str, log: str, timeout: float = 60,
+             extra: tuple = ()) -> dict:
+    cmd = [stweaver_bin, "plan", trace, "-o", plan, "--time-budget", "5", *extra]
     t0 = time.time()
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
