@@ -16,6 +16,8 @@ fails the case). Cases, for DDP and for FSDP2 (``fully_shard``):
 - shared: one plan for every rank (rank 0's plan copied to a plain name): every rank serves it.
 - refused: STWEAVER_PLAN=plan.rank0.stwp on every rank: rank 0 serves it, the other ranks
   refuse it (named for another rank) and train online.
+- joint: per-rank plans of all streams in one joint solve (``stweaver plan --share-streams``):
+  streams reuse each other's ranges, waiting on the device for the earlier stream's work.
 
 Each stweaver case must give every rank's per-iteration losses bitwise equal to native's, no
 error, no hang, and the expected mode. Plus the NCCL stream-safety job (nccl_stream_safety.py).
@@ -140,8 +142,11 @@ def main(argv=None) -> int:
                 trace = os.path.join(tdir, f"{s}_trace.rank{r}.stwt")
                 plan = os.path.join(tdir, f"{s}_plan.rank{r}.stwp")
                 pjobs.append((dl.plan_cli, a.stweaver_bin, trace, plan, plan + ".log"))
-        for (fn, b, trace, plan, log), res in zip(pjobs, dl.parallel(pjobs, 4)):
-            plans[os.path.basename(plan)] = res
+                joint = os.path.join(tdir, f"{s}_joint.rank{r}.stwp")
+                pjobs.append((dl.plan_cli, a.stweaver_bin, trace, joint, joint + ".log", 60,
+                              ("--share-streams",)))
+        for job, res in zip(pjobs, dl.parallel(pjobs, 4)):
+            plans[os.path.basename(job[3])] = res
         jobs = []
         for s in STRATEGIES:
             jobs.append((run_case, a, f"{s}_plan", s, "stweaver",
@@ -154,6 +159,8 @@ def main(argv=None) -> int:
             jobs.append((run_case, a, f"{s}_shared", s, "stweaver",
                          {"STWEAVER_PLAN": os.path.join(shared_dir, "plan.stwp")}, a.timeout_s))
             jobs.append((run_case, a, f"{s}_refused", s, "stweaver", {"STWEAVER_PLAN": src}, a.timeout_s))
+            jobs.append((run_case, a, f"{s}_joint", s, "stweaver",
+                         {"STWEAVER_PLAN": os.path.join(tdir, f"{s}_joint.stwp")}, a.timeout_s))
         for r in dl.parallel(jobs, a.jobs):
             results[r["name"]] = r
 
@@ -163,13 +170,14 @@ def main(argv=None) -> int:
         "auto": lambda r: "auto (plan)",
         "plan": lambda r: "plan",
         "shared": lambda r: "plan",
+        "joint": lambda r: "plan",
         "refused": lambda r: "plan" if r == 0 else "online (plan rejected",
     }
     rows = []
     failed = 0
     for s in STRATEGIES:
         native = results.get(f"{s}_native")
-        for kind in ("native", "online", "trace", "auto", "plan", "shared", "refused"):
+        for kind in ("native", "online", "trace", "auto", "plan", "shared", "refused", "joint"):
             case = results.get(f"{s}_{kind}")
             if case is None:
                 continue
