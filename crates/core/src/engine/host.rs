@@ -14,7 +14,11 @@
 //!   mappings, touching unmapped bytes) is an error, so tests catch engine bugs here;
 //! - **events** are [`FakeEvents`]: a test decides when a stream passes the events
 //!   recorded on it. [`DeviceMemory::synchronize`] passes every event on every stream
-//!   (after a device sync all queued work has finished).
+//!   (after a device sync all queued work has finished). [`DeviceMemory::wait_event`]
+//!   orders a stream after an event as CUDA does: the stream's later events pass only
+//!   once the awaited one has, and [`FakeEvents::ordered_after`] tells a test whether a
+//!   stream's next work runs after a recorded point of another (passed, or waited for,
+//!   directly or through other streams).
 //!
 //! Costs are test-grade: a `Mutex` around `HashMap`s, O(granules) per map/unmap and per
 //! byte range touched.
