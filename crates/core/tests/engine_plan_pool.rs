@@ -193,17 +193,7 @@ fn no_waits() -> PlanOptions {
 #[test]
 fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
     // Without stream waits: stream 2 gets the range only once stream 1 has passed it.
-    let plan = verified_plan(
-        64 * K,
-        vec![],
-        0,
-        vec![
-            req(32 * K, 0, 0, 1, S1),
-            req(32 * K, 0, 2, 4, S2),
-            req(16 * K, 32 * K, 3, 5, S2),
-        ],
-        6,
-    );
+    let plan = shared_range_plan();
     let mut r = run();
     r.engine.load_plan(&plan, no_waits()).unwrap();
     let (base, _) = r.engine.plan_pool().unwrap().unwrap();

@@ -104,6 +104,28 @@ fn worker(
     }
 }
 
+/// Checks the engine's consistency while `workers` run, joins them, then stops and joins
+/// the event `driver` (which runs until `done`).
+fn check_until_done(
+    engine: &Engine<Arc<HostMemory>>,
+    workers: Vec<thread::JoinHandle<()>>,
+    done: &AtomicBool,
+    driver: thread::JoinHandle<()>,
+) {
+    let mut checks = 0;
+    while workers.iter().any(|w| !w.is_finished()) {
+        engine.check_invariants().unwrap();
+        checks += 1;
+        thread::yield_now();
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    done.store(true, Ordering::Relaxed);
+    driver.join().unwrap();
+    assert!(checks > 0);
+}
+
 #[test]
 fn many_threads_share_one_engine() {
     const THREADS: usize = 4;
@@ -151,18 +173,7 @@ fn many_threads_share_one_engine() {
         })
         .collect();
     start.wait();
-    let mut checks = 0;
-    while workers.iter().any(|w| !w.is_finished()) {
-        engine.check_invariants().unwrap();
-        checks += 1;
-        thread::yield_now();
-    }
-    for w in workers {
-        w.join().unwrap();
-    }
-    done.store(true, Ordering::Relaxed);
-    driver.join().unwrap();
-    assert!(checks > 0);
+    check_until_done(&engine, workers, &done, driver);
 
     engine.empty_cache().unwrap();
     engine.check_invariants().unwrap();
@@ -292,18 +303,7 @@ fn threads_serve_a_two_stream_plan_with_lagging_streams() {
             })
         })
         .collect();
-    let mut checks = 0;
-    while workers.iter().any(|w| !w.is_finished()) {
-        engine.check_invariants().unwrap();
-        checks += 1;
-        thread::yield_now();
-    }
-    for w in workers {
-        w.join().unwrap();
-    }
-    done.store(true, Ordering::Relaxed);
-    driver.join().unwrap();
-    assert!(checks > 0);
+    check_until_done(&engine, workers, &done, driver);
     // (The plan may have been given up for too many conflicts: the interleaving is the
     // threads', not the plan's. Either way nothing may alias.)
     let st = engine.plan_stats().unwrap();

@@ -39,13 +39,22 @@ fn load(name: &str) -> Trace {
 
 /// Auto mode: the first three iterations recorded, planned, switched to.
 fn auto_replay(trace: &Trace, opts: &EngineReplayOptions) -> EngineReplayReport {
+    auto_replay_after(trace, opts, 3)
+}
+
+/// Auto mode: the first `record` iterations recorded, planned, switched to.
+fn auto_replay_after(
+    trace: &Trace,
+    opts: &EngineReplayOptions,
+    record: usize,
+) -> EngineReplayReport {
     let planner = |recorded: &Trace| {
         plan_trace(recorded, &PlanOptions::default())
             .map(|o| o.plan)
             .map_err(|e| e.to_string())
     };
     let mode = ServeMode::Auto {
-        record_iterations: 3,
+        record_iterations: record,
         planner: &planner,
     };
     replay_engine(trace, &mode, opts).unwrap()
@@ -288,16 +297,7 @@ fn ddp_rank0_plan_and_auto_stay_below_expandable_segments() {
     assert_eq!(plan.counts.online, 0);
     // Auto as the bridge runs it: four iterations recorded (DDP rebuilds its buckets
     // after the first, so three leave too short a steady state to plan).
-    let planner = |recorded: &Trace| {
-        plan_trace(recorded, &PlanOptions::default())
-            .map(|o| o.plan)
-            .map_err(|e| e.to_string())
-    };
-    let mode = ServeMode::Auto {
-        record_iterations: 4,
-        planner: &planner,
-    };
-    let auto = replay_engine(&trace, &mode, &opts).unwrap();
+    let auto = auto_replay_after(&trace, &opts, 4);
     let after = auto.peak_reserved_after_switch.expect("switched");
     eprintln!(
         "ddp auto: whole run {}, after the switch {after}",
