@@ -2,7 +2,7 @@
 //! lower bound: online, plan (from the first iterations, the whole trace served) and
 //! auto (record the first iterations online, plan them, switch).
 //!
-//!     [LAG=K] [RELEASE_AT_PEAK=1] [LOG_ITERATIONS=1] [SHARE_STREAMS=1] cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
+//!     [LAG=K] [RELEASE_AT_PEAK=1] [LOG_ITERATIONS=1] [SHARE_STREAMS=1] [NO_PLAN_WAIT=1] cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
 //!
 //! TRACE: a `.stwt` trace or a PyTorch snapshot; ITERATIONS (default 3): how many the plan
 //! and the auto recording take.
@@ -70,6 +70,12 @@ fn main() -> anyhow::Result<()> {
         release_before_new_peak: std::env::var_os("RELEASE_AT_PEAK").is_some(),
         // LOG_ITERATIONS=1: device traffic at every iteration boundary.
         log_iterations: std::env::var_os("LOG_ITERATIONS").is_some(),
+        // NO_PLAN_WAIT=1: a planned range held by pending frees is a conflict
+        // (`wait_for_pending_frees` off, the engine before stream waits).
+        serve: stweaver_core::engine::PlanOptions {
+            wait_for_pending_frees: std::env::var_os("NO_PLAN_WAIT").is_none(),
+            ..stweaver_core::engine::PlanOptions::default()
+        },
         ..EngineReplayOptions::default()
     };
     // SHARE_STREAMS=1: one joint solve over all streams (`PlanOptions::share_streams`).
