@@ -57,6 +57,14 @@ fn run() -> Run {
 /// One stream: a 64 KiB parameter, then an iteration of two activations (32 KiB each)
 /// and a temporary, in a 128 KiB pool: [0, 64K) parameter, [64K, 96K) and [96K, 128K)
 /// activations; the temporary reuses the first activation's range after it dies.
+/// A run serving `plan` with `opts`, and the base of its pool.
+fn serving(plan: &Plan, opts: PlanOptions) -> (Run, DevicePtr) {
+    let r = run();
+    r.engine.load_plan(plan, opts).unwrap();
+    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    (r, base)
+}
+
 fn one_stream_plan() -> Plan {
     verified_plan(
         128 * K,
@@ -194,9 +202,7 @@ fn no_waits() -> PlanOptions {
 fn a_range_shared_by_two_streams_is_reused_only_after_the_event() {
     // Without stream waits: stream 2 gets the range only once stream 1 has passed it.
     let plan = shared_range_plan();
-    let mut r = run();
-    r.engine.load_plan(&plan, no_waits()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, no_waits());
     for it in 0..3 {
         r.engine.mark_iteration().unwrap();
         let a = r.alloc(32 * K, S1);
@@ -350,9 +356,7 @@ fn a_spent_prologue_only_plan_gives_back_its_free_granules_and_grows_like_an_are
         vec![],
         0,
     );
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     let param = r.alloc(G, S1);
     let tmp = r.alloc(M2, S1);
     assert_eq!(tmp, base);
@@ -390,9 +394,7 @@ fn an_unplanned_request_takes_the_gap_between_the_ranges_the_next_requests_need(
         vec![req(h, G, 0, 2, S1), req(h, 4 * G - h, 1, 3, S1)],
         4,
     );
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     let param = r.alloc(G, S1);
     let setup = r.alloc(3 * G, S1);
     r.free(setup);
@@ -542,9 +544,7 @@ fn the_plan_streams_are_bound_to_the_run_streams_as_they_first_show_up() {
         ],
         6,
     );
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     for it in 0..3 {
         r.engine.mark_iteration().unwrap();
         let a = r.alloc(32 * K, S1);
@@ -632,9 +632,7 @@ fn a_plan_whose_ranges_stay_busy_is_given_up_after_two_iterations() {
 #[test]
 fn a_range_held_by_a_pending_free_is_taken_after_its_stream_waits() {
     let plan = shared_range_plan();
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     for it in 0..3 {
         r.engine.mark_iteration().unwrap();
         let a = r.alloc(32 * K, S1);
@@ -668,11 +666,9 @@ fn a_range_held_by_a_pending_free_is_taken_after_its_stream_waits() {
     // for an event stream 2 has not passed, and both get through together.
     ev.pass_all(S1);
     assert!(ev.outstanding(S1) > 0);
-    ev.pass_everything();
+    r.settle_idle();
+    let ev = r.host.events();
     assert_eq!((ev.outstanding(S1), ev.outstanding(S2)), (0, 0));
-    r.engine.process_events().unwrap();
-    r.engine.check_invariants().unwrap();
-    assert_eq!(r.engine.stats().unwrap().active_bytes[0].current, 0);
 }
 
 #[test]
@@ -690,9 +686,7 @@ fn the_part_of_a_pending_free_outside_the_range_is_fenced_behind_the_waiting_str
         ],
         6,
     );
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     for it in 0..3 {
         r.engine.mark_iteration().unwrap();
         let a = r.alloc(64 * K, S1);
@@ -716,12 +710,7 @@ fn the_part_of_a_pending_free_outside_the_range_is_fenced_behind_the_waiting_str
         r.engine.check_invariants().unwrap();
     }
     // Nothing in use is left once every stream has passed everything.
-    r.host.events().pass_everything();
-    r.engine.process_events().unwrap();
-    r.engine.check_invariants().unwrap();
-    let s = r.engine.stats().unwrap();
-    assert_eq!(s.active_bytes[0].current, 0);
-    assert_eq!(s.active[0].current, 0);
+    r.settle_idle();
     let st = r.engine.plan_stats().unwrap().unwrap();
     assert!(st.waits >= 3, "{st:?}");
 }
@@ -729,9 +718,7 @@ fn the_part_of_a_pending_free_outside_the_range_is_fenced_behind_the_waiting_str
 #[test]
 fn a_live_block_in_the_planned_range_is_a_conflict_not_a_wait() {
     let plan = shared_range_plan();
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     r.engine.mark_iteration().unwrap();
     let a = r.alloc(32 * K, S1);
     assert_eq!(a, base);
@@ -753,9 +740,7 @@ fn a_live_block_in_the_planned_range_is_a_conflict_not_a_wait() {
 #[test]
 fn a_refused_wait_leaves_the_free_pending_and_serves_the_request_elsewhere() {
     let plan = shared_range_plan();
-    let mut r = run();
-    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-    let (base, _) = r.engine.plan_pool().unwrap().unwrap();
+    let (mut r, base) = serving(&plan, PlanOptions::default());
     r.host.events().refuse_waits(true);
     r.engine.mark_iteration().unwrap();
     let a = r.alloc(32 * K, S1);
@@ -770,9 +755,7 @@ fn a_refused_wait_leaves_the_free_pending_and_serves_the_request_elsewhere() {
     assert_eq!((st.waits, st.conflicts), (0, 1), "{st:?}");
     // The free is still pending, and completes once stream 1 passes it.
     assert!(r.engine.stats().unwrap().active_bytes[0].current > 0);
-    r.host.events().pass_everything();
-    r.engine.process_events().unwrap();
-    assert_eq!(r.engine.stats().unwrap().active_bytes[0].current, 0);
+    r.settle_idle();
     // Waits work again: the next iteration waits instead.
     r.host.events().refuse_waits(false);
     r.engine.mark_iteration().unwrap();

@@ -146,14 +146,7 @@ proptest! {
             }
         }
         let st = r.engine.plan_stats().unwrap().expect("plan served");
-        if std::env::var_os("WAITS_STATS").is_some() { eprintln!("{st:?}"); }
         prop_assert!(st.hits + st.conflicts + st.unplanned > 0);
-        r.host.events().pass_everything();
-        r.engine.process_events().unwrap();
-        r.engine.check_invariants().unwrap();
-        let s = r.engine.stats().unwrap();
-        prop_assert_eq!(s.active_bytes[0].current, 0);
-        prop_assert_eq!(s.active[0].current, 0);
-        prop_assert_eq!(s.allocated_bytes[0].current, 0);
+        r.settle_idle();
     }
 }

@@ -667,7 +667,6 @@ impl State {
         };
         // Where the plan was before this request (for `until` below).
         let before = p.cursor.best_pos();
-        let wait = p.options.wait_for_pending_frees;
         if let Some(e) = p.cursor.next(size.get(), ps) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
             // The common case first: the range is mapped and free.
@@ -679,6 +678,11 @@ impl State {
                 // First use of these granules: the caller maps them.
                 return Ok(PlanAnswer::Map { addr, e });
             }
+            // (Read here, off the hit path: only an occupied range asks.)
+            let wait = self
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.options.wait_for_pending_frees);
             if wait && !self.events.is_empty() {
                 return Ok(PlanAnswer::Busy { addr, e });
             }
@@ -1578,7 +1582,9 @@ impl<D: DeviceMemory> Engine<D> {
             e.done = true;
         }
         st.apply_events(work);
-        // [lo, hi) is now one free run: the block, then the fences beside it.
+        // [lo, hi) is now one free run: the block, then the fences beside it. (The two
+        // errors below cannot happen — the lock was held since the check — and would leave
+        // the range unfenced; they stop the request rather than hide a broken invariant.)
         let Some(placed) = st.heap.alloc_at(arena, addr, rounded, size.get())? else {
             return Err(EngineError::Inconsistent(format!(
                 "the pool range {addr:#x} + {rounded} was not free after its pending frees completed"

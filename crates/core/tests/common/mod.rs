@@ -67,6 +67,19 @@ impl Checked {
         self.engine.free(p).unwrap();
     }
 
+    /// Lets every stream pass everything, completes the pending frees (the engine's
+    /// fences included) and checks that nothing is left allocated or active.
+    #[allow(dead_code)] // not every test binary asks
+    pub fn settle_idle(&mut self) {
+        self.host.events().pass_everything();
+        self.engine.process_events().unwrap();
+        self.engine.check_invariants().unwrap();
+        let s = self.engine.stats().unwrap();
+        assert_eq!(s.allocated_bytes[0].current, 0, "still allocated");
+        assert_eq!(s.active_bytes[0].current, 0, "pending frees or fences left");
+        assert_eq!(s.active[0].current, 0);
+    }
+
     /// Whether `p` lies in the plan's pool (a plan must be served).
     #[allow(dead_code)] // not every test binary asks
     pub fn in_pool(&self, p: DevicePtr) -> bool {
