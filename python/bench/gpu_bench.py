@@ -110,7 +110,10 @@ LABELS = {
     "auto": "stweaver auto (whole run)",
     "auto_steady": "stweaver auto (after switch)",
     "plan": "stweaver plan (trace -> plan)",
+    "native_aa": "PyTorch native, 2nd process (A/A)",
 }
+# Lockstep's control: a second native process, compared with the first like any allocator.
+CONTROL = "native_aa"
 WARMUP = 3  # iterations left out of step-time medians
 
 
@@ -375,9 +378,24 @@ def run_spec(spec: dict) -> dict:
     switched_at = steady_from = None
     steady_peaks = pre_peaks = None
     digest = None
+    # Lockstep (lockstep.py): once warm, every iteration waits for the driver's "go".
+    turn = None
+    if spec.get("lockstep"):
+        from lockstep import Turn
+
+        turn = Turn(spec["lockstep"]["cmd"], spec["lockstep"]["reply"])
+    in_lockstep = False
+    mode = None
     i = 0
     try:
         while True:
+            if turn is not None:
+                if not in_lockstep and lockstep_warm(alloc, i, mode, steady_from, max_n):
+                    turn.ready(i, mode)
+                    in_lockstep = True
+                    res["lockstep_from"] = i
+                if in_lockstep and turn.command() != "go":
+                    break
             lens = []
             batches = []
             for _ in range(micro):
@@ -456,7 +474,13 @@ def run_spec(spec: dict) -> dict:
                             pre_peaks = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated())
                             torch.cuda.reset_peak_memory_stats()
                         steady_from = i + 1
+            if in_lockstep:
+                turn.done(i, steps[-1], mode)
             i += 1
+            if turn is not None:
+                if time.time() > deadline:
+                    break
+                continue  # the driver's "stop" ends a lockstep run
             if i < base_n:
                 continue
             if alloc != "auto" or i >= max_n or time.time() > deadline:
@@ -476,6 +500,9 @@ def run_spec(spec: dict) -> dict:
         res["determinism_error"] = str(e)[:500]
         res["error"] = "no deterministic implementation: " + str(e).splitlines()[0][:200]
         return res
+    finally:
+        if turn is not None:
+            turn.close()
     res["iterations"] = i
     res["base_iters"] = base_n
     res["step_s"] = steps
@@ -516,6 +543,20 @@ def run_spec(spec: dict) -> dict:
         if alloc == "trace":
             res["trace_files"] = st.flush_trace()
     return res
+
+
+def lockstep_warm(alloc: str, i: int, mode: Optional[str], steady_from: Optional[int], max_n: int) -> bool:
+    """May a lockstep participant start waiting for turns before iteration i? After the
+    warm-up; auto also once the plan has served an iteration after the online cache was
+    released, or it settled online (no steady state: MoE, variable lengths), or it ran out of
+    iterations (then its rows say it never switched)."""
+    if i < WARMUP:
+        return False
+    if alloc != "auto":
+        return True
+    if steady_from is not None:
+        return i >= steady_from + 1
+    return (mode or "").startswith("auto (online") or i >= max_n
 
 
 def child_main(ready: Optional[str] = None) -> int:
@@ -597,10 +638,11 @@ class Pool:
             if kind not in self.ready:
                 self.ready[kind] = self._spawn(kind)
 
-    def take(self, alloc: str):
+    def take(self, alloc: str, respawn: bool = True):
         kind = "expandable" if alloc == "expandable" else "default"
         child = self.ready.pop(kind, None) or self._spawn(kind)
-        self.ready[kind] = self._spawn(kind)  # the next run of this kind imports meanwhile
+        if respawn:
+            self.ready[kind] = self._spawn(kind)  # the next run of this kind imports meanwhile
         return child
 
     def importing(self) -> List[str]:
@@ -785,37 +827,54 @@ class Driver:
             out["error"] = r.stderr[-2000:]
         return out
 
+    def plan_extra(self, w: dict, entry: dict) -> Optional[dict]:
+        """Plan the trace run's trace: the plan run's spec extras, or None (and a failed plan
+        row saying why)."""
+        plan = os.path.join(self.tmp, f"{w['name']}.stwp")
+        t = entry["runs"].get("trace", {})
+        files = t.get("trace_files") or []
+        if not (t.get("ok") and files):
+            entry["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no trace to plan"}
+            return None
+        if not self.args.stweaver_bin or not os.path.isfile(self.args.stweaver_bin):
+            entry["planner"] = {"ok": False, "error": f"no stweaver binary at {self.args.stweaver_bin!r}"}
+            entry["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no planner binary"}
+            return None
+        entry["planner"] = self.plan_trace(files[0], plan)
+        pl = entry["planner"]
+        print(f"  stweaver plan: {'ok' if pl['ok'] else 'FAILED'} in {pl['wall_s']:.1f} s"
+              + (f", LB {pl['summary']['lower_bound'] / GiB:.3f} GiB, pool {pl['summary']['pool'] / GiB:.3f} GiB"
+                 if pl.get("summary") else f" {pl.get('error', '')[-300:]}"), flush=True)
+        if not pl["ok"] or self.dry:
+            entry["runs"]["plan"] = {"ok": False, "alloc": "plan",
+                                     "error": "planning failed" if not pl["ok"] else "dry run"}
+            return None
+        return {"plan": plan}
+
     def workload(self, w: dict) -> dict:
         entry = {"config": w, "runs": {}, "planner": None}
         self.doc["workloads"].append(entry)
         est = float(w.get("est_s", 15))
         trace = os.path.join(self.tmp, f"{w['name']}.stwt")
-        plan = os.path.join(self.tmp, f"{w['name']}.stwp")
         allocs = self.args.allocators.split(",") if self.args.allocators else ALLOCATORS
+        default, per = parse_rounds(self.args.lockstep)
+        lock_rounds = per.get(w["name"], default)
+        group: List[str] = []
+        if lock_rounds > 0:
+            # The trace run goes first, alone (its trace feeds the plan run); everything else
+            # trains side by side in lockstep.
+            group = [a for a in allocs if a != "trace"]
+            if "native" in group and self.args.aa_control:
+                group.append("native_aa")
+            allocs = [a for a in allocs if a == "trace"]
         for alloc in allocs:
             extra = {}
             if alloc == "trace":
                 extra = {"trace": self.args.dry_trace if self.dry else trace}
             if alloc == "plan":
-                t = entry["runs"].get("trace", {})
-                files = t.get("trace_files") or []
-                if not (t.get("ok") and files):
-                    entry["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no trace to plan"}
+                extra = self.plan_extra(w, entry)
+                if extra is None:
                     continue
-                if not self.args.stweaver_bin or not os.path.isfile(self.args.stweaver_bin):
-                    entry["planner"] = {"ok": False, "error": f"no stweaver binary at {self.args.stweaver_bin!r}"}
-                    entry["runs"]["plan"] = {"ok": False, "alloc": "plan", "error": "no planner binary"}
-                    continue
-                entry["planner"] = self.plan_trace(files[0], plan)
-                pl = entry["planner"]
-                print(f"  stweaver plan: {'ok' if pl['ok'] else 'FAILED'} in {pl['wall_s']:.1f} s"
-                      + (f", LB {pl['summary']['lower_bound'] / GiB:.3f} GiB, pool {pl['summary']['pool'] / GiB:.3f} GiB"
-                         if pl.get("summary") else f" {pl.get('error', '')[-300:]}"), flush=True)
-                if not pl["ok"] or self.dry:
-                    entry["runs"]["plan"] = {"ok": False, "alloc": "plan",
-                                             "error": "planning failed" if not pl["ok"] else "dry run"}
-                    continue
-                extra = {"plan": plan}
             r = self.run_one(w, alloc, est * (2 if alloc == "auto" else 1), extra)
             if r.get("determinism_error") and w.get("strict", True):
                 print(f"{w['name']}: strict determinism failed ({r['error']}); rerunning with warn_only",
@@ -834,9 +893,188 @@ class Driver:
                 est = max(est, r["wall_s"])
             print(self.progress_line(w["name"], alloc, r), flush=True)
             self.save()
+        if group:
+            extras: Dict[str, dict] = {}
+            for key in group:
+                if key == "plan":
+                    ex = self.plan_extra(w, entry)
+                    if ex is None:
+                        continue
+                    extras[key] = ex
+                else:
+                    extras[key] = {}
+            results = self.run_lockstep(w, list(extras), extras, lock_rounds, est)
+            orders = results.pop("_orders", [])
+            for key, r in results.items():
+                if r.get("determinism_error") and w.get("strict", True):
+                    print(f"{w['name']}: strict determinism failed ({r['error']}); rerunning with warn_only",
+                          flush=True)
+                    self.doc["workloads"].remove(entry)
+                    return self.workload(dict(w, strict=False, strict_error=r["determinism_error"]))
+            entry["runs"].update(results)
+            entry["lockstep"] = {"keys": list(extras), "rounds_asked": lock_rounds, "orders": orders}
+            for key in extras:
+                if key in entry["runs"]:
+                    print(self.progress_line(w["name"], key, entry["runs"][key]), flush=True)
+            self.save()
         finalize_workload(entry)
         self.save()
         return entry
+
+    def run_lockstep(self, w: dict, keys: List[str], extras: Dict[str, dict], rounds: int,
+                     est: float) -> Dict[str, dict]:
+        """Train `keys` side by side on the GPU, in lockstep (lockstep.py): each warms up on its
+        own, the ones ahead wait until all reach the same iteration S, then round r runs
+        iteration S + r of each, one at a time, in `round_order`. Returns each key's result
+        (with `lockstep_iters`, the iterations timed in rounds) and "_orders"."""
+        from lockstep import Seat, paired_ratios, parse_reply, round_order
+
+        if not keys:
+            return {}
+        need = est * 2 + 60
+        if self.remaining() < need:
+            msg = f"{w['name']}/lockstep: skipped, {self.remaining():.0f} s left (needs ~{need:.0f} s)"
+            print(msg, flush=True)
+            self.doc["skipped"].append(msg)
+            return {k: {"ok": False, "alloc": k, "workload": w["name"], "skipped": True,
+                        "error": "out of time"} for k in keys}
+        pipes = tempfile.mkdtemp(prefix="lockstep-", dir=self.tmp)
+        seats: Dict[str, "Seat"] = {}
+        kids: Dict[str, tuple] = {}
+        out: Dict[str, dict] = {}
+        t0 = time.time()
+        print(f"  lockstep: {', '.join(keys)} side by side, {rounds} rounds", flush=True)
+        for key in keys:
+            alloc = "native" if key == "native_aa" else key
+            seat = Seat(key, pipes)
+            seats[key] = seat
+            result = os.path.join(self.tmp, f"{w['name']}_{key}_lockstep_{time.time_ns()}.json")
+            spec = {"alloc": alloc, "workload": w, "result": result, "dry_run": self.dry,
+                    "deadline": self.deadline - 15,
+                    "lockstep": {"cmd": seat.cmd_path, "reply": seat.reply_path}}
+            spec.update(extras.get(key) or {})
+            if self.args.no_release_at_peak:
+                spec["release_at_peak"] = False
+            spec["gc_outside_steps"] = not self.args.gc_in_steps
+            if self.train_cpus:
+                spec["cpus"] = self.train_cpus
+            if self.args.threads:
+                spec["threads"] = self.args.threads
+            p, log, ready = self.pool.take(alloc, respawn=False)
+            try:
+                p.stdin.write(json.dumps(spec) + "\n")
+                p.stdin.close()
+            except OSError:
+                pass
+            kids[key] = (p, log, ready, result)
+
+        def alive(key):
+            return lambda: kids[key][0].poll() is None
+
+        # Warm-up, each on its own (concurrently; nothing is timed yet).
+        nxt: Dict[str, int] = {}
+        modes: Dict[str, str] = {}
+        limit = max(120.0, 8 * est)
+        for key in keys:
+            rep = parse_reply(seats[key].read_line(max(1.0, min(limit - (time.time() - t0), self.remaining() - 20)),
+                                                   alive(key)))
+            if rep and rep[0] == "ready":
+                nxt[key], modes[key] = rep[1], rep[3]
+            else:
+                print(f"  lockstep: {key} not ready (exited or timed out)", flush=True)
+        live = [k for k in keys if k in nxt]
+        times: Dict[str, Dict[int, float]] = {k: {} for k in keys}
+        orders: List[List[str]] = []
+        if live:
+            start = max(nxt.values())
+            # Catch up to iteration `start`, all laggards at once (untimed).
+            while True:
+                behind = [k for k in live if nxt[k] < start]
+                if not behind:
+                    break
+                for k in behind:
+                    seats[k].send("go")
+                for k in behind:
+                    rep = parse_reply(seats[k].read_line(max(30.0, 10 * est), alive(k)))
+                    if rep and rep[0] == "done":
+                        nxt[k] = rep[1] + 1
+                    else:
+                        live.remove(k)
+                        print(f"  lockstep: {k} failed while catching up", flush=True)
+            warm = ", ".join(f"{k}: {modes.get(k) or '?'}" for k in live)
+            print(f"  lockstep: warm in {time.time() - t0:.0f} s; rounds from iteration {start} ({warm})",
+                  flush=True)
+            round_s = None
+            for r in range(rounds):
+                t_r = time.time()
+                if round_s is not None and self.remaining() < 1.5 * round_s + 25:
+                    msg = f"{w['name']}/lockstep: stopped after {r} of {rounds} rounds ({self.remaining():.0f} s left)"
+                    print("  " + msg, flush=True)
+                    self.doc["skipped"].append(msg)
+                    break
+                order = round_order(list(live), r)
+                orders.append(order)
+                for k in order:
+                    seats[k].send("go")
+                    rep = parse_reply(seats[k].read_line(max(30.0, 20 * est), alive(k)))
+                    if rep and rep[0] == "done":
+                        times[k][rep[1]] = rep[2]
+                        modes[k] = rep[3]
+                    else:
+                        live.remove(k)
+                        print(f"  lockstep: {k} failed in round {r}", flush=True)
+                round_s = time.time() - t_r
+                if r % 5 == 4 or r == rounds - 1:
+                    nat = times.get("native") or {}
+                    parts = []
+                    for k in live:
+                        if k == "native" or not nat:
+                            continue
+                        rs = paired_ratios(times, k)
+                        if rs:
+                            parts.append(f"{k} {statistics.median(rs):.3f}")
+                    print(f"  lockstep: round {r + 1}/{rounds} ({round_s:.1f} s/round); median ratio to native: "
+                          + (", ".join(parts) or "–"), flush=True)
+        for key in keys:
+            seats[key].send("stop")
+        # Results, as run_one collects them.
+        deadline = time.time() + 120
+        for key in keys:
+            p, log, ready, result = kids[key]
+            rc, done_at = None, None
+            while rc is None:
+                try:
+                    rc = p.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    now = time.time()
+                    if done_at is None and os.path.exists(result):
+                        done_at = now
+                    # As in run_one: 20 s to exit after the result, and a limit for all.
+                    if now > deadline or (done_at is not None and now > done_at + 20):
+                        p.kill()
+                        p.wait()
+                        rc = "killed after its result" if done_at is not None else "timeout"
+            log.close()
+            try:
+                with open(result) as f:
+                    res = json.load(f)
+            except (OSError, ValueError):
+                res = {"ok": False, "alloc": key, "workload": w["name"], "error": f"no result (rc={rc})"}
+            res["rc"] = rc
+            res["wall_s"] = time.time() - t0
+            res["child_import_s"] = Pool.import_s(ready)
+            res["lockstep_iters"] = sorted(times[key])
+            if key == "native_aa":
+                res["control_of"] = "native"
+            if not res.get("ok") and not res.get("oom"):
+                with open(log.name) as f:
+                    res["log_tail"] = f.read()[-4000:]
+            out[key] = res
+            seats[key].close()
+        shutil.rmtree(pipes, ignore_errors=True)
+        self.pool.warm(["default", "expandable"])
+        out["_orders"] = orders
+        return out
 
     @staticmethod
     def progress_line(name: str, alloc: str, r: dict) -> str:
@@ -1050,7 +1288,10 @@ def cap_summary(tried: Dict[int, dict]) -> dict:
 
 
 def steady_indices(r: dict) -> List[int]:
-    """Iterations whose step time counts: after warm-up; for auto, after the switch."""
+    """Iterations whose step time counts: in a lockstep run, those timed in rounds; else after
+    warm-up, and for auto after the switch."""
+    if r.get("lockstep_iters"):
+        return list(r["lockstep_iters"])
     n = len(r.get("step_s") or [])
     if r.get("alloc") == "auto":
         start = r.get("steady_from")
@@ -1331,7 +1572,7 @@ def finalize_workload(entry: dict) -> None:
     entry["lower_bound_basis"] = basis
     native = runs.get("native") or {}
     rows = []
-    for alloc in ALLOCATORS:
+    for alloc in ALLOCATORS + (CONTROL,):
         r = runs.get(alloc)
         if r is None:
             continue
@@ -1369,7 +1610,7 @@ def finalize_workload(entry: dict) -> None:
             if key == "auto_steady":
                 idx = steady_indices(r)
             elif key == "auto":
-                idx = list(range(min(WARMUP, len(r["step_s"]) - 1), len(r["step_s"])))
+                idx = r.get("lockstep_iters") or list(range(min(WARMUP, len(r["step_s"]) - 1), len(r["step_s"])))
             else:
                 idx = steady_indices(r)
             times = [r["step_s"][i] for i in idx]
@@ -1400,8 +1641,11 @@ def finalize_workload(entry: dict) -> None:
             rows.append(row)
     est = step_estimates(entry)
     entry["step_paired"] = est
+    steady_ok = any(r["key"] == "auto_steady" and r["ok"] for r in rows)
     for row in rows:
-        if row["ok"] and row["key"] != "auto" and row["alloc"] in est:
+        # auto's estimate goes on its after-switch row, or on the whole-run one when it never
+        # switched (it stays online by design: no steady state).
+        if row["ok"] and row["alloc"] in est and (row["key"] != "auto" or not steady_ok):
             row["step_paired"] = est[row["alloc"]]
     entry["rows"] = rows
 
@@ -1559,6 +1803,14 @@ def main(argv=None) -> int:
     r.add_argument("--train-cpus", default=None, help="the training child's CPUs, e.g. 8-15")
     r.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in each child")
     r.add_argument("--step-allocators", default="plan,auto,expandable")
+    r.add_argument("--lockstep", default="0",
+                   help="step time in lockstep (lockstep.py): after the trace run, every other "
+                        "allocator trains side by side on the GPU and they take turns, one timed "
+                        "iteration each per round; N rounds, or N,NAME=M,... (0: off, each "
+                        "allocator in a fresh process of its own, one after another)")
+    r.add_argument("--no-aa-control", dest="aa_control", action="store_false",
+                   help="lockstep without the second native process (the A/A control, whose "
+                        "ratio to native shows the method's own noise)")
     r.add_argument("--gc-in-steps", action="store_true",
                    help="leave Python's garbage collector alone (by default it is frozen after "
                         "setup and run between iterations, outside the timed window)")
