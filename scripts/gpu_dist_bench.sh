@@ -9,6 +9,9 @@
 # segments, stweaver trace -> `stweaver plan` (per rank, carried CLI) -> plan, and stweaver
 # auto, one torchrun job at a time, inside a budget (GPU_DIST_BENCH_BUDGET_S, default 380 s,
 # build included). Writes $OUT/dist_bench/gpu_dist_bench.json and prints the table last.
+# DIST_BENCH_ARGS passes options on, e.g. DIST_BENCH_ARGS="--lockstep 30": step time with the
+# allocators' jobs (after the trace job) training side by side and taking turns, one timed
+# iteration each per round (gpu_dist_bench.py's docstring).
 set -uo pipefail
 T0=$(date +%s)
 source "$(dirname "$0")/gpu_dist_common.sh"

@@ -452,13 +452,16 @@ def run_spec(spec: dict) -> dict:
                 max_res.append(torch.cuda.max_memory_reserved())
                 free, total = torch.cuda.mem_get_info()
                 dev_used.append(total - free)
-            if i == base_n - 1:
-                # Bitwise digest of every parameter (int64 sums of the bf16 bit patterns).
+            if i == spec.get("digest_at", base_n - 1):
+                # Bitwise digest of every parameter (int64 sums of the bf16 bit patterns),
+                # computed on host copies: temporaries on the GPU here would be requests the
+                # training loop never makes, served between two iterations (they grew stweaver's
+                # pool by 1.2 GiB on Llama 1B when lockstep ran on past this iteration).
                 with torch.no_grad():
-                    acc = torch.zeros((), dtype=torch.int64, device=device)
+                    acc = 0
                     for p in model.parameters():
-                        acc += torch.sum(p.view(torch.int16), dtype=torch.int64)
-                    digest = int(acc)
+                        acc += int(torch.sum(p.detach().to("cpu").view(torch.int16), dtype=torch.int64))
+                    digest = acc
             mode = None
             if st is not None:
                 mode = st.mode()
@@ -869,13 +872,18 @@ class Driver:
             allocs = [a for a in allocs if a == "trace"]
         for alloc in allocs:
             extra = {}
+            wr = w
             if alloc == "trace":
                 extra = {"trace": self.args.dry_trace if self.dry else trace}
+                t_def, t_per = parse_rounds(self.args.trace_iters)
+                if t_per.get(w["name"], t_def) > 0:
+                    wr = dict(w, iters=t_per.get(w["name"], t_def))
+                    extra["digest_at"] = w["iters"] - 1  # the parameters every run compares
             if alloc == "plan":
                 extra = self.plan_extra(w, entry)
                 if extra is None:
                     continue
-            r = self.run_one(w, alloc, est * (2 if alloc == "auto" else 1), extra)
+            r = self.run_one(wr, alloc, est * (2 if alloc == "auto" else 1) * wr["iters"] / w["iters"], extra)
             if r.get("determinism_error") and w.get("strict", True):
                 print(f"{w['name']}: strict determinism failed ({r['error']}); rerunning with warn_only",
                       flush=True)
@@ -1808,6 +1816,10 @@ def main(argv=None) -> int:
                         "allocator trains side by side on the GPU and they take turns, one timed "
                         "iteration each per round; N rounds, or N,NAME=M,... (0: off, each "
                         "allocator in a fresh process of its own, one after another)")
+    r.add_argument("--trace-iters", default="0",
+                   help="iterations of the trace run (default: the workload's), N or N,NAME=M: "
+                        "a longer trace to replay on the CPU, and a trace row over as many "
+                        "iterations as lockstep's runs make")
     r.add_argument("--no-aa-control", dest="aa_control", action="store_false",
                    help="lockstep without the second native process (the A/A control, whose "
                         "ratio to native shows the method's own noise)")

@@ -17,6 +17,20 @@ switch to the plan), the stweaver mode per iteration and ``stweaver.stats()``.
 Deterministic: torch.use_deterministic_algorithms(True) (strict), CUBLAS_WORKSPACE_CONFIG set
 by the launcher, the model seeded identically on every rank, the data seeded per rank.
 ``--dry-run``: CPU and gloo, no stweaver, a tiny model (checks the orchestration only).
+
+Lockstep (python/bench/gpu_dist_bench.py --lockstep, protocol in python/bench/lockstep.py):
+when STWEAVER_BENCH_LOCKSTEP_DIR and STWEAVER_BENCH_LOCKSTEP_KEY are set, each rank takes the
+participant's side of seat KEY.r{RANK} (the pipes DIR/KEY.r{RANK}.cmd and .reply). The ranks
+train freely through the warm-up (``lockstep_warm``: --warmup iterations; stweaver auto until
+the plan has served an iteration after its switch, it settled online, or --iters ran out),
+agree that every rank is warm, say "ready", and from then on wait for the driver's command
+before every iteration: "go" runs one (timed between two device synchronisations, then
+"done"), "stop" ends the loop, however many iterations that makes; the outputs are as above,
+plus ``lockstep_from``. The driver sends the same commands to every rank of a job, so all ranks
+run the same iterations. No rank waits on its pipe while another one of its job is inside a
+collective (they get "go" together and every iteration ends with a device synchronisation),
+so the waits, seconds to a minute or two while other jobs warm up, never come near the
+process group's timeout (NCCL's default: 10 min); nothing else is in flight meanwhile.
 """
 
 from __future__ import annotations
@@ -105,6 +119,40 @@ def _TinyLM(c, torch):
     return LM()
 
 
+LOCKSTEP_DIR_VAR = "STWEAVER_BENCH_LOCKSTEP_DIR"
+LOCKSTEP_KEY_VAR = "STWEAVER_BENCH_LOCKSTEP_KEY"
+
+
+def lockstep_turn(rank: int, env=None):
+    """This rank's lockstep.Turn, or None when the job is not in lockstep."""
+    env = os.environ if env is None else env
+    d, key = env.get(LOCKSTEP_DIR_VAR), env.get(LOCKSTEP_KEY_VAR)
+    if not d or not key:
+        return None
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")  # python/bench
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from lockstep import Turn
+
+    seat = os.path.join(d, f"{key}.r{rank}")  # lockstep.Seat's names for key KEY.r{RANK}
+    return Turn(seat + ".cmd", seat + ".reply")
+
+
+def lockstep_warm(i: int, warmup: int, iters: int, auto: bool, mode, steady_from) -> bool:
+    """May this rank start waiting for turns before iteration i? (gpu_bench.py's
+    `lockstep_warm`, with --warmup and --iters.) After the warm-up; stweaver auto also once the
+    plan has served an iteration after its switch (the online cache is released then, so the
+    timed iterations are the plan's), or it settled online, or it ran --iters iterations
+    without either (its rows then say it never switched)."""
+    if i < warmup:
+        return False
+    if not auto:
+        return True
+    if steady_from is not None:
+        return i >= steady_from + 1
+    return (mode or "").startswith("auto (online") or i >= iters
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", choices=("ddp", "fsdp"), required=True)
@@ -168,7 +216,35 @@ def main(argv=None) -> int:
         steps, losses, modes, reserved, allocated = [], [], [], [], []
         switched_at = steady_from = None
         pre_peaks = None
-        for i in range(a.iters):
+        turn = lockstep_turn(rank)
+        agree = None
+        if turn is not None:
+            res["lockstep"] = os.environ[LOCKSTEP_KEY_VAR]
+            # The ranks must start waiting at the same iteration (one waiting on its pipe while
+            # the other enters the iteration's collectives would hang both), but auto switches
+            # rank by rank. They agree over a gloo group: CPU tensors, nothing through the
+            # CUDA allocator under test, once per warm-up iteration, outside the timed window.
+            agree = dist.new_group(backend="gloo") if cuda else None  # dry run: gloo already
+        in_lockstep = False
+        mode = None
+        i = 0
+        while True:
+            if turn is None:
+                if i >= a.iters:
+                    break
+            else:
+                if not in_lockstep and i >= a.warmup:
+                    auto = st is not None and (modes[0] if modes else st.mode()).startswith("auto")
+                    warm = torch.tensor([int(lockstep_warm(i, a.warmup, a.iters, auto, mode, steady_from))],
+                                        dtype=torch.int32)
+                    dist.all_reduce(warm, op=dist.ReduceOp.MIN, group=agree)
+                    if int(warm.item()):
+                        turn.ready(i, mode)
+                        in_lockstep = True
+                        res["lockstep_from"] = i
+                # Same commands to every rank of the job, so all ranks leave together.
+                if in_lockstep and turn.command() != "go":
+                    break
             x = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=gen)
             if cuda:
                 torch.cuda.synchronize()
@@ -186,7 +262,7 @@ def main(argv=None) -> int:
                 reserved.append(torch.cuda.memory_reserved())
                 allocated.append(torch.cuda.memory_allocated())
             if st is not None:
-                m = st.mode()
+                m = mode = st.mode()
                 modes.append(m)
                 if m == "auto (plan)" and switched_at is None:
                     switched_at = i
@@ -196,8 +272,15 @@ def main(argv=None) -> int:
                     pre_peaks = (torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated())
                     torch.cuda.reset_peak_memory_stats()
                     steady_from = i + 1
+            if in_lockstep:
+                # After the device synchronisation above: this iteration's GPU work is done
+                # and none spills into the next job's turn.
+                turn.done(i, steps[-1], mode)
+            i += 1
+        if turn is not None:
+            turn.close()
         res["ok"] = True
-        res["iterations"] = a.iters
+        res["iterations"] = i
         res["losses"] = losses
         res["step_s"] = steps
         w = steps[a.warmup:] if len(steps) > a.warmup else steps
