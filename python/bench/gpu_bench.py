@@ -1429,13 +1429,18 @@ def step_estimates(entry: dict) -> Dict[str, dict]:
     if not iters:
         iters = {a: [round_times(r)] for a, r in entry.get("runs", {}).items()}
     nat = iters.get("native") or []
+    runs = entry.get("runs", {})
+    nat_lockstep = bool((runs.get("native") or {}).get("lockstep_iters"))
     out = {}
     for alloc, rounds in iters.items():
         if alloc == "native":
             continue
+        if bool((runs.get(alloc) or {}).get("lockstep_iters")) != nat_lockstep:
+            continue  # one alone, one in lockstep: not paired (finalize_workload says so)
         ci = bootstrap_median_ci(paired_ratio_groups(nat, rounds))
         if ci:
             ci["verdict"] = step_verdict(ci)
+            ci["lockstep"] = nat_lockstep
             ci["q20_ratios"] = floor_ratios(nat, rounds)
             out[alloc] = ci
     return out
@@ -1624,7 +1629,11 @@ def finalize_workload(entry: dict) -> None:
             times = [r["step_s"][i] for i in idx]
             row["step_s"] = _median(times)
             row["steady_iters"] = [idx[0], idx[-1]] if idx else None
-            if native.get("ok") and times:
+            if native.get("ok") and times and bool(native.get("lockstep_iters")) != bool(r.get("lockstep_iters")):
+                # One side trained alone, the other in lockstep (whose warm-up iterations
+                # ran side by side with the others'): no iterations to compare.
+                row["step_ratio_basis"] = "not comparable: only one of the two ran in lockstep"
+            elif native.get("ok") and times:
                 both = [i for i in idx if i < len(native["step_s"]) and i >= WARMUP]
                 if len(both) >= 3:
                     row["step_ratio"] = _median([r["step_s"][i] for i in both]) / _median(
@@ -1753,7 +1762,8 @@ def targets(doc: dict) -> List[str]:
             sp = r.get("step_paired")
             if sp:
                 v = sp["verdict"]
-                parts.append(f"step paired x{fmt_ci(sp)} ({sp['rounds']} rounds, n={sp['n']}): "
+                how = f"lockstep, {sp['n']} rounds" if sp.get("lockstep") else f"{sp['rounds']} rounds, n={sp['n']}"
+                parts.append(f"step paired x{fmt_ci(sp)} ({how}): "
                              + ("met, " if v.startswith("within") else ("MISSED, " if v.startswith("slower") else ""))
                              + v)
             elif r.get("step_ratio") is not None:

@@ -242,3 +242,76 @@ def test_floor_ratios_compare_low_quantiles_of_the_same_iterations():
     assert gb.floor_ratios(nat, alloc) == [1.0]
     assert gb.floor_ratios(nat, [None]) == []
     assert gb.low_quantile([5, 1, 4, 2, 3], 0.2) == 1 and gb.low_quantile([]) is None
+
+
+# ------------------------------------------------------------------ lockstep
+
+
+def test_round_order_balances_positions_and_neighbours():
+    import lockstep
+
+    keys = ["native", "expandable", "plan", "auto", "native_aa"]
+    orders = [lockstep.round_order(keys, r) for r in range(2 * len(keys))]
+    assert all(sorted(o) == sorted(keys) for o in orders)
+    # every participant takes every position equally often
+    for k in keys:
+        pos = [o.index(k) for o in orders]
+        assert sorted(pos) == sorted(list(range(len(keys))) * 2)
+    # and follows each other participant as often as it precedes it
+    for a in keys:
+        for b in keys:
+            if a == b:
+                continue
+            after = sum(1 for o in orders for i in range(1, len(o)) if o[i - 1] == b and o[i] == a)
+            before = sum(1 for o in orders for i in range(1, len(o)) if o[i - 1] == a and o[i] == b)
+            assert after == before
+
+
+def lockstep_entry():
+    """Native, plan and the A/A control in lockstep from iteration 5 (warm-ups side by side,
+    slow), and a trace run alone."""
+    losses = [["0x1.0p+0"]] * 10
+    warm = [1.2] * 5  # contended warm-up iterations: must not count anywhere
+    li = list(range(5, 10))
+    nat = [0.300, 0.330, 0.300, 0.360, 0.300]  # slow phases common to the round
+    return {
+        "config": {"name": "gpt2xl_rcp", "batch": 8, "micro": 2},
+        "planner": {"ok": True, "summary": {"lower_bound": 10 * G}},
+        "runs": {
+            "native": run("native", 12 * G, 10.2 * G, warm + nat, losses, lockstep_iters=li),
+            "trace": run("trace", 10.6 * G, 10.05 * G, [0.3] * 10, losses),
+            "plan": run("plan", 10.01 * G, 10.0 * G, warm + [1.01 * x for x in nat], losses,
+                        lockstep_iters=li),
+            "native_aa": run("native", 12 * G, 10.2 * G, warm + nat, losses, lockstep_iters=li,
+                             control_of="native"),
+        },
+    }
+
+
+def test_lockstep_rows_pair_the_rounds_and_skip_the_warm_up():
+    e = lockstep_entry()
+    gb.finalize_workload(e)
+    rows = {r["key"]: r for r in e["rows"]}
+    assert set(rows) == {"native", "trace", "plan", "native_aa"}
+    # the slow phases cancel in the paired ratio; the warm-up (1.2 s) is not counted
+    sp = rows["plan"]["step_paired"]
+    assert abs(sp["median"] - 1.01) < 1e-9 and sp["lockstep"] and sp["n"] == 5
+    assert abs(rows["plan"]["step_s"] - 0.303) < 1e-9
+    assert abs(rows["native_aa"]["step_paired"]["median"] - 1.0) < 1e-12
+    assert rows["native_aa"]["label"].endswith("(A/A)")
+    # the trace run trained alone: not paired with lockstep iterations
+    assert rows["trace"].get("step_ratio") is None and "step_paired" not in rows["trace"]
+    assert "not comparable" in rows["trace"]["step_ratio_basis"]
+    lines = gb.targets({"workloads": [e]})
+    assert any("lockstep, 5 rounds" in line for line in lines)
+
+
+def test_lockstep_warm_rule():
+    assert not gb.lockstep_warm("native", 2, None, None, 16)
+    assert gb.lockstep_warm("native", 3, None, None, 16)
+    # auto: after the plan served an iteration past the switch, settled online, or out of iterations
+    assert not gb.lockstep_warm("auto", 6, "auto (recording)", None, 32)
+    assert not gb.lockstep_warm("auto", 6, "auto (plan)", 6, 32)
+    assert gb.lockstep_warm("auto", 7, "auto (plan)", 6, 32)
+    assert gb.lockstep_warm("auto", 5, "auto (online: no steady state)", None, 32)
+    assert gb.lockstep_warm("auto", 32, "auto (planning)", None, 32)
