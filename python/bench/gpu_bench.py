@@ -35,6 +35,13 @@ paired per-iteration ratios to native (the same iteration of the same round) wit
 bootstrap CI that resamples rounds, then iterations: "within 1 %" only when the CI lies in
 [0.99, 1.01]. `--step-rounds 2,gpt2xl_rcp=4` adds interleaved rounds (native first, then last,
 alternately), more for the noisy loops.
+
+Lockstep (`--lockstep 30,qwenmoe_eager_rcp=12`; lockstep.py, BENCHMARKS.md "Session 6"):
+after the trace run, the other allocators and a second native process (the A/A control) train
+side by side on the GPU, all pinned to the same training CPUs, and take turns: round r runs
+iteration S + r of each, one at a time, in an order that rotates and reverses, so each
+allocator's iteration is paired with native's from the same round, a second apart, on the same
+data. Memory and losses come from the same processes.
 """
 
 from __future__ import annotations
