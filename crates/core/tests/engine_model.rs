@@ -289,9 +289,11 @@ impl Model {
         }
     }
 
-    /// The lowest run of free-then-unmapped space holding `need` bytes, as the
-    /// (offset, length) ranges to map.
+    /// The run of free and unmapped space holding `need` bytes that needs the fewest
+    /// bytes mapped, the lowest on ties, as the (offset, length) ranges to map.
     fn find_run(segs: &[Seg], need: u64) -> Option<Vec<(u64, u64)>> {
+        let mut best: Option<Vec<(u64, u64)>> = None;
+        let cost = |p: &Vec<(u64, u64)>| p.iter().map(|r| r.1).sum::<u64>();
         for (i, _) in segs
             .iter()
             .enumerate()
@@ -322,9 +324,11 @@ impl Model {
                 }
                 j += 1;
             }
-            return Some(plan);
+            if best.as_ref().is_none_or(|b| cost(&plan) < cost(b)) {
+                best = Some(plan);
+            }
         }
-        None
+        best
     }
 
     fn map_range(segs: &mut Vec<Seg>, off: u64, m: u64) {

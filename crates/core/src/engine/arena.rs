@@ -59,21 +59,28 @@
 //!   miss-heavy run queries a fresh treap and never rebuilds per request; the run of
 //!   updates that must pass before it is dropped again (at least 4 per free block)
 //!   bounds the rebuilds' share of the work.
-//! - **Growth** (`Heap::carve_growth`): when nothing fits, take the lowest-addressed
-//!   run of free-then-unmapped space big enough for the request (PyTorch's
-//!   `find_expandable_block`) and carve out the granules that must be mapped — only the
-//!   ones the request needs, not a fixed segment size. O(unmapped blocks + run length).
-//!   The caller maps them with the lock released, then `Heap::finish_mapping` turns
-//!   them into free memory.
+//! - **Growth** (`Heap::carve_growth`): when nothing fits, take the run of free and
+//!   unmapped space big enough for the request that needs the fewest bytes mapped,
+//!   lowest address on ties, and carve out the granules that must be mapped — only the
+//!   ones the request needs, not a fixed segment size. Until something is released the
+//!   only run is the free tail plus the unmapped end (PyTorch's `find_expandable_block`);
+//!   after a release, a gap it left in the middle of the arena (with the free blocks
+//!   around it) is re-mapped when it is the cheaper place, instead of the tail growing.
+//!   O(unmapped blocks · run length). The caller maps them with the lock released,
+//!   then `Heap::finish_mapping` turns them into free memory.
 //! - **Release** (`Heap::carve_releasable`): every unit lying wholly inside a free
 //!   block is carved out for unmapping (`empty_cache`); what stays is free memory that
 //!   shares a unit with a block in use. For online arenas (granule units) that is the
 //!   *non-releasable* bytes the engine reports as `inactive_split`; in a placement
 //!   arena, a free granule of a unit still partly in use stays mapped too (counted as
 //!   releasable there: the plan pool is pinned while it serves). O(blocks · log units).
+//! - **Release of holes** (`Heap::carve_holes`, before a growth past the peak): the
+//!   whole units of free blocks other than the free tail (a free block before a gap an
+//!   earlier release left counts as a hole), largest first, until enough; never inside
+//!   the run the pending growth will map (`Heap::growth_run`). O(blocks · log blocks).
 //!
 //! Fragmentation is therefore bounded as in PyTorch's expandable segments (same best
-//! fit, same growth rule), with a finer mapping unit: the granule (2 MiB) instead of the
+//! fit, same growth rule until a release leaves gaps), with a finer mapping unit: the granule (2 MiB) instead of the
 //! 20 MiB page expandable segments map for the large pool.
 
 use std::collections::BTreeMap;
@@ -1080,6 +1087,56 @@ impl Heap {
         })
     }
 
+    /// Where `Heap::carve_growth` grows arena `a` for `size` bytes: of the runs of free
+    /// and unmapped blocks that hold `size` bytes (each starting at an unmapped block,
+    /// or at the free block just before it), the one that needs the fewest bytes mapped,
+    /// the lowest-addressed on ties. Returns its first block and the end of its last one.
+    /// Without unmapped gaps inside the arena (nothing released yet) the only run is the
+    /// free tail plus the unmapped end: PyTorch's rule. After a release, the gaps it left
+    /// (with the free edges around them) are re-mapped for a request they can hold
+    /// rather than the tail growing. O(unmapped blocks · run length).
+    fn growth_run_block(&self, a: ArenaId, size: u64) -> Option<(Idx, u64)> {
+        let arena = self.arena(a)?;
+        let g = self.granule;
+        let mut best: Option<(u64, Idx, u64)> = None;
+        for &u in arena.unmapped.values() {
+            let prev = self.blocks[u as usize].prev;
+            let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+                prev
+            } else {
+                u
+            };
+            // As `carve_growth` maps: whole granules of each unmapped block, only as
+            // many as the request still needs.
+            let (mut sum, mut need, mut end, mut b) = (0u64, 0u64, 0u64, s);
+            while b != NIL && sum < size {
+                let blk = &self.blocks[b as usize];
+                match blk.state {
+                    BlockState::Free => {}
+                    BlockState::Unmapped => {
+                        need += (size - sum).div_ceil(g).saturating_mul(g).min(blk.size);
+                    }
+                    _ => break,
+                }
+                sum += blk.size;
+                end = blk.addr + blk.size;
+                b = blk.next;
+            }
+            if sum >= size && best.is_none_or(|(n, _, _)| need < n) {
+                best = Some((need, s, end));
+            }
+        }
+        best.map(|(_, s, end)| (s, end))
+    }
+
+    /// The address range `[lo, hi)` of the blocks that growing arena `a` for `size` bytes
+    /// would use (`Heap::carve_growth`: the free edges and the unmapped blocks of its
+    /// run), or `None` if it cannot grow.
+    pub fn growth_run(&self, a: ArenaId, size: u64) -> Option<(u64, u64)> {
+        self.growth_run_block(a, size)
+            .map(|(s, end)| (self.blocks[s as usize].addr, end))
+    }
+
     // ---------------------------------------------------------------- serving
 
     /// Best fit for `size` bytes (a multiple of [`ALIGNMENT`]) in arena `a`: the block is
@@ -1373,10 +1430,11 @@ impl Heap {
 
     // ---------------------------------------------------------------- growth
 
-    /// Finds the lowest-addressed run of free and unmapped blocks in arena `a` that holds
-    /// `size` bytes, and carves out the granules of it that must be mapped (`Mapping`
-    /// blocks, returned in address order with their sizes). Fails if no run is big
-    /// enough, or if mapping it would take more than `budget` bytes.
+    /// Finds the run of free and unmapped blocks in arena `a` that holds `size` bytes with
+    /// the fewest bytes to map (`Heap::growth_run_block`), and carves out the granules of
+    /// it that must be mapped (`Mapping` blocks, returned in address order with their
+    /// sizes). Fails if no run is big enough, or if mapping it would take more than
+    /// `budget` bytes.
     pub fn carve_growth(
         &mut self,
         a: ArenaId,
@@ -1384,7 +1442,7 @@ impl Heap {
         budget: u64,
     ) -> Result<Result<Vec<Idx>, GrowthFailure>, SlabFull> {
         let g = self.granule;
-        let Some(start) = self.lowest_run_block(a, size) else {
+        let Some((start, _)) = self.growth_run_block(a, size) else {
             return Ok(Err(GrowthFailure::NoRoom));
         };
         // How much of each unmapped block in the run to map.
@@ -1507,10 +1565,18 @@ impl Heap {
     }
 
     /// Like [`Heap::carve_releasable`] for the arenas `of` (those not pinned), but only
-    /// from their *holes* (free blocks with mapped memory after them: not the free tails
-    /// that growth extends) and only until `want` bytes are carved, largest holes first
-    /// (fewest blocks cut). O(blocks · log blocks).
-    pub fn carve_holes(&mut self, of: &[ArenaId], want: u64) -> Result<Vec<Idx>, SlabFull> {
+    /// from their *holes* (free blocks with anything after them but the arena's unmapped
+    /// end: not the free tail that growth extends; a free block before an unmapped gap
+    /// that an earlier release left is a hole too) and only until `want` bytes are
+    /// carved, largest holes first (fewest blocks cut). `keep` (an arena and an address
+    /// range: the run a pending growth will map, `Heap::growth_run`) is left alone:
+    /// releasing it would only make that growth map more. O(blocks · log blocks).
+    pub fn carve_holes(
+        &mut self,
+        of: &[ArenaId],
+        want: u64,
+        keep: Option<(ArenaId, u64, u64)>,
+    ) -> Result<Vec<Idx>, SlabFull> {
         let g = self.granule;
         let mut cands: Vec<(u64, u64, u64, Idx, ArenaId)> = Vec::new();
         for &a in of {
@@ -1518,8 +1584,14 @@ impl Heap {
                 continue;
             }
             for (b, blk) in self.arena_blocks(a) {
-                let hole = blk.next != NIL && self.blocks[blk.next as usize].state.is_mapped();
-                if blk.state == BlockState::Free && hole {
+                let next = blk.next;
+                let hole = next != NIL
+                    && (self.blocks[next as usize].state.is_mapped()
+                        || self.blocks[next as usize].next != NIL);
+                let kept = keep.is_some_and(|(ka, lo, hi)| {
+                    ka == a && blk.addr < hi && blk.addr + blk.size > lo
+                });
+                if blk.state == BlockState::Free && hole && !kept {
                     let (lo, hi) = self.whole_units_in(
                         a,
                         blk.addr.div_ceil(g) * g,
@@ -1988,7 +2060,7 @@ mod tests {
         let _ = (x, y);
         // Want one granule: the largest hole gives its whole granules (2 of 3G: the
         // partial granules at its ends stay), the smaller hole and the tail are kept.
-        let carved = h.carve_holes(&[a], G).unwrap();
+        let carved = h.carve_holes(&[a], G, None).unwrap();
         assert_eq!(carved.len(), 1);
         let (addr, size) = (h.block(carved[0]).addr, h.block(carved[0]).size);
         assert_eq!((addr, size), (BASE + G, 2 * G));
@@ -1996,14 +2068,79 @@ mod tests {
         h.check().unwrap();
         // Wanting more than the holes hold takes every hole's whole granules, still
         // not the tail.
-        let carved = h.carve_holes(&[a], 100 * G).unwrap();
+        let carved = h.carve_holes(&[a], 100 * G, None).unwrap();
         let total: u64 = carved.iter().map(|&b| h.block(b).size).sum();
         assert_eq!(total, G, "the 2 G hole holds one whole granule");
         for b in carved {
             h.finish_unmapping(b, true);
         }
         h.check().unwrap();
-        assert!(h.carve_holes(&[a], G).unwrap().is_empty());
+        assert!(h.carve_holes(&[a], G, None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn carve_holes_takes_a_free_block_before_a_released_gap_but_not_the_kept_run() {
+        let (mut h, a) = heap_with_arena(16 * G);
+        grow(&mut h, a, 8 * G);
+        // [x 512][a1: 2G - 512][a2: 2G][y 512][t: the rest of the mapped 8G][unmapped]
+        let _x = h.alloc(a, 512, 512).unwrap().unwrap();
+        let a1 = h.alloc(a, 2 * G - 512, 1).unwrap().unwrap();
+        let a2 = h.alloc(a, 2 * G, 1).unwrap().unwrap();
+        let _y = h.alloc(a, 512, 512).unwrap().unwrap();
+        let _t = h.alloc(a, 4 * G - 512, 1).unwrap().unwrap();
+        h.free(a2);
+        let carved = h.carve_holes(&[a], G, None).unwrap();
+        assert_eq!(carved.len(), 1);
+        assert_eq!(h.block(carved[0]).addr, BASE + 2 * G);
+        h.finish_unmapping(carved[0], true);
+        h.free(a1);
+        h.check().unwrap();
+        // a1's block now ends at an unmapped gap inside the arena, not at the arena's
+        // unmapped end. A 3G growth would use it (2G to map there, 3G at the end).
+        let run = h.growth_run(a, 3 * G);
+        assert_eq!(
+            run,
+            Some((BASE + 512, BASE + 4 * G)),
+            "the gap and its free edge"
+        );
+        // While that growth is pending, its run is kept...
+        let keep = run.map(|(lo, hi)| (a, lo, hi));
+        assert!(h.carve_holes(&[a], G, keep).unwrap().is_empty());
+        // ...otherwise the block is a hole like any other: its whole granule goes.
+        let carved = h.carve_holes(&[a], G, None).unwrap();
+        assert_eq!(carved.len(), 1);
+        assert_eq!(
+            (h.block(carved[0]).addr, h.block(carved[0]).size),
+            (BASE + G, G)
+        );
+        h.finish_unmapping(carved[0], true);
+        h.check().unwrap();
+    }
+
+    #[test]
+    fn growth_maps_the_run_needing_the_fewest_granules() {
+        let (mut h, a) = heap_with_arena(16 * G);
+        grow(&mut h, a, 8 * G);
+        // [x 512][hole 4G][y 512][free tail 4G - 1024][unmapped]
+        let _x = h.alloc(a, 512, 512).unwrap().unwrap();
+        let hole = h.alloc(a, 4 * G, 1).unwrap().unwrap();
+        let _y = h.alloc(a, 512, 512).unwrap().unwrap();
+        h.free(hole);
+        for b in h.carve_holes(&[a], G, None).unwrap() {
+            h.finish_unmapping(b, true);
+        }
+        h.check().unwrap();
+        // Both the released gap (with its free edges: 4G, 3G of it unmapped) and the
+        // tail (4G - 1024 free) can hold 4G; the tail needs one granule mapped, the
+        // lower-addressed gap three. The growth takes the tail.
+        assert_eq!(
+            h.growth_run(a, 4 * G),
+            Some((BASE + 4 * G + 1024, BASE + 16 * G))
+        );
+        assert_eq!(grow(&mut h, a, 4 * G), G);
+        let b = h.alloc(a, 4 * G, 1).unwrap().unwrap();
+        assert_eq!(h.block(b).addr, BASE + 4 * G + 1024);
+        h.check().unwrap();
     }
 
     #[test]

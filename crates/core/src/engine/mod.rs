@@ -38,16 +38,26 @@
 //!   asked and what is allocated, reserved and free (`num_ooms`).
 //! - **Release before a new peak** (opt-in, [`EngineConfig::release_before_new_peak`]):
 //!   when an online arena's growth would map past the peak of reserved bytes, free whole
-//!   granules of the online arenas' holes (not their free tails), largest holes first,
-//!   are given back first (one device synchronisation, then the unmaps:
-//!   `Heap::carve_holes`), by as much as the growth passes the peak. A best-fit arena's
-//!   holes are what makes its peak exceed the live peak; this keeps them from adding up.
-//!   Replayed on the CPU, the online peak of the shared H200 snapshots goes from 94.0 /
-//!   92.3 / 97.5 % to 98.4 / 95.2 / 99.1 % utilization (Llama 1B / GPT-2 XL / Qwen2-MoE),
-//!   FSDP2's rank 0 from 77.0 to 78.6 %, 1F1B gains nothing (97.3 %, 67
-//!   synchronisations). The cost is a synchronisation per release (most in the first
-//!   iteration) and re-mapping what was given back. Off by default: not measured on a
-//!   GPU yet.
+//!   granules of the online arenas' holes (free blocks other than an arena's free tail,
+//!   including one before a gap an earlier release left), largest holes first, are
+//!   given back first (one device synchronisation, then the unmaps:
+//!   `Heap::carve_holes`), by as much as the growth passes the peak — never from the run
+//!   that growth will map (`Heap::growth_run`): that would only make it map more. A
+//!   best-fit arena's holes are what makes its peak exceed the live peak; this keeps
+//!   them from adding up. The gaps a release leaves are re-mapped by a later growth
+//!   when they are the cheapest place for it (growth takes the run needing the fewest
+//!   granules mapped, [`arena`]); with growth always at the lowest run and free blocks
+//!   before gaps never released, a trace whose shapes change every iteration (Llama 1B,
+//!   random sequence lengths) ended up with gigabytes of free blocks parked before
+//!   released gaps while the tail kept growing, and release made it worse (11.79 GiB
+//!   against 11.44 without). Replayed on the CPU, online utilization (peak live over
+//!   peak reserved) with release: the shared H200 snapshots 98.4 / 95.2 / 99.1 % → 99.6 /
+//!   99.0 / 99.4 % (Llama 1B / GPT-2 XL / Qwen2-MoE), the varlen Llama 1B trace 89.9 →
+//!   99.4 %, 1F1B 97.3 → 99.5 %, FSDP2's rank 0 78.6 → 80.8 %; without release 94.0 /
+//!   92.3 / 97.5 / 92.7 / 97.3 / 77.0 %. The cost is a synchronisation per release
+//!   (most in the first iterations: 30 to 120 over these traces) and re-mapping what was
+//!   given back. Off by default in the engine; the torch bridge turns it on
+//!   (`STWEAVER_RELEASE_AT_PEAK`, default 1).
 //! - **Bad input is an error**: zero-size or overflowing requests, unknown pointers,
 //!   double frees, `record_stream` after free — every case returns an [`EngineError`],
 //!   none panics or corrupts state.
@@ -121,7 +131,7 @@
 //! **A spent plan** — a prologue-only plan the run has gone past — has nothing left to
 //! say: at the next iteration boundary its pool's free granules are given back, and
 //! from then on a large request without a hole grows the pool at its lowest run of
-//! free and unmapped space, as an online arena grows.
+//! free and unmapped space, as an online arena grows before any release.
 //!
 //! **Switching mid-run** (auto mode: trace the first iterations online, plan them
 //! elsewhere, switch): [`Engine::switch_to_plan`] serves the plan's steady iteration
@@ -585,6 +595,14 @@ pub struct Engine<D: DeviceMemory> {
 /// One block's device result in [`Engine::map_blocks`].
 type MapResult = Result<(), DeviceError>;
 
+/// A release of the online arenas' holes before a growth past the peak
+/// (`Heap::carve_holes`): about `want` bytes, none of them in `keep` (the run the growth
+/// will map).
+struct HoleRelease {
+    want: u64,
+    keep: Option<(ArenaId, u64, u64)>,
+}
+
 /// What a growth attempt came to.
 enum Growth {
     /// Memory was mapped (or another thread's was): try the arena again.
@@ -614,8 +632,14 @@ impl State {
 
     /// By how many bytes growing arena `a` for `rounded` bytes would map past the peak
     /// of reserved bytes (what `carve_growth` would map, not the request's size: the
-    /// arena's free tail counts); `None` if it would not. Changes nothing.
-    fn growth_over_peak(&mut self, a: ArenaId, rounded: u64) -> Result<Option<u64>, SlabFull> {
+    /// arena's free tail counts), with the range of the run that growth would map
+    /// (`Heap::growth_run`, kept out of the release); `None` if it would not. Changes
+    /// nothing.
+    fn growth_over_peak(
+        &mut self,
+        a: ArenaId,
+        rounded: u64,
+    ) -> Result<Option<HoleRelease>, SlabFull> {
         let reserved = self.stats.reserved_bytes[0].current as u64 + self.mapping;
         let budget = (self.stats.reserved_bytes[0].peak as u64).saturating_sub(reserved);
         Ok(match self.heap.carve_growth(a, rounded, budget)? {
@@ -625,7 +649,10 @@ impl State {
                 }
                 None
             }
-            Err(GrowthFailure::OverBudget { needed }) => Some(needed - budget),
+            Err(GrowthFailure::OverBudget { needed }) => Some(HoleRelease {
+                want: needed - budget,
+                keep: self.heap.growth_run(a, rounded).map(|(lo, hi)| (a, lo, hi)),
+            }),
             Err(GrowthFailure::NoRoom) => None,
         })
     }
@@ -1619,9 +1646,9 @@ impl<D: DeviceMemory> Engine<D> {
     }
 
     /// Gives cached memory back to the device: everything releasable (`holes: None`), or
-    /// (`Some(want)`) about `want` bytes of the online arenas' holes only
+    /// (`Some`) about `want` bytes of the online arenas' holes only, outside `keep`
     /// (`Heap::carve_holes`). Either way after a device synchronisation.
-    fn release(&self, holes: Option<u64>) -> Result<(), EngineError> {
+    fn release(&self, holes: Option<HoleRelease>) -> Result<(), EngineError> {
         // 1. Synchronise every pending event and complete the frees.
         let mut st = self.lock()?;
         st.stats.num_sync_all_streams += 1;
@@ -1659,7 +1686,7 @@ impl<D: DeviceMemory> Engine<D> {
                 }
                 all
             }
-            Some(want) => st.heap.carve_holes(&ids, want)?,
+            Some(h) => st.heap.carve_holes(&ids, h.want, h.keep)?,
         };
         for i in pieces {
             let b = st.heap.block(i);
