@@ -80,6 +80,17 @@ fn prepare() -> Result<()> {
         "device command: set -o pipefail; bash scripts/gpu_bench.sh {CARRY} 2>&1 | tee $OUT/log"
     );
     println!("carry: [\"{CARRY}\"]   timeout_s: {DEVICE_TIMEOUT_S}");
+    // Lockstep (memory, losses and step time from the same processes; BENCHMARKS.md,
+    // session 6) does not fit the five loops in one call: two calls, training on 3 CPUs.
+    println!(
+        "lockstep, call 1: GPU_BENCH_BUDGET_S=540 bash scripts/gpu_bench.sh {CARRY} --no-cap \\\n  \
+         --only llama1b_rcp,gpt2xl_rcp,qwenmoe_eager_rcp --lockstep 30,qwenmoe_eager_rcp=12 --train-cpus 8-10"
+    );
+    println!(
+        "lockstep, call 2: GPU_BENCH_BUDGET_S=540 bash scripts/gpu_bench.sh {CARRY} --no-cap \\\n  \
+         --only llama1b_1f1b,llama1b_varlen --lockstep 40,llama1b_1f1b=14 --train-cpus 8-10 \\\n  \
+         --trace-iters llama1b_varlen=48"
+    );
     Ok(())
 }
 
