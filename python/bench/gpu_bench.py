@@ -50,10 +50,8 @@ import argparse
 import gc
 import gzip
 import json
-import math
 import os
 import platform
-import random
 import shutil
 import statistics
 import subprocess
@@ -61,6 +59,8 @@ import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
+
+from lockstep import bootstrap_median_ci, step_verdict  # noqa: F401 (shared with gpu_dist_bench)
 
 try:
     import resource
@@ -1365,31 +1365,6 @@ def paired_ratios(nat_rounds: list, rounds: list) -> List[float]:
     return [x for g in paired_ratio_groups(nat_rounds, rounds) for x in g]
 
 
-def bootstrap_median_ci(groups: List[List[float]], reps: int = 2000, level: float = 0.95,
-                        seed: int = 0) -> Optional[dict]:
-    """Median of the pooled values and a percentile-bootstrap CI for it that resamples the
-    groups (rounds: fresh processes, whose medians differ by more than their iterations do),
-    then the values inside each drawn group. With one group it is the iteration-level
-    bootstrap, which does not see how far another process would land."""
-    groups = [list(g) for g in groups if g]
-    if not groups:
-        return None
-    pooled = [x for g in groups for x in g]
-    rng = random.Random(seed)
-    meds = []
-    for _ in range(reps):
-        sample: List[float] = []
-        for g in rng.choices(groups, k=len(groups)):
-            sample += rng.choices(g, k=len(g))
-        meds.append(statistics.median(sample))
-    meds.sort()
-    a = (1.0 - level) / 2.0
-    lo = meds[max(0, int(math.floor(a * reps)))]
-    hi = meds[min(reps - 1, int(math.ceil((1.0 - a) * reps)) - 1)]
-    return {"median": statistics.median(pooled), "lo": lo, "hi": hi, "n": len(pooled),
-            "rounds": len(groups), "level": level}
-
-
 def low_quantile(xs: List[float], q: float = 0.2) -> Optional[float]:
     xs = sorted(xs)
     return xs[int(q * (len(xs) - 1))] if xs else None
@@ -1408,19 +1383,6 @@ def floor_ratios(nat_rounds: list, rounds: list, q: float = 0.2) -> List[float]:
             out.append(low_quantile([a["step_s"][i] for i in both], q)
                        / low_quantile([n["step_s"][i] for i in both], q))
     return out
-
-
-def step_verdict(ci: Optional[dict], tol: float = 0.01) -> str:
-    """'within 1 %' only when the whole CI lies in [1 - tol, 1 + tol]."""
-    if not ci:
-        return "no data"
-    if ci["lo"] >= 1.0 - tol and ci["hi"] <= 1.0 + tol:
-        return f"within {100 * tol:g} %"
-    if ci["lo"] > 1.0 + tol:
-        return f"slower than native by more than {100 * tol:g} %"
-    if ci["hi"] < 1.0 - tol:
-        return f"faster than native by more than {100 * tol:g} %"
-    return "not resolved"
 
 
 def fmt_ci(ci: Optional[dict]) -> str:

@@ -42,9 +42,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -56,7 +54,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "gpu_dist"))
 sys.path.insert(0, HERE)
 import distlaunch as dl  # noqa: E402
-from lockstep import Seat, paired_ratios, parse_reply, round_order  # noqa: E402
+from lockstep import (  # noqa: E402
+    Seat, bootstrap_median_ci, paired_ratios, parse_reply, round_order, step_verdict,
+)
 
 ALLOCS = ("native", "expandable", "trace", "plan", "auto")
 # Variants run only when named in --allocators: plans of all streams in one joint solve
@@ -279,43 +279,6 @@ def job_step(rank_steps: List[Optional[float]]) -> Optional[float]:
     if not rank_steps or any(x is None for x in rank_steps):
         return None
     return max(rank_steps)
-
-
-def bootstrap_median_ci(groups: List[List[float]], reps: int = 2000, level: float = 0.95,
-                        seed: int = 0) -> Optional[dict]:
-    """(gpu_bench.py's.) Median of the pooled values and a percentile-bootstrap CI for it that
-    resamples the groups, then the values inside each drawn group. Lockstep passes one group
-    per round holding that round's single ratio: a plain bootstrap over rounds."""
-    groups = [list(g) for g in groups if g]
-    if not groups:
-        return None
-    pooled = [x for g in groups for x in g]
-    rng = random.Random(seed)
-    meds = []
-    for _ in range(reps):
-        sample: List[float] = []
-        for g in rng.choices(groups, k=len(groups)):
-            sample += rng.choices(g, k=len(g))
-        meds.append(statistics.median(sample))
-    meds.sort()
-    a = (1.0 - level) / 2.0
-    lo = meds[max(0, int(math.floor(a * reps)))]
-    hi = meds[min(reps - 1, int(math.ceil((1.0 - a) * reps)) - 1)]
-    return {"median": statistics.median(pooled), "lo": lo, "hi": hi, "n": len(pooled),
-            "rounds": len(groups), "level": level}
-
-
-def step_verdict(ci: Optional[dict], tol: float = 0.01) -> str:
-    """'within 1 %' only when the whole CI lies in [1 - tol, 1 + tol]."""
-    if not ci:
-        return "no data"
-    if ci["lo"] >= 1.0 - tol and ci["hi"] <= 1.0 + tol:
-        return f"within {100 * tol:g} %"
-    if ci["lo"] > 1.0 + tol:
-        return f"slower than native by more than {100 * tol:g} %"
-    if ci["hi"] < 1.0 - tol:
-        return f"faster than native by more than {100 * tol:g} %"
-    return "not resolved"
 
 
 def fmt_ci(ci: Optional[dict]) -> str:

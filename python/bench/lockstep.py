@@ -31,8 +31,11 @@ Cost: two pipe writes and reads per turn (tens of microseconds), outside the tim
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import select
+import statistics
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -161,3 +164,44 @@ def paired_ratios(times: Dict[str, Dict[int, float]], key: str, base: str = "nat
     """Per round (keyed by iteration), `key`'s step time over `base`'s, where both ran it."""
     a, b = times.get(key) or {}, times.get(base) or {}
     return [a[i] / b[i] for i in sorted(set(a) & set(b)) if b[i] > 0]
+
+
+# ------------------------------------------------------------------ the verdict (both benches)
+
+
+def bootstrap_median_ci(groups: List[List[float]], reps: int = 2000, level: float = 0.95,
+                        seed: int = 0) -> Optional[dict]:
+    """Median of the pooled values and a percentile-bootstrap CI for it that resamples the
+    groups (rounds: fresh processes, whose medians differ by more than their iterations do),
+    then the values inside each drawn group. With one group it is the iteration-level
+    bootstrap, which does not see how far another process would land."""
+    groups = [list(g) for g in groups if g]
+    if not groups:
+        return None
+    pooled = [x for g in groups for x in g]
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(reps):
+        sample: List[float] = []
+        for g in rng.choices(groups, k=len(groups)):
+            sample += rng.choices(g, k=len(g))
+        meds.append(statistics.median(sample))
+    meds.sort()
+    a = (1.0 - level) / 2.0
+    lo = meds[max(0, int(math.floor(a * reps)))]
+    hi = meds[min(reps - 1, int(math.ceil((1.0 - a) * reps)) - 1)]
+    return {"median": statistics.median(pooled), "lo": lo, "hi": hi, "n": len(pooled),
+            "rounds": len(groups), "level": level}
+
+
+def step_verdict(ci: Optional[dict], tol: float = 0.01) -> str:
+    """'within 1 %' only when the whole CI lies in [1 - tol, 1 + tol]."""
+    if not ci:
+        return "no data"
+    if ci["lo"] >= 1.0 - tol and ci["hi"] <= 1.0 + tol:
+        return f"within {100 * tol:g} %"
+    if ci["lo"] > 1.0 + tol:
+        return f"slower than native by more than {100 * tol:g} %"
+    if ci["hi"] < 1.0 - tol:
+        return f"faster than native by more than {100 * tol:g} %"
+    return "not resolved"
