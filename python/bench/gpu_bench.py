@@ -678,6 +678,38 @@ class Pool:
         self.ready = {}
 
 
+def collect_result(child: tuple, alloc: str, workload: str, limit: float) -> Tuple[dict, Optional[float]]:
+    """Wait for a training child `(process, log, ready file, result file)` and read its result
+    (or say why there is none): a child that wrote its result gets 20 s to exit (a hung
+    teardown must not eat the budget); any child is stopped at `limit` (time.time()). Returns
+    the result and when it was written (None if never)."""
+    p, log, ready, result = child
+    rc, done_at = None, None
+    while rc is None:
+        try:
+            rc = p.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            now = time.time()
+            if done_at is None and os.path.exists(result):
+                done_at = now
+            if now > limit or (done_at is not None and now > done_at + 20):
+                p.kill()
+                p.wait()
+                rc = "killed after its result" if done_at is not None else "timeout"
+    log.close()
+    try:
+        with open(result) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        res = {"ok": False, "alloc": alloc, "workload": workload, "error": f"no result (rc={rc})"}
+    res["rc"] = rc
+    res["child_import_s"] = Pool.import_s(ready)
+    if not res.get("ok") and not res.get("oom"):
+        with open(log.name) as f:
+            res["log_tail"] = f.read()[-4000:]
+    return res, done_at
+
+
 def cpu_split(cpus: List[int]) -> Tuple[List[int], List[int]]:
     """Training CPUs (the upper half: CPU 0 takes most interrupts) and spare CPUs (the rest)."""
     cpus = sorted(cpus)
@@ -787,38 +819,13 @@ class Driver:
             spec["quiet"] = {"at": WARMUP, "wait": self.pool.importing(), "timeout": 60.0}
         t0 = time.time()
         limit = t0 + max(5.0, min(self.remaining() - 3, max(180.0, 6 * est_s)))
-        rc, done_at = None, None
         try:
             p.stdin.write(json.dumps(spec) + "\n")
             p.stdin.close()
         except OSError:
             pass  # the child died during its imports; its log says why
-        while rc is None:
-            try:
-                rc = p.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                now = time.time()
-                if done_at is None and os.path.exists(result):
-                    done_at = now
-                # A child that wrote its result gets 20 s to exit (a hung teardown must not
-                # eat the budget); any child is stopped at the run's limit.
-                if now > limit or (done_at is not None and now > done_at + 20):
-                    p.kill()
-                    p.wait()
-                    rc = "killed after its result" if done_at is not None else "timeout"
-        log.close()
-        wall = (done_at or time.time()) - t0
-        try:
-            with open(result) as f:
-                res = json.load(f)
-        except (OSError, ValueError):
-            res = {"ok": False, "alloc": alloc, "workload": workload["name"], "error": f"no result (rc={rc})"}
-        res["wall_s"] = wall
-        res["rc"] = rc
-        res["child_import_s"] = Pool.import_s(ready)
-        if not res.get("ok") and not res.get("oom"):
-            with open(log.name) as f:
-                res["log_tail"] = f.read()[-4000:]
+        res, done_at = collect_result((p, log, ready, result), alloc, workload["name"], limit)
+        res["wall_s"] = (done_at or time.time()) - t0
         return res
 
     def plan_trace(self, trace: str, plan: str) -> dict:
@@ -1055,35 +1062,11 @@ class Driver:
         # Results, as run_one collects them.
         deadline = time.time() + 120
         for key in keys:
-            p, log, ready, result = kids[key]
-            rc, done_at = None, None
-            while rc is None:
-                try:
-                    rc = p.wait(timeout=0.5)
-                except subprocess.TimeoutExpired:
-                    now = time.time()
-                    if done_at is None and os.path.exists(result):
-                        done_at = now
-                    # As in run_one: 20 s to exit after the result, and a limit for all.
-                    if now > deadline or (done_at is not None and now > done_at + 20):
-                        p.kill()
-                        p.wait()
-                        rc = "killed after its result" if done_at is not None else "timeout"
-            log.close()
-            try:
-                with open(result) as f:
-                    res = json.load(f)
-            except (OSError, ValueError):
-                res = {"ok": False, "alloc": key, "workload": w["name"], "error": f"no result (rc={rc})"}
-            res["rc"] = rc
+            res, _ = collect_result(kids[key], key, w["name"], deadline)
             res["wall_s"] = time.time() - t0
-            res["child_import_s"] = Pool.import_s(ready)
             res["lockstep_iters"] = sorted(times[key])
             if key == "native_aa":
                 res["control_of"] = "native"
-            if not res.get("ok") and not res.get("oom"):
-                with open(log.name) as f:
-                    res["log_tail"] = f.read()[-4000:]
             out[key] = res
             seats[key].close()
         shutil.rmtree(pipes, ignore_errors=True)
@@ -1098,7 +1081,7 @@ class Driver:
             if r.get("log_tail"):
                 extra = " | " + r["log_tail"].strip().splitlines()[-1][-200:]
             return f"{name:18s} {alloc:10s} FAILED: {r.get('error', '')[:300]}{extra}"
-        med = _median(r["step_s"][WARMUP:]) or _median(r["step_s"])
+        med = steady_median(r) or _median(r["step_s"])  # lockstep: its timed rounds only
         s = (f"{name:18s} {alloc:10s} res={r['max_reserved'] / GiB:7.3f}G "
              f"alloc={(r.get('max_allocated') or 0) / GiB:7.3f}G step={med * 1e3:8.1f}ms "
              f"iters={r['iterations']} wall={r['wall_s']:.0f}s")
