@@ -802,16 +802,7 @@ class Driver:
             return {"ok": False, "alloc": alloc, "workload": workload["name"], "skipped": True,
                     "error": "out of time"}
         result = os.path.join(self.tmp, f"{workload['name']}_{alloc}_{workload['batch']}_{time.time_ns()}.json")
-        spec = {"alloc": alloc, "workload": workload, "result": result, "dry_run": self.dry,
-                "deadline": min(self.deadline - 10, time.time() + 4 * est_s)}
-        spec.update(extra or {})
-        if self.args.no_release_at_peak:
-            spec["release_at_peak"] = False
-        spec["gc_outside_steps"] = not self.args.gc_in_steps
-        if self.train_cpus:
-            spec["cpus"] = self.train_cpus
-        if self.args.threads:
-            spec["threads"] = self.args.threads
+        spec = self.child_spec(alloc, workload, result, min(self.deadline - 10, time.time() + 4 * est_s), extra)
         p, log, ready = self.pool.take(alloc)
         if self.args.quiet:
             # The replacement child just spawned (and any other still importing) must be done
@@ -827,6 +818,21 @@ class Driver:
         res, done_at = collect_result((p, log, ready, result), alloc, workload["name"], limit)
         res["wall_s"] = (done_at or time.time()) - t0
         return res
+
+    def child_spec(self, alloc: str, workload: dict, result: str, deadline: float,
+                   extra: Optional[dict]) -> dict:
+        """What a training child gets on stdin: the run, and the harness options it obeys."""
+        spec = {"alloc": alloc, "workload": workload, "result": result, "dry_run": self.dry,
+                "deadline": deadline}
+        spec.update(extra or {})
+        if self.args.no_release_at_peak:
+            spec["release_at_peak"] = False
+        spec["gc_outside_steps"] = not self.args.gc_in_steps
+        if self.train_cpus:
+            spec["cpus"] = self.train_cpus
+        if self.args.threads:
+            spec["threads"] = self.args.threads
+        return spec
 
     def plan_trace(self, trace: str, plan: str) -> dict:
         cmd = [self.args.stweaver_bin, "plan", trace, "-o", plan, "--json", "--time-budget", "15"]
@@ -971,17 +977,8 @@ class Driver:
             seat = Seat(key, pipes)
             seats[key] = seat
             result = os.path.join(self.tmp, f"{w['name']}_{key}_lockstep_{time.time_ns()}.json")
-            spec = {"alloc": alloc, "workload": w, "result": result, "dry_run": self.dry,
-                    "deadline": self.deadline - 15,
-                    "lockstep": {"cmd": seat.cmd_path, "reply": seat.reply_path}}
-            spec.update(extras.get(key) or {})
-            if self.args.no_release_at_peak:
-                spec["release_at_peak"] = False
-            spec["gc_outside_steps"] = not self.args.gc_in_steps
-            if self.train_cpus:
-                spec["cpus"] = self.train_cpus
-            if self.args.threads:
-                spec["threads"] = self.args.threads
+            spec = self.child_spec(alloc, w, result, self.deadline - 15, extras.get(key))
+            spec["lockstep"] = {"cmd": seat.cmd_path, "reply": seat.reply_path}
             p, log, ready = self.pool.take(alloc, respawn=False)
             try:
                 p.stdin.write(json.dumps(spec) + "\n")
