@@ -1066,25 +1066,41 @@ impl Heap {
     /// The first block of that run: the first unmapped block whose run, starting at
     /// its free predecessor if it has one, holds `size` bytes.
     fn lowest_run_block(&self, a: ArenaId, size: u64) -> Option<Idx> {
-        let arena = self.arena(a)?;
-        arena.unmapped.values().find_map(|&u| {
-            let prev = self.blocks[u as usize].prev;
-            let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
-                prev
-            } else {
-                u
-            };
-            let (mut sum, mut b) = (0u64, s);
-            while b != NIL && sum < size {
-                let blk = &self.blocks[b as usize];
-                if !matches!(blk.state, BlockState::Free | BlockState::Unmapped) {
-                    break;
+        self.growth_runs(a, size).next().map(|(s, _, _)| s)
+    }
+
+    /// Every run of free and unmapped blocks of arena `a` that holds `size` bytes, in
+    /// address order: its first block (an unmapped block, or the free block just before
+    /// it), the bytes `carve_growth` would map there (whole granules of each unmapped
+    /// block, only as many as the request still needs) and the end of its last block.
+    fn growth_runs(&self, a: ArenaId, size: u64) -> impl Iterator<Item = (Idx, u64, u64)> + '_ {
+        let g = self.granule;
+        self.arena(a)
+            .into_iter()
+            .flat_map(|arena| arena.unmapped.values())
+            .filter_map(move |&u| {
+                let prev = self.blocks[u as usize].prev;
+                let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
+                    prev
+                } else {
+                    u
+                };
+                let (mut sum, mut need, mut end, mut b) = (0u64, 0u64, 0u64, s);
+                while b != NIL && sum < size {
+                    let blk = &self.blocks[b as usize];
+                    match blk.state {
+                        BlockState::Free => {}
+                        BlockState::Unmapped => {
+                            need += (size - sum).div_ceil(g).saturating_mul(g).min(blk.size);
+                        }
+                        _ => break,
+                    }
+                    sum += blk.size;
+                    end = blk.addr + blk.size;
+                    b = blk.next;
                 }
-                sum += blk.size;
-                b = blk.next;
-            }
-            (sum >= size).then_some(s)
-        })
+                (sum >= size).then_some((s, need, end))
+            })
     }
 
     /// Where `Heap::carve_growth` grows arena `a` for `size` bytes: of the runs of free
@@ -1096,37 +1112,10 @@ impl Heap {
     /// (with the free edges around them) are re-mapped for a request they can hold
     /// rather than the tail growing. O(unmapped blocks · run length).
     fn growth_run_block(&self, a: ArenaId, size: u64) -> Option<(Idx, u64)> {
-        let arena = self.arena(a)?;
-        let g = self.granule;
-        let mut best: Option<(u64, Idx, u64)> = None;
-        for &u in arena.unmapped.values() {
-            let prev = self.blocks[u as usize].prev;
-            let s = if prev != NIL && self.blocks[prev as usize].state == BlockState::Free {
-                prev
-            } else {
-                u
-            };
-            // As `carve_growth` maps: whole granules of each unmapped block, only as
-            // many as the request still needs.
-            let (mut sum, mut need, mut end, mut b) = (0u64, 0u64, 0u64, s);
-            while b != NIL && sum < size {
-                let blk = &self.blocks[b as usize];
-                match blk.state {
-                    BlockState::Free => {}
-                    BlockState::Unmapped => {
-                        need += (size - sum).div_ceil(g).saturating_mul(g).min(blk.size);
-                    }
-                    _ => break,
-                }
-                sum += blk.size;
-                end = blk.addr + blk.size;
-                b = blk.next;
-            }
-            if sum >= size && best.is_none_or(|(n, _, _)| need < n) {
-                best = Some((need, s, end));
-            }
-        }
-        best.map(|(_, s, end)| (s, end))
+        // `min_by_key` keeps the first of equal minima: the lowest address on ties.
+        self.growth_runs(a, size)
+            .min_by_key(|&(_, need, _)| need)
+            .map(|(s, _, end)| (s, end))
     }
 
     /// The address range `[lo, hi)` of the blocks that growing arena `a` for `size` bytes
