@@ -4,7 +4,7 @@
     python python/bench/alloc_replay.py MODE [SNAPSHOT] [--reps N]     (MODE: native | online | auto)
 
 Replays every allocation and free of a PyTorch memory snapshot (default: the bundled GPT-2 XL
-training run, data/snap_gpt2xl_rcp.pickle.gz: 21 504 allocations on one stream, up to 785 MiB)
+training run, data/traces/snap_gpt2xl_rcp.pickle.gz: 21 504 allocations on one stream, up to 785 MiB)
 as ``torch.empty(size, dtype=uint8)`` / ``del`` in a fresh process, with no kernel between
 them, ``--reps`` times (what the trace left live is freed at the end of each repetition, so
 every repetition asks for the same sequence). Each repetition's wall time is therefore the
@@ -50,7 +50,7 @@ def ops_of(path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=("native", "online", "auto"))
-    ap.add_argument("snapshot", nargs="?", default=os.path.join(REPO, "data", "snap_gpt2xl_rcp.pickle.gz"))
+    ap.add_argument("snapshot", nargs="?", default=os.path.join(REPO, "data", "traces", "snap_gpt2xl_rcp.pickle.gz"))
     ap.add_argument("--reps", type=int, default=8)
     a = ap.parse_args()
     ops, n = ops_of(a.snapshot)

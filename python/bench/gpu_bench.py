@@ -9,7 +9,7 @@ stweaver (auto; trace -> `stweaver plan` -> plan), each in a fresh process, on o
 `cargo xtask gpu-bench` prepares what the GPU machine needs and prints the device command
 (`scripts/gpu_bench.sh`, which builds the extension and calls `run`).
 
-Workloads: the training configs of ../shared/traces/make_traces.py (Hugging Face transformers
+Workloads: the training configs of data/traces/make_traces.py (Hugging Face transformers
 models, random init, bf16, AdamW, random token ids), plus a variable-sequence-length loop. Per
 workload and allocator one fresh process trains N iterations and reports peak reserved / peak
 allocated (PyTorch's own counters), per-iteration step times (synchronised), the losses (bitwise,

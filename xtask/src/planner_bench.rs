@@ -5,11 +5,11 @@
 //! builds the `stweaver` CLI in release and runs `stweaver plan INPUT --json` once per
 //! input (a fresh process each, so every time includes nothing but that run):
 //!
-//! - **instances**: `shared/planner-bench/minimalloc-challenging/*.csv` and
-//!   `shared/planner-bench/real/*.csv` (`id,lower,upper,size`): n = buffers, LB = the
+//! - **instances**: `data/planner-bench/minimalloc-challenging/*.csv` and
+//!   `data/planner-bench/real/*.csv` (`id,lower,upper,size`): n = buffers, LB = the
 //!   load bound, peak = the solver's pool, time = the solve. Each gets `--time-budget`
 //!   (default 10 s; the exact stage would otherwise run to its own effort limits).
-//! - **traces**: `shared/traces/snap_*.pickle.gz` (the real PyTorch snapshots), planned
+//! - **traces**: `data/traces/snap_*.pickle.gz` (the real PyTorch snapshots), planned
 //!   end to end (classification, steady state on circular time, prologue, verifier,
 //!   coverage; see `crates/planner/src/planning.rs`), with no time budget: n =
 //!   allocations, LB = the peak of live requested bytes of the whole trace, peak = the
@@ -113,21 +113,21 @@ pub fn planner_bench(args: &[String]) -> Result<()> {
     ]);
     run(c)?;
     let bin = target_dir().join("release/stweaver");
-    let shared = root().join("../shared");
+    let data = root().join("data");
     let mut inputs: Vec<(&'static str, PathBuf)> = Vec::new();
     for dir in ["minimalloc-challenging", "real"] {
-        for p in sorted(&shared.join("planner-bench").join(dir), ".csv")? {
+        for p in sorted(&data.join("planner-bench").join(dir), ".csv")? {
             inputs.push(("instance", p));
         }
     }
-    for p in sorted(&shared.join("traces"), ".pickle.gz")? {
+    for p in sorted(&data.join("traces"), ".pickle.gz")? {
         inputs.push(("trace", p));
     }
     if let Some(only) = &args.only {
         inputs.retain(|(_, p)| stem(p).contains(only.as_str()));
     }
     if inputs.is_empty() {
-        bail!("planner-bench: no inputs under {}", shared.display());
+        bail!("planner-bench: no inputs under {}", data.display());
     }
     let mut rows = Vec::new();
     for (suite, path) in &inputs {

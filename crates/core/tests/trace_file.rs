@@ -202,7 +202,7 @@ fn wrong_identifiers_are_named() {
     // A gzip'd pickle (what `stweaver convert` takes) is not a trace file.
     let gz = std::fs::read(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces/snap_llama1b_rcp.pickle.gz"
+        "/../../data/traces/snap_llama1b_rcp.pickle.gz"
     ))
     .unwrap();
     let e = format_error(trace_from_bytes(&gz));

@@ -16,8 +16,8 @@ fn stweaver(args: &[&str]) -> Output {
         .expect("run stweaver")
 }
 
-fn shared(rel: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/")).join(rel)
+fn data(rel: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/")).join(rel)
 }
 
 fn stdout(o: &Output) -> String {
@@ -96,7 +96,7 @@ fn compare_json_has_the_ground_truth_figures() {
 
 #[test]
 fn compare_takes_a_file_and_a_config() {
-    let snap = shared("traces/snap_llama1b_rcp.pickle.gz");
+    let snap = data("traces/snap_llama1b_rcp.pickle.gz");
     let out = stdout(&stweaver(&[
         "compare",
         snap.to_str().unwrap(),

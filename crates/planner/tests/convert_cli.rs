@@ -15,7 +15,7 @@ fn data(name: &str) -> PathBuf {
 fn shared(name: &str) -> PathBuf {
     Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces"
+        "/../../data/traces"
     ))
     .join(name)
 }

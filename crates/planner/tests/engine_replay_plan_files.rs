@@ -18,7 +18,7 @@ use stweaver_planner::snapshot::load_snapshot;
 fn load(name: &str) -> Trace {
     let path: PathBuf = Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces"
+        "/../../data/traces"
     ))
     .join(format!("snap_{name}.pickle.gz"));
     let mut s = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));

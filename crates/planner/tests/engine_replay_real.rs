@@ -1,4 +1,4 @@
-//! The real snapshots of `shared/traces/` served by the engine (engine replay):
+//! The real snapshots of `data/traces/` served by the engine (engine replay):
 //! plan from the first iterations, the whole trace served, against the lower bound and
 //! PyTorch's expandable segments measured on the GPU.
 
@@ -14,7 +14,7 @@ use stweaver_planner::snapshot::load_snapshot;
 fn shared(name: &str) -> PathBuf {
     Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces"
+        "/../../data/traces"
     ))
     .join(name)
 }

@@ -1,4 +1,4 @@
-//! Trace → plan on the real snapshots in `shared/traces/`:
+//! Trace → plan on the real snapshots in `data/traces/`:
 //!
 //! - dense traces (`snap_llama1b_rcp`, `snap_gpt2xl_rcp`): the pool is within 0.5 % of
 //!   the lower bound of the whole trace;
@@ -22,7 +22,7 @@ use stweaver_planner::planning::{PlanOptions, PlanOutcome, check_coverage, plan_
 fn trace(name: &str) -> Trace {
     let path = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces"
+        "/../../data/traces"
     ))
     .join(format!("{name}.pickle.gz"));
     let mut traces = load_traces(&path).unwrap_or_else(|e| panic!("{e}"));

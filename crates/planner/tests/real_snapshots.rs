@@ -1,4 +1,4 @@
-//! The real PyTorch snapshots of `shared/traces/`: lower bounds against the ground
+//! The real PyTorch snapshots of `data/traces/`: lower bounds against the ground
 //! truth, and iteration periods against the `Optimizer.step` annotations.
 
 use std::path::{Path, PathBuf};
@@ -10,7 +10,7 @@ use stweaver_planner::snapshot::{Snapshot, load_snapshot};
 fn shared(name: &str) -> PathBuf {
     Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces"
+        "/../../data/traces"
     ))
     .join(name)
 }

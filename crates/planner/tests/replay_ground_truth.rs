@@ -1,5 +1,5 @@
 //! The replay against what PyTorch 2.11 itself reported on an H200 for the same runs
-//! (`shared/traces/ground_truth.json`).
+//! (`data/traces/ground_truth.json`).
 //!
 //! - Native (the recorded settings): `max_reserved` must match **exactly**, and so must
 //!   `max_allocated` (measured: identical to the byte on all three traces).
@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use stweaver_planner::replay::{AllocatorConfig, ReplayOptions, ReplayStats, replay};
 use stweaver_planner::snapshot::load_snapshot;
 
-fn shared(rel: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/")).join(rel)
+fn data(rel: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/")).join(rel)
 }
 
 struct Truth {
@@ -23,7 +23,7 @@ struct Truth {
 }
 
 fn truth(name: &str, config: &str) -> Truth {
-    let path = shared("traces/ground_truth.json");
+    let path = data("traces/ground_truth.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let json: serde_json::Value = serde_json::from_str(&text).expect("ground_truth.json");
     let get = |k: &str| {
@@ -40,7 +40,7 @@ fn truth(name: &str, config: &str) -> Truth {
 /// Replays `snap_<name>` natively (with its recorded settings) and with expandable
 /// segments.
 fn replay_both(name: &str) -> (ReplayStats, ReplayStats) {
-    let path = shared(&format!("traces/snap_{name}.pickle.gz"));
+    let path = data(&format!("traces/snap_{name}.pickle.gz"));
     let snap = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(snap.traces.len(), 1, "{name}: one device");
     let trace = &snap.traces[0];
@@ -124,7 +124,7 @@ fn native_replay_makes_the_recorded_segments() {
         ("gpt2xl_rcp", 172),
         ("qwenmoe_eager_rcp", 142),
     ] {
-        let path = shared(&format!("traces/snap_{name}.pickle.gz"));
+        let path = data(&format!("traces/snap_{name}.pickle.gz"));
         let snap = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(snap.devices[0].counts.segment_alloc, segments, "{name}");
         let s = replay(

@@ -1,5 +1,5 @@
 """A scaled-down Hugging Face Llama (transformers' LlamaForCausalLM: the llama config of
-shared/traces/make_traces.py at 2 layers, hidden 256), random init with a fixed seed, random
+data/traces/make_traces.py at 2 layers, hidden 256), random init with a fixed seed, random
 token ids, AdamW, fp32, deterministic algorithms. `python train_llama.py native|stweaver`
 prints one JSON line: losses (float.hex, for bitwise comparison), peaks, step time. Under
 `python -m stweaver run` stweaver is already installed (any mode) and its optimizer hook marks

@@ -2,7 +2,7 @@
 //! stweaver side by side (the logic is `stweaver_planner::report`).
 //!
 //! With no INPUT it runs on the snapshot bundled into the binary
-//! (`data/snap_gpt2xl_rcp.pickle.gz`, a real GPT-2 XL training run on an H200), so it
+//! (`data/traces/snap_gpt2xl_rcp.pickle.gz`, a real GPT-2 XL training run on an H200), so it
 //! works anywhere.
 
 use std::path::{Path, PathBuf};
@@ -21,7 +21,7 @@ use stweaver_planner::solver::SolveOptions;
 /// The bundled real snapshot.
 pub const BUNDLED: &[u8] = include_bytes!(concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../data/snap_gpt2xl_rcp.pickle.gz"
+    "/../../data/traces/snap_gpt2xl_rcp.pickle.gz"
 ));
 pub const BUNDLED_NAME: &str = "bundled snap_gpt2xl_rcp.pickle.gz";
 
