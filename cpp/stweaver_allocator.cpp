@@ -277,7 +277,7 @@ void StweaverAllocator::raise_oom(
   const uint64_t cached = info.reserved > info.allocated ? info.reserved - info.allocated : 0;
   std::ostringstream limit;
   if (info.limit < info.device_total) {
-    limit << " The allowed memory (set_per_process_memory_fraction) is "
+    limit << " The allowed memory (stweaver budget or set_per_process_memory_fraction) is "
           << format_size(info.limit) << ".";
   }
   TORCH_CHECK_WITH(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
 import threading
 import warnings
 import weakref
@@ -59,6 +60,7 @@ def install(
     trace=None,
     *,
     hook_optimizer: Optional[bool] = None,
+    budget=None,
 ) -> Settings:
     """Makes stweaver the CUDA allocator of this process.
 
@@ -66,9 +68,15 @@ def install(
     ``torch.cuda.current_device()``...). Arguments default to ``STWEAVER_MODE``,
     ``STWEAVER_PLAN``, ``STWEAVER_TRACE`` and ``STWEAVER_HOOK_OPTIMIZER``. Calling it again
     with the same settings does nothing; with different ones it raises.
+
+    ``budget`` (default ``STWEAVER_BUDGET``): the most device memory this process may
+    use, over every pool: ``"16GiB"``, ``"512MiB"``, bytes, or a fraction of the device
+    (``0.8``). ``torch.cuda.set_per_process_memory_fraction`` sets the same limit (the
+    smaller holds). Near it stweaver gives back its cache, then its plan pool, then raises
+    ``torch.OutOfMemoryError`` saying what was live, what was cached and the budget.
     """
     global _settings, _hook_handle
-    settings = resolve(mode, plan, trace, hook_optimizer)
+    settings = resolve(mode, plan, trace, hook_optimizer, budget=budget)
     with _lock:
         if _settings is not None:
             if settings != _settings:
@@ -87,6 +95,10 @@ def install(
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         ext = _extension()
+        if settings.budget is not None:
+            # The Rust side reads its settings from the environment (as for a zero-code
+            # `python -m stweaver run`); the value was validated above.
+            os.environ["STWEAVER_BUDGET"] = settings.budget
         ext.install(settings.mode, settings.plan or "", settings.trace or "")
         if settings.hook_optimizer:
             _hook_handle = register_optimizer_step_post_hook(_optimizer_hook())
@@ -148,6 +160,7 @@ def stats() -> dict:
         "plan": _settings.plan,
         "trace": _settings.trace,
         "hook_optimizer": _settings.hook_optimizer,
+        "budget": _settings.budget,
     }
     return info
 

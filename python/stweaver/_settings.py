@@ -20,6 +20,10 @@ with no arguments):
 ``STWEAVER_SHARE_STREAMS`` ``1``/``0``: ``auto`` plans all streams in one joint solve
                            (smallest pool; streams wait for each other's work on reuse;
                            default off)
+``STWEAVER_BUDGET``        device memory budget: ``16GiB``, ``512MiB``, bytes, or a
+                           fraction of the device (``0.8``); every pool of the device
+                           stays under it (with ``set_per_process_memory_fraction`` too,
+                           the smaller limit holds)
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
@@ -57,6 +61,51 @@ class Settings:
     plan: Optional[str]
     trace: Optional[str]
     hook_optimizer: bool
+    # The budget as given (``"16GiB"``, ``"0.8"``), validated; ``None``: no budget.
+    budget: Optional[str] = None
+
+
+_BINARY = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+           "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_budget(value: object, what: str = "budget") -> Union[int, float]:
+    """Bytes (``int``) or a fraction of the device (``float`` in (0, 1]) from ``16GiB``,
+    ``512MiB``, ``17179869184``, ``0.8`` or a number; the same rules as the Rust side
+    (``crates/torch-bridge/src/budget.rs``)."""
+    examples = "(examples: 16GiB, 512MiB, 17179869184, 0.8)"
+    if isinstance(value, bool):
+        raise SettingsError(f"{what} must be a size or a fraction, got a bool {examples}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise SettingsError(f"{what}={value!r}: it must be positive {examples}")
+        return 1.0 if value == 1 else value
+    if isinstance(value, float):
+        if not (0.0 < value <= 1.0):
+            raise SettingsError(f"{what}={value!r}: a fraction must be in (0, 1] {examples}")
+        return value
+    if not isinstance(value, str):
+        raise SettingsError(f"{what} must be a str, int or float, got {type(value).__name__}")
+    text = value.strip()
+    i = 0
+    while i < len(text) and (text[i].isdigit() or text[i] == "."):
+        i += 1
+    num, unit = text[:i].strip(), text[i:].strip().lower()
+    try:
+        x = float(num)
+    except ValueError:
+        raise SettingsError(f"{what}={value!r}: not a number {examples}") from None
+    if x <= 0:
+        raise SettingsError(f"{what}={value!r}: it must be positive {examples}")
+    if unit not in _BINARY:
+        raise SettingsError(f"{what}={value!r}: unknown unit {unit!r} {examples}")
+    if unit == "":
+        if x <= 1.0:
+            return x
+        if "." in num:
+            raise SettingsError(f"{what}={value!r}: a fraction must be in (0, 1] {examples}")
+    return int(x * _BINARY[unit])
 
 
 def _path(value: object, what: str) -> Optional[str]:
@@ -122,6 +171,7 @@ def resolve(
     hook_optimizer: Optional[bool] = None,
     env: Optional[Mapping[str, str]] = None,
     check_files: bool = True,
+    budget: Union[str, int, float, None] = None,
 ) -> Settings:
     """Combines arguments and environment into validated :class:`Settings`."""
     env = os.environ if env is None else env
@@ -184,4 +234,16 @@ def resolve(
             hook_optimizer = mode == "auto"
     elif not isinstance(hook_optimizer, bool):
         raise SettingsError(f"hook_optimizer must be a bool, got {type(hook_optimizer).__name__}")
-    return Settings(mode=mode, plan=plan_s, trace=trace_s, hook_optimizer=hook_optimizer)
+    if budget is None:
+        raw = env.get("STWEAVER_BUDGET")
+        if raw is not None and raw.strip():
+            parse_budget(raw, "STWEAVER_BUDGET")
+            budget_s: Optional[str] = raw.strip()
+        else:
+            budget_s = None
+    else:
+        parsed = parse_budget(budget)
+        budget_s = budget.strip() if isinstance(budget, str) else repr(parsed)
+    return Settings(
+        mode=mode, plan=plan_s, trace=trace_s, hook_optimizer=hook_optimizer, budget=budget_s
+    )

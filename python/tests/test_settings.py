@@ -80,3 +80,30 @@ def test_parse_bool():
     assert parse_bool("0", "X") is False
     with pytest.raises(SettingsError):
         parse_bool("2", "X")
+
+
+def test_budget_parses_sizes_fractions_and_bytes():
+    from stweaver._settings import parse_budget
+
+    assert parse_budget("16GiB") == 16 << 30
+    assert parse_budget(" 16 G ") == 16 << 30
+    assert parse_budget("512MiB") == 512 << 20
+    assert parse_budget("1.5GB") == 1_500_000_000
+    assert parse_budget("17179869184") == 16 << 30
+    assert parse_budget("0.8") == 0.8
+    assert parse_budget(0.5) == 0.5
+    assert parse_budget(1 << 30) == 1 << 30
+    for bad, why in [("lots", "not a number"), ("0", "positive"), ("16 parsecs", "unknown unit"),
+                     ("1.5", "(0, 1]"), (2.0, "(0, 1]"), (True, "bool"), ([1], "str, int or float")]:
+        with pytest.raises(SettingsError, match=None) as e:
+            parse_budget(bad)
+        assert why in str(e.value), (bad, str(e.value))
+
+
+def test_budget_from_argument_or_environment():
+    assert resolve(env={}).budget is None
+    assert resolve(env={"STWEAVER_BUDGET": "16GiB"}).budget == "16GiB"
+    assert resolve(env={"STWEAVER_BUDGET": "16GiB"}, budget="0.7").budget == "0.7"
+    assert resolve(env={}, budget=0.7).budget == "0.7"
+    with pytest.raises(SettingsError, match="STWEAVER_BUDGET"):
+        resolve(env={"STWEAVER_BUDGET": "much"})

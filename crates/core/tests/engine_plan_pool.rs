@@ -528,6 +528,55 @@ fn cached_online_memory_is_given_back_before_a_plan_is_given_up_for_the_limit() 
     r.engine.check_invariants().unwrap();
 }
 
+/// Near the limit the engine gives back cache first, then the plan's pool, then reports
+/// out of memory: an online request that fits only once the pool's free granules go back
+/// gives the plan up and is served.
+#[test]
+fn an_online_request_over_the_limit_gives_up_the_plan_before_out_of_memory() {
+    use stweaver_core::engine::{EngineError, MemoryLimit};
+    let mut r = run();
+    r.engine
+        .set_memory_limit(MemoryLimit::Bytes(Bytes(4 * G)))
+        .unwrap();
+    let other = r.alloc(G, S2);
+    r.engine
+        .load_plan(&one_stream_plan(), PlanOptions::default())
+        .unwrap();
+    let param = r.alloc(64 * K, S1);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    let b = r.alloc(32 * K, S1);
+    assert!(r.in_pool(a) && r.in_pool(b));
+    r.free(a);
+    r.free(b);
+    // 3 granules mapped (one online, two of the pool), one of them free in the pool.
+    assert_eq!(
+        r.engine.stats().unwrap().reserved_bytes[0].current,
+        3 * G as i64
+    );
+    // Two more granules online: 5 > 4 with the cache given back (the pool is pinned),
+    // so the plan is given up, its free granule goes back, and the request fits.
+    let big = r.alloc(2 * G, S2);
+    let why = r
+        .engine
+        .plan_abandoned()
+        .unwrap()
+        .expect("the plan was given up");
+    assert!(why.contains("given up"), "{why}");
+    assert!(r.engine.plan_pool().unwrap().is_none());
+    assert_eq!(r.engine.stats().unwrap().num_alloc_retries, 2);
+    r.engine.check_invariants().unwrap();
+    // Nothing left to give back: out of memory, and the run is intact.
+    let err = r.engine.malloc(Bytes(G), S2).unwrap_err();
+    assert!(matches!(err, EngineError::OutOfMemory { .. }), "{err}");
+    for p in [big, other, param] {
+        r.free(p);
+    }
+    r.engine.empty_cache().unwrap();
+    assert_eq!(r.engine.stats().unwrap().reserved_bytes[0].current, 0);
+    r.engine.check_invariants().unwrap();
+}
+
 #[test]
 fn the_plan_streams_are_bound_to_the_run_streams_as_they_first_show_up() {
     // The plan was made in another process: its side stream had handle 2, the run's

@@ -12,6 +12,7 @@
 //! Built as a `staticlib` (linked into the torch extension) and an `rlib` (tests). It
 //! includes no torch header: torch types are converted in `cpp/`.
 
+pub mod budget;
 pub mod dist;
 pub mod error;
 pub mod ffi;

@@ -47,11 +47,12 @@ use stweaver_core::units::{Bytes, DeviceId, StreamId};
 use stweaver_planner::planning::{PlanOptions as PlannerOptions, plan_trace};
 use stweaver_planner::solver::SolveOptions;
 
+use crate::budget::{Budget, effective_limit};
 use crate::dist::{self, PlanSource, RankInfo};
 use crate::error::{BridgeError, Result};
 use crate::ffi::bridge as ffi;
 use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
-use crate::tracked::{BridgeDevice, Owner, Shared, Tracked};
+use crate::tracked::{BridgeDevice, DeviceBudget, Owner, Shared, Tracked};
 
 /// Opens device `ordinal` (CUDA in production, host memory in tests).
 pub type DeviceFactory = Box<dyn Fn(i32) -> Result<Arc<dyn BridgeDevice>> + Send + Sync>;
@@ -83,7 +84,7 @@ pub enum Mode {
 pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
 
 /// Validated install settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub mode: Mode,
     /// Trace mode: where the trace goes; auto: where the recorded trace is kept (optional).
@@ -110,6 +111,11 @@ pub struct Settings {
     /// [`PlannerOptions::share_streams`] (one joint solve; streams reuse each other's
     /// ranges, waiting on the device for the earlier stream's work).
     pub share_streams: bool,
+    /// `STWEAVER_BUDGET` (`16GiB`, `0.8`, bytes; `stweaver.install(budget=...)` sets
+    /// it): at most this much device memory, over every pool of the device. With
+    /// `set_per_process_memory_fraction` too, the smaller limit holds
+    /// ([`crate::budget::effective_limit`]).
+    pub budget: Option<Budget>,
 }
 
 /// A boolean environment setting: `default` when unset; the same words as the Python
@@ -148,6 +154,13 @@ impl Settings {
         let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", true)?;
         let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
         let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
+        let budget = match std::env::var("STWEAVER_BUDGET") {
+            Ok(v) if !v.trim().is_empty() => Some(
+                Budget::parse(&v)
+                    .map_err(|e| BridgeError::Settings(format!("STWEAVER_BUDGET: {e}")))?,
+            ),
+            _ => None,
+        };
         let settings = |mode| Settings {
             mode,
             trace_path: path(trace),
@@ -157,6 +170,7 @@ impl Settings {
             release_at_peak,
             plan_wait,
             share_streams,
+            budget,
         };
         match mode {
             "online" => {
@@ -194,6 +208,12 @@ impl Settings {
                 "unknown mode {other:?}: expected \"online\", \"trace\", \"plan\" or \"auto\""
             )),
         }
+    }
+
+    /// These settings with `budget` (what `STWEAVER_BUDGET` sets).
+    pub fn with_budget(mut self, budget: Option<Budget>) -> Settings {
+        self.budget = budget;
+        self
     }
 
     /// These settings as rank `rank` of a `torchrun` job (`None`: a single process).
@@ -290,6 +310,8 @@ struct DeviceSlot {
     default: OnceLock<Engine<Tracked>>,
     private: RwLock<BTreeMap<PoolId, PrivatePool>>,
     fraction: Mutex<f64>,
+    /// The device-wide budget every engine of the device maps within.
+    budget: Arc<DeviceBudget>,
     agg: Mutex<Agg>,
 }
 
@@ -450,14 +472,6 @@ pub fn to_ffi_stats(s: &DeviceStats) -> ffi::DeviceStats {
     }
 }
 
-fn limit_of(fraction: f64) -> MemoryLimit {
-    if fraction <= 0.0 {
-        MemoryLimit::Bytes(Bytes::ZERO)
-    } else {
-        MemoryLimit::Fraction(fraction)
-    }
-}
-
 /// Splits one arena into PyTorch segments: each maximal run of mapped blocks.
 fn arena_segments(device: i32, pool: PoolId, arena: &SegmentInfo, snap: &mut ffi::Snapshot) {
     let mut i = 0;
@@ -578,6 +592,7 @@ impl Core {
                 default: OnceLock::new(),
                 private: RwLock::new(BTreeMap::new()),
                 fraction: Mutex::new(1.0),
+                budget: Arc::new(DeviceBudget::default()),
                 agg: Mutex::new(Agg::default()),
             })
             .collect();
@@ -620,6 +635,12 @@ impl Core {
             device: slot.ordinal,
             error: e.to_string(),
         })?;
+        let total = DeviceMemory::total_memory(&*m).get();
+        slot.budget.set_limit(effective_limit(
+            self.settings.budget,
+            *lock(&slot.fraction),
+            total,
+        ));
         let _ = slot.mem.set(m.clone());
         Ok(m)
     }
@@ -632,14 +653,14 @@ impl Core {
         };
         let config = EngineConfig {
             device: DeviceId(slot.ordinal),
-            limit: limit_of(*lock(&slot.fraction)),
+            limit: MemoryLimit::Bytes(Bytes(slot.budget.limit())),
             arena_size: None,
             record_trace: matches!(self.settings.mode, Mode::Trace | Mode::Auto)
                 && is_default(pool),
             release_before_new_peak: self.settings.release_at_peak,
         };
         Ok(Engine::new(
-            Tracked::new(mem, owner, self.shared.clone()),
+            Tracked::new(mem, owner, self.shared.clone(), slot.budget.clone()),
             config,
         )?)
     }
@@ -773,9 +794,20 @@ impl Core {
     pub fn malloc(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
         let slot = self.slot(device)?;
         let owner = Owner { device, pool };
-        let result = self.with_engine(owner, |e| {
-            Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
-        })?;
+        let attempt = || {
+            self.with_engine(owner, |e| {
+                Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
+            })
+        };
+        let mut result = attempt()?;
+        if matches!(result, Err(EngineError::OutOfMemory { .. }))
+            && self.release_others(slot, pool)?
+        {
+            // The engine gave back its own cache (and its plan pool) already; the other
+            // pools of the device hold the rest of the budget: theirs goes back too, then
+            // one more try, as PyTorch's OOM path frees every pool's cached blocks.
+            result = attempt()?;
+        }
         let ptr = match result {
             Ok(p) => p,
             Err(e @ EngineError::OutOfMemory { .. }) => {
@@ -948,13 +980,46 @@ impl Core {
         Ok(())
     }
 
+    /// Out of memory in `pool`: gives back the cached memory of the device's other
+    /// engines that may give it (the default pool, private pools no graph holds, as
+    /// `empty_cache` does). Whether any bytes went back.
+    fn release_others(&self, slot: &DeviceSlot, pool: PoolId) -> Result<bool> {
+        let before = slot.budget.mapped();
+        if !is_default(pool)
+            && let Some(e) = slot.default.get()
+        {
+            e.empty_cache()?;
+        }
+        let idle: Vec<PoolId> = read(&slot.private)
+            .iter()
+            .filter(|&(&id, p)| id != pool && p.use_count == 0)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in idle {
+            if let Some(p) = read(&slot.private).get(&id) {
+                p.engine.empty_cache()?;
+            }
+            self.maybe_retire(slot, id)?;
+        }
+        Ok(slot.budget.mapped() < before)
+    }
+
     pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<()> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(BridgeError::BadFraction(fraction));
         }
         let slot = self.slot(device)?;
         *lock(&slot.fraction) = fraction;
-        let limit = limit_of(fraction);
+        let limit = match slot.mem.get() {
+            Some(m) => {
+                let total = DeviceMemory::total_memory(&**m).get();
+                let bytes = effective_limit(self.settings.budget, fraction, total);
+                slot.budget.set_limit(bytes);
+                MemoryLimit::Bytes(Bytes(bytes))
+            }
+            // Not opened yet: the device's engines take the limit when they open.
+            None => return Ok(()),
+        };
         if let Some(e) = slot.default.get() {
             e.set_memory_limit(limit)?;
         }
@@ -973,18 +1038,30 @@ impl Core {
         let mem = self.device_memory(slot)?;
         let total = DeviceMemory::total_memory(&*mem).get();
         let last = LAST_OOM.with(|c| c.borrow_mut().take());
-        let pool_note = |free_reserved: u64, rounded: u64| {
-            if free_reserved >= rounded {
-                format!(
-                    "stweaver holds {} free inside its arenas, but no free block of {} fits \
-                     on this stream (fragmentation; empty_cache cannot help).",
-                    Bytes(free_reserved),
-                    Bytes(rounded)
-                )
-            } else {
-                String::new()
-            }
-        };
+        // Device-wide: every pool of the device, as the budget counts.
+        let s = self.device_stats_raw(slot)?;
+        let live = s.allocated_bytes[0].current.max(0) as u64;
+        let reserved = s.reserved_bytes[0].current.max(0) as u64;
+        let limit = slot.budget.limit().min(total);
+        let mut detail = Vec::new();
+        if let Some(b) = self.settings.budget {
+            detail.push(format!(
+                "The stweaver budget is {} (STWEAVER_BUDGET={b}); with \
+                 set_per_process_memory_fraction the smaller limit holds.",
+                Bytes(b.bytes(total).min(total))
+            ));
+        }
+        detail.push(format!(
+            "Over every pool of the device: {} live, {} cached (reserved but free) after \
+             giving the cache back.",
+            Bytes(live),
+            Bytes(reserved.saturating_sub(live)),
+        ));
+        if let Some(e) = slot.default.get()
+            && let Some(why) = e.plan_abandoned()?
+        {
+            detail.push(format!("The plan is no longer served: {why}."));
+        }
         if let Some((
             d,
             EngineError::OutOfMemory {
@@ -992,34 +1069,38 @@ impl Core {
                 allocated,
                 reserved,
                 free_reserved,
-                limit,
                 device_free,
                 ..
             },
         )) = last
             && d == device
         {
+            if free_reserved >= rounded {
+                detail.push(format!(
+                    "stweaver holds {free_reserved} free inside this pool's arenas, but no \
+                     free block of {rounded} fits on this stream (fragmentation; empty_cache \
+                     cannot help)."
+                ));
+            }
             return Ok(ffi::OomInfo {
                 rounded: rounded.get(),
                 allocated: allocated.get(),
                 reserved: reserved.get(),
-                limit: limit.get().min(total),
+                limit,
                 device_free: device_free.get(),
                 device_total: total,
-                detail: pool_note(free_reserved.get(), rounded.get()),
+                detail: detail.join(" "),
             });
         }
-        let s = self.device_stats_raw(slot)?;
         let rounded = (size as u64).div_ceil(512) * 512;
-        let fraction = *lock(&slot.fraction);
         Ok(ffi::OomInfo {
             rounded,
-            allocated: s.allocated_bytes[0].current.max(0) as u64,
-            reserved: s.reserved_bytes[0].current.max(0) as u64,
-            limit: ((fraction * total as f64) as u64).min(total),
+            allocated: live,
+            reserved,
+            limit,
             device_free: DeviceMemory::free_memory(&*mem).map_or(0, Bytes::get),
             device_total: total,
-            detail: String::new(),
+            detail: detail.join(" "),
         })
     }
 

@@ -4,10 +4,14 @@
 //! [`Tracked`] forwards every [`DeviceMemory`] call and, on the side,
 //! - records which reservation belongs to which (device, pool), so a free or a
 //!   `record_stream` finds its engine from the pointer alone ([`Shared::owner_of`]);
-//! - emits `segment_map` / `segment_unmap` history events for PyTorch's memory history.
+//! - emits `segment_map` / `segment_unmap` history events for PyTorch's memory history;
+//! - holds every engine of the device to one memory budget ([`DeviceBudget`]): each engine
+//!   also checks its own limit, but only the device-wide count sees the default pool,
+//!   the private pools and the plan pool together, as PyTorch's
+//!   `set_per_process_memory_fraction` does for its whole device allocator.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostMemory};
@@ -33,6 +37,64 @@ impl BridgeDevice for HostMemory {
     /// Host memory is accessible from everywhere.
     fn enable_peer_access(&self, _peer: i32) -> Result<()> {
         Ok(())
+    }
+}
+
+/// The memory budget of one device, shared by all its engines: bytes mapped now by any
+/// of them, and the most they may map together (`u64::MAX`: no budget).
+///
+/// A map call takes its bytes from the budget before it reaches the device (one
+/// compare-and-swap loop, no lock) and gives them back if the device refuses; an unmap
+/// gives them back. A map over the budget fails as [`DeviceError::OutOfMemory`], so the
+/// engine's own out-of-memory path (give back its cache, retry, then report) applies.
+#[derive(Debug)]
+pub struct DeviceBudget {
+    mapped: AtomicU64,
+    limit: AtomicU64,
+}
+
+impl Default for DeviceBudget {
+    fn default() -> Self {
+        DeviceBudget {
+            mapped: AtomicU64::new(0),
+            limit: AtomicU64::new(u64::MAX),
+        }
+    }
+}
+
+impl DeviceBudget {
+    /// Bytes mapped by every engine of the device now.
+    pub fn mapped(&self) -> u64 {
+        self.mapped.load(Ordering::Acquire)
+    }
+
+    /// The budget in bytes (`u64::MAX`: none).
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// Sets the budget. Memory mapped above a lowered budget stays mapped; later maps
+    /// wait until enough is given back.
+    pub fn set_limit(&self, bytes: u64) {
+        self.limit.store(bytes, Ordering::Release);
+    }
+
+    /// Takes `n` bytes if they fit under the budget.
+    fn try_take(&self, n: u64) -> bool {
+        let limit = self.limit();
+        self.mapped
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+                m.checked_add(n).filter(|&after| after <= limit)
+            })
+            .is_ok()
+    }
+
+    fn give(&self, n: u64) {
+        let _ = self
+            .mapped
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |m| {
+                Some(m.saturating_sub(n))
+            });
     }
 }
 
@@ -98,6 +160,7 @@ pub struct Tracked {
     inner: Arc<dyn BridgeDevice>,
     owner: Owner,
     shared: Arc<Shared>,
+    budget: Arc<DeviceBudget>,
 }
 
 impl std::fmt::Debug for Tracked {
@@ -109,11 +172,17 @@ impl std::fmt::Debug for Tracked {
 }
 
 impl Tracked {
-    pub fn new(inner: Arc<dyn BridgeDevice>, owner: Owner, shared: Arc<Shared>) -> Tracked {
+    pub fn new(
+        inner: Arc<dyn BridgeDevice>,
+        owner: Owner,
+        shared: Arc<Shared>,
+        budget: Arc<DeviceBudget>,
+    ) -> Tracked {
         Tracked {
             inner,
             owner,
             shared,
+            budget,
         }
     }
 
@@ -163,13 +232,20 @@ impl DeviceMemory for Tracked {
     }
 
     fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
-        self.inner.map(addr, size)?;
+        if !self.budget.try_take(size.get()) {
+            return Err(DeviceError::OutOfMemory { size });
+        }
+        if let Err(e) = self.inner.map(addr, size) {
+            self.budget.give(size.get());
+            return Err(e);
+        }
         self.event(HistoryAction::SegmentMap, addr, size);
         Ok(())
     }
 
     fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         self.inner.unmap(addr, size)?;
+        self.budget.give(size.get());
         self.event(HistoryAction::SegmentUnmap, addr, size);
         Ok(())
     }

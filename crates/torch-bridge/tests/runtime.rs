@@ -298,6 +298,59 @@ fn snapshot_segments_tile_their_blocks() {
     rt.free(c).unwrap();
 }
 
+/// The budget holds over every pool of the device (default, private, plan): a private
+/// pool is refused what the default pool holds, the default pool's cache goes back
+/// before an out-of-memory error, and the report names the budget.
+#[test]
+fn the_budget_holds_over_every_pool_of_the_device() {
+    use stweaver_torch::budget::Budget;
+    let devs = vec![Arc::new(HostMemory::new(Bytes(64 * MIB), Bytes(2 * MIB)))];
+    let for_factory = devs.clone();
+    let factory =
+        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
+    let settings = Settings::parse("online", "", "")
+        .unwrap()
+        .with_budget(Some(Budget::parse("8MiB").unwrap()));
+    let rt = Runtime::with_core(Core::new(settings, factory));
+    rt.init(1).unwrap();
+    let d = rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap();
+    rt.pool_incref(0, GRAPH).unwrap();
+    let g = rt.malloc(0, 4 * MIB as usize, S0, GRAPH).unwrap();
+    assert_ne!(g, 0);
+    // 8 MiB mapped over the two pools: the next 2 MiB is refused in either pool, though
+    // each pool alone is under the budget and the device has 56 MiB free.
+    assert_eq!(rt.malloc(0, 2 * MIB as usize, S0, GRAPH).unwrap(), 0);
+    let info = rt.oom_info(0, 2 * MIB as usize).unwrap();
+    assert_eq!(info.limit, 8 * MIB);
+    assert!(
+        info.detail.contains("STWEAVER_BUDGET=8.00 MiB"),
+        "{}",
+        info.detail
+    );
+    assert!(info.detail.contains("8.00 MiB live"), "{}", info.detail);
+    assert_eq!(rt.malloc(0, 2 * MIB as usize, S0, DEFAULT).unwrap(), 0);
+    // The default pool's freed block is cached; the private pool's request gets it back.
+    rt.free(d).unwrap();
+    assert_eq!(
+        rt.device_stats(0).unwrap().reserved_bytes.all.current,
+        8 * MIB as i64
+    );
+    let g2 = rt.malloc(0, 2 * MIB as usize, S0, GRAPH).unwrap();
+    assert_ne!(
+        g2, 0,
+        "the default pool's cache went back for the private pool"
+    );
+    let s = rt.device_stats(0).unwrap();
+    assert!(s.reserved_bytes.all.current <= 8 * MIB as i64);
+    // A memory fraction below the budget wins; above it, the budget does.
+    rt.set_memory_fraction(0, 0.0625).unwrap();
+    assert_eq!(rt.oom_info(0, 0).unwrap().limit, 4 * MIB);
+    rt.set_memory_fraction(0, 1.0).unwrap();
+    assert_eq!(rt.oom_info(0, 0).unwrap().limit, 8 * MIB);
+    rt.free(g).unwrap();
+    rt.free(g2).unwrap();
+}
+
 #[test]
 fn private_pools_isolate_memory_and_go_away_when_released() {
     let (rt, _) = runtime("online", "", 1, 64);

@@ -34,8 +34,10 @@
 //!   to the workload.
 //! - **Out of memory**: a growth that would pass the memory limit, or that the device
 //!   refuses, triggers one release of cached memory (as `empty_cache`) and a retry
-//!   (`num_alloc_retries`); if that fails too, [`EngineError::OutOfMemory`] says what was
-//!   asked and what is allocated, reserved and free (`num_ooms`).
+//!   (`num_alloc_retries`); if that fails too and a plan is served, the plan is given up
+//!   (its free granules go back; [`Engine::plan_abandoned`] says why) and the request
+//!   retried once more; then [`EngineError::OutOfMemory`] says what was asked and what
+//!   is allocated, reserved and free (`num_ooms`).
 //! - **Release before a new peak** (opt-in, [`EngineConfig::release_before_new_peak`]):
 //!   when an online arena's growth would map past the peak of reserved bytes, free whole
 //!   granules of the online arenas' holes (free blocks other than an arena's free tail,
@@ -1142,7 +1144,7 @@ impl<D: DeviceMemory> Engine<D> {
                 return Ok(st.register(i, size, stream));
             }
         }
-        let (mut retried, mut released_holes) = (false, false);
+        let (mut retried, mut released_holes, mut gave_up_plan) = (false, false, false);
         loop {
             let Some(&a) = st.arena_of.get(&(stream, kind)) else {
                 st = self.create_arena(st, stream, kind)?;
@@ -1178,6 +1180,24 @@ impl<D: DeviceMemory> Engine<D> {
                 Growth::Retry => continue,
                 Growth::Refused if !retried => {
                     retried = true;
+                    drop(st);
+                    self.release_cached()?;
+                    st = self.lock()?;
+                    st.stats.num_alloc_retries += 1;
+                }
+                Growth::Refused if !gave_up_plan && st.plan.is_some() => {
+                    // Still refused with the cache given back: the plan's pool holds the
+                    // rest. Give the plan up (its blocks stay until freed; its free
+                    // granules go back now) before reporting out of memory.
+                    gave_up_plan = true;
+                    let why = format!(
+                        "out of memory serving {} online (limit {}, {} reserved): the \
+                         plan's pool was given up for it",
+                        Bytes(rounded),
+                        Bytes(st.limit),
+                        Bytes(st.stats.reserved_bytes[0].current as u64),
+                    );
+                    st.stop_plan(Some(why));
                     drop(st);
                     self.release_cached()?;
                     st = self.lock()?;
