@@ -794,20 +794,9 @@ impl Core {
     pub fn malloc(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
         let slot = self.slot(device)?;
         let owner = Owner { device, pool };
-        let attempt = || {
-            self.with_engine(owner, |e| {
-                Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
-            })
-        };
-        let mut result = attempt()?;
-        if matches!(result, Err(EngineError::OutOfMemory { .. }))
-            && self.release_others(slot, pool)?
-        {
-            // The engine gave back its own cache (and its plan pool) already; the other
-            // pools of the device hold the rest of the budget: theirs goes back too, then
-            // one more try, as PyTorch's OOM path frees every pool's cached blocks.
-            result = attempt()?;
-        }
+        let result = self.with_engine(owner, |e| {
+            Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
+        })?;
         let ptr = match result {
             Ok(p) => p,
             Err(e @ EngineError::OutOfMemory { .. }) => {
@@ -978,30 +967,6 @@ impl Core {
         }
         self.resolve_pending();
         Ok(())
-    }
-
-    /// Out of memory in `pool`: gives back the cached memory of the device's other
-    /// engines that may give it (the default pool, private pools no graph holds, as
-    /// `empty_cache` does). Whether any bytes went back.
-    fn release_others(&self, slot: &DeviceSlot, pool: PoolId) -> Result<bool> {
-        let before = slot.budget.mapped();
-        if !is_default(pool)
-            && let Some(e) = slot.default.get()
-        {
-            e.empty_cache()?;
-        }
-        let idle: Vec<PoolId> = read(&slot.private)
-            .iter()
-            .filter(|&(&id, p)| id != pool && p.use_count == 0)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in idle {
-            if let Some(p) = read(&slot.private).get(&id) {
-                p.engine.empty_cache()?;
-            }
-            self.maybe_retire(slot, id)?;
-        }
-        Ok(slot.budget.mapped() < before)
     }
 
     pub fn set_memory_fraction(&self, device: i32, fraction: f64) -> Result<()> {
