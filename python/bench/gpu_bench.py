@@ -98,11 +98,24 @@ WORKLOADS = [
          note="Llama 1B, 2 micro-batches of 4 x L, L uniform in [256, 2048] per micro-batch"),
 ]
 
-# The dense workload of the "memory you can spend" search: Llama 1B, one micro-batch of
-# B x 2048 per iteration, checkpointing, under a fixed cap.
+# The loops of the "memory you can spend" search: the largest micro-batch B that trains
+# under a fixed cap (torch.cuda.set_per_process_memory_fraction), one micro-batch per
+# iteration, checkpointing. Llama 1B (dense, B x 2048), GPT-2 XL (B x 1024) and Llama 1B
+# with a sequence length drawn per iteration (B x L, L uniform in [256, 2048]: shapes that
+# never repeat). `guess`: the first B tried when nothing better is known.
 CAP_WORKLOAD = dict(name="llama1b_cap", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
-                    batch=1, seq=2048, ckpt=True, micro=1, iters=6, max_iters=18, est_s=10)
-CAP_BYTES = 16 * (1 << 30)
+                    batch=1, seq=2048, ckpt=True, micro=1, iters=6, max_iters=18, est_s=10,
+                    cap_bytes=16 * (1 << 30), guess=0)
+CAP_WORKLOADS = [
+    CAP_WORKLOAD,
+    dict(name="gpt2xl_cap", family="gpt2", hidden=1600, layers=24, heads=25, inter=6400,
+         batch=1, seq=1024, ckpt=True, micro=1, iters=6, max_iters=18, est_s=10,
+         cap_bytes=12 * (1 << 30), guess=12),
+    dict(name="llama1b_varlen_cap", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
+         batch=1, seq=2048, seq_min=256, ckpt=True, micro=1, iters=8, max_iters=18, est_s=10,
+         cap_bytes=14 * (1 << 30), guess=8),
+]
+CAP_BYTES = CAP_WORKLOAD["cap_bytes"]
 CAP_ALLOCATORS = ("native", "expandable", "auto")
 
 # Tiny shapes for --dry-run (CPU).
@@ -1134,10 +1147,22 @@ class Driver:
     # ---------------------------------------------------------- memory you can spend
 
     def cap_search(self):
-        w0 = dict(DRY_CAP if self.dry else CAP_WORKLOAD)
-        doc = {"workload": w0, "cap_bytes": CAP_BYTES, "allocators": {}, "note": ""}
-        self.doc["cap_search"] = doc
-        guess = self.cap_guess()
+        """The cap search on every loop of CAP_WORKLOADS (or those --cap-workloads names)."""
+        self.doc["cap_search"] = []
+        names = self.args.cap_workloads.split(",") if self.args.cap_workloads else None
+        for w0 in (DRY_CAPS if self.dry else CAP_WORKLOADS):
+            if names and w0["name"] not in names:
+                continue
+            if self.remaining() < 60 and not self.dry:
+                self.doc["skipped"].append(f"cap search {w0['name']}: {self.remaining():.0f} s left")
+                continue
+            self.cap_search_one(dict(w0))
+
+    def cap_search_one(self, w0: dict):
+        cap_bytes = w0["cap_bytes"]
+        doc = {"workload": w0, "cap_bytes": cap_bytes, "allocators": {}, "note": ""}
+        self.doc["cap_search"].append(doc)
+        guess = self.cap_guess(w0)
         doc["first_guess"] = guess
         for alloc in CAP_ALLOCATORS:
             tried: Dict[int, dict] = {}
@@ -1145,12 +1170,12 @@ class Driver:
             while len(tried) < 5 and b >= 1 and b not in tried:
                 w = dict(w0, batch=b)
                 est = w0["est_s"] * (2 if alloc == "auto" else 1)
-                r = self.run_one(w, alloc, est, {"cap_bytes": CAP_BYTES})
+                r = self.run_one(w, alloc, est, {"cap_bytes": cap_bytes})
                 if r.get("skipped"):
                     break
                 tried[b] = r
                 fits = bool(r.get("ok"))
-                print(f"cap {CAP_BYTES / GiB:.0f} GiB {alloc:10s} micro-batch {b:3d}: "
+                print(f"cap {cap_bytes / GiB:.0f} GiB {w0['name']} {alloc:10s} micro-batch {b:3d}: "
                       + ("fits" if fits else ("OOM" if r.get("oom") else "FAILED " + str(r.get("error", ""))[:200]))
                       + (f", peak reserved {r['max_reserved'] / GiB:.2f} GiB" if fits else ""), flush=True)
                 if not fits and not r.get("oom"):
@@ -1167,13 +1192,17 @@ class Driver:
         doc["note"] = ("stweaver row: auto mode (records 4 iterations online, then serves its plan); "
                        "a batch fits when every iteration ran without an out-of-memory error")
 
-    def cap_guess(self) -> int:
-        """First micro-batch to try: from llama1b_rcp's native run (persistent bytes from the
-        parameter count, activation bytes per sample from its lower bound), else 6."""
+    def cap_guess(self, w0: dict) -> int:
+        """First micro-batch to try: --cap-guess, the loop's own guess, else from
+        llama1b_rcp's native run (persistent bytes from the parameter count, activation
+        bytes per sample from its lower bound), else 6."""
         if self.args.cap_guess:
             return self.args.cap_guess
         if self.dry:
             return 2
+        if w0.get("guess"):
+            return w0["guess"]
+        CAP_BYTES = w0["cap_bytes"]
         for e in self.doc["workloads"]:
             if e["config"]["name"] != "llama1b_rcp":
                 continue
@@ -1236,6 +1265,7 @@ class Driver:
 
 
 DRY_CAP = dict(CAP_WORKLOAD, hidden=64, layers=2, heads=4, inter=128, vocab=1000, seq=32, iters=4, max_iters=8)
+DRY_CAPS = [DRY_CAP, dict(DRY_CAP, name="varlen_cap", seq_min=8)]
 
 
 def next_probe(b: int, fits: bool, tried: Dict[int, bool]) -> Optional[int]:
@@ -1648,23 +1678,31 @@ def render_table(doc: dict, markdown: bool) -> str:
                 "–" if row.get("step_s") is None else f"{row['step_s'] * 1e3:.1f}",
                 _ratio(row.get("step_ratio")), fmt_ci(row.get("step_paired")), m,
             ])
-    cap = doc.get("cap_search")
-    cap_lines = []
-    if cap:
+    caps = doc.get("cap_search") or []
+    if isinstance(caps, dict):  # one search (results written before several loops)
+        caps = [caps]
+    cap_tables = []
+    for cap in caps:
+        cap_lines = []
         for alloc, s in cap["allocators"].items():
             probes = ", ".join(f"{p['batch']}{'+' if p['fits'] else '-'}" for p in s["probes"])
             cap_lines.append([alloc, str(s.get("largest") or "none") + ("" if s.get("edge_proven", True) else " (edge not probed)"),
                               "–" if s.get("tokens_per_s") is None else f"{s['tokens_per_s']:.0f}",
                               _gib(s.get("max_reserved")), probes])
+        if cap_lines:
+            cap_tables.append((cap, cap_lines))
     out = []
     if markdown:
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
         out += ["| " + " | ".join(l) + " |" for l in lines]
-        if cap_lines:
+        for cap, cap_lines in cap_tables:
+            w = cap["workload"]
             out.append("")
             out.append(f"Largest micro-batch under a {cap['cap_bytes'] / GiB:.0f} GiB cap "
-                       f"({cap['workload']['name']}: Llama 1B, B x {cap['workload']['seq']} tokens, checkpointing):")
+                       f"({w['name']}: {w['family']}, B x {w['seq']} tokens"
+                       + (f", length uniform in [{w['seq_min']}, {w['seq']}]" if w.get("seq_min") else "")
+                       + ", checkpointing):")
             out.append("")
             out.append("| allocator | largest micro-batch | tokens/s at it | peak reserved GiB | probes (+ fits, - OOM) |")
             out.append("|---|---|---|---|---|")
@@ -1681,7 +1719,7 @@ def render_table(doc: dict, markdown: bool) -> str:
                 out.append(f"{r[0]:<{widths[0]}}  {r[1][:30]:<{widths[1]}}  {r[2]}")
                 continue
             out.append("  ".join(r[i][:30].ljust(widths[i]) for i in range(len(short))).rstrip())
-        if cap_lines:
+        for cap, cap_lines in cap_tables:
             out.append(f"cap {cap['cap_bytes'] / GiB:.0f} GiB, {cap['workload']['name']}: allocator, largest micro-batch, tokens/s, reserved, probes")
             out += ["  " + "  ".join(l) for l in cap_lines]
         if doc.get("skipped"):
@@ -1720,14 +1758,16 @@ def targets(doc: dict) -> List[str]:
             if r.get("losses_match") is not None:
                 parts.append(f"losses {'identical' if r['losses_match'] else 'DIFFER'}")
             out.append(f"{name} {key}: " + "; ".join(parts))
-    cap = doc.get("cap_search")
-    if cap:
+    caps = doc.get("cap_search") or []
+    for cap in ([caps] if isinstance(caps, dict) else caps):
         a = cap["allocators"]
         n, s = (a.get("native") or {}).get("largest"), (a.get("auto") or {}).get("largest")
         x = (a.get("expandable") or {}).get("largest")
+        name = cap["workload"]["name"]
         if n is not None and s is not None:
-            out.append(f"cap: stweaver {s} vs native {n}: {'met' if s > n else 'MISSED'}"
-                       + (f"; vs expandable {x}: {'larger' if s > x else 'not larger'}" if x is not None else ""))
+            out.append(f"cap {name}: stweaver {s} vs native {n}: {'met' if s > n else 'MISSED'}"
+                       + (f"; vs expandable {x}: {'met (>=)' if s >= x else 'MISSED (<)'}"
+                          + (", larger" if s > x else "") if x is not None else ""))
     return out
 
 
@@ -1762,6 +1802,8 @@ def main(argv=None) -> int:
                    help="a run's counted iterations wait until no other child is importing (costs "
                         "~9 s a run on the H200, where imports take 10-11 s; off by default: "
                         "BENCHMARKS.md, session 5)")
+    r.add_argument("--cap-workloads", default="",
+                   help="comma-separated loops of the cap search (default: all of CAP_WORKLOADS)")
     r.add_argument("--cap-guess", type=int, default=0,
                    help="first micro-batch of the cap search (default: from llama1b_rcp's native run, else 6)")
     r.add_argument("--no-pin", action="store_true",
