@@ -105,15 +105,15 @@ WORKLOADS = [
 # never repeat). `guess`: the first B tried when nothing better is known.
 CAP_WORKLOAD = dict(name="llama1b_cap", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
                     batch=1, seq=2048, ckpt=True, micro=1, iters=6, max_iters=18, est_s=10,
-                    cap_bytes=16 * (1 << 30), guess=0)
+                    cap_bytes=16 * (1 << 30), guess=10)
 CAP_WORKLOADS = [
     CAP_WORKLOAD,
     dict(name="gpt2xl_cap", family="gpt2", hidden=1600, layers=24, heads=25, inter=6400,
          batch=1, seq=1024, ckpt=True, micro=1, iters=6, max_iters=18, est_s=10,
-         cap_bytes=12 * (1 << 30), guess=12),
+         cap_bytes=12 * (1 << 30), guess=8),
     dict(name="llama1b_varlen_cap", family="llama", hidden=2048, layers=16, heads=16, inter=5632,
          batch=1, seq=2048, seq_min=256, ckpt=True, micro=1, iters=8, max_iters=18, est_s=10,
-         cap_bytes=14 * (1 << 30), guess=8),
+         cap_bytes=14 * (1 << 30), guess=7),
 ]
 CAP_BYTES = CAP_WORKLOAD["cap_bytes"]
 CAP_ALLOCATORS = ("native", "expandable", "auto")

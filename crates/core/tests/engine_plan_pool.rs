@@ -577,6 +577,52 @@ fn an_online_request_over_the_limit_gives_up_the_plan_before_out_of_memory() {
     r.engine.check_invariants().unwrap();
 }
 
+/// Under a memory limit the pool maps granule by granule: a first-touched range of four
+/// granules, later holding one small live block, gives back its three free granules once
+/// the plan is given up (one unit of four granules would stay mapped whole, and the
+/// online request below would be out of memory).
+#[test]
+fn under_a_limit_a_given_up_pool_gives_back_every_free_granule() {
+    use stweaver_core::engine::MemoryLimit;
+    let plan = verified_plan(
+        4 * G,
+        vec![],
+        0,
+        vec![req(4 * G, 0, 0, 1, S1), req(8 * K, 0, 1, 3, S1)],
+        3,
+    );
+    let mut r = run();
+    r.engine
+        .set_memory_limit(MemoryLimit::Bytes(Bytes(6 * G)))
+        .unwrap();
+    let other = r.alloc(G, S2);
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    r.engine.mark_iteration().unwrap();
+    let big = r.alloc(4 * G, S1);
+    assert!(r.in_pool(big));
+    r.free(big);
+    let small = r.alloc(8 * K, S1);
+    assert!(r.in_pool(small));
+    assert_eq!(
+        r.engine.stats().unwrap().reserved_bytes[0].current,
+        5 * G as i64
+    );
+    // 5 + 3 > 6: the cache goes back (none: the pool is pinned), then the plan, whose
+    // three free granules go back, and the request fits: 2 + 3 <= 6.
+    let x = r.alloc(3 * G, S2);
+    assert!(r.engine.plan_abandoned().unwrap().is_some());
+    assert_eq!(
+        r.engine.stats().unwrap().reserved_bytes[0].current,
+        5 * G as i64
+    );
+    r.engine.check_invariants().unwrap();
+    for p in [x, small, other] {
+        r.free(p);
+    }
+    r.engine.empty_cache().unwrap();
+    assert_eq!(r.engine.stats().unwrap().reserved_bytes[0].current, 0);
+}
+
 #[test]
 fn the_plan_streams_are_bound_to_the_run_streams_as_they_first_show_up() {
     // The plan was made in another process: its side stream had handle 2, the run's

@@ -1627,6 +1627,11 @@ impl Core {
                     "opened": opened,
                     "private_pools": read(&slot.private).len(),
                     "memory_fraction": *lock(&slot.fraction),
+                    "budget": self.settings.budget.map(|b| b.to_string()),
+                    // The device-wide limit (budget and memory fraction, the smaller) and
+                    // what every pool of the device maps now; null before the device opens.
+                    "limit_bytes": slot.mem.get().map(|_| slot.budget.limit()),
+                    "mapped_bytes": slot.budget.mapped(),
                     "tracing": tracing,
                     "allocated_bytes": s.map_or(0, |s| s.allocated_bytes[0].current),
                     "reserved_bytes": s.map_or(0, |s| s.reserved_bytes[0].current),

@@ -336,6 +336,11 @@ fn the_budget_holds_over_every_pool_of_the_device() {
         rt.device_stats(0).unwrap().reserved_bytes.all.current,
         8 * MIB as i64
     );
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    let dev = &info["devices"][0];
+    assert_eq!(dev["budget"], "8.00 MiB");
+    assert_eq!(dev["limit_bytes"], 8 * MIB);
+    assert_eq!(dev["mapped_bytes"], 8 * MIB);
     // A memory fraction below the budget wins; above it, the budget does.
     rt.set_memory_fraction(0, 0.0625).unwrap();
     assert_eq!(rt.oom_info(0, 0).unwrap().limit, 4 * MIB);

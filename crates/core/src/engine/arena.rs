@@ -240,6 +240,8 @@ pub(crate) struct Heap {
     inactive_count: [u64; 2],
     /// The non-releasable totals changed since `Heap::take_inactive_changed`.
     inactive_changed: bool,
+    /// Placement arenas map granule by granule too (`Heap::set_fine_units`).
+    fine_units: bool,
 }
 
 /// splitmix64 finaliser: treap priorities independent of slot order.
@@ -270,7 +272,16 @@ impl Heap {
             inactive_bytes: [0; 2],
             inactive_count: [0; 2],
             inactive_changed: false,
+            fine_units: false,
         }
+    }
+
+    /// Under a memory limit the plan pool maps granule by granule as online arenas do
+    /// (`fine`), so that once its plan is given up every wholly free granule can go
+    /// back; without one it maps whole first-touched ranges (fewer device calls, one
+    /// physical allocation per range). Applies to mappings made from now on.
+    pub fn set_fine_units(&mut self, fine: bool) {
+        self.fine_units = fine;
     }
 
     #[inline]
@@ -1492,6 +1503,13 @@ impl Heap {
     /// Ends the mapping of `Mapping` block `i`: on success it becomes free memory
     /// (coalesced, in the fit tree), on failure unmapped again.
     pub fn finish_mapping(&mut self, i: Idx, mapped: bool) {
+        let whole = self.whole_unit_mapping(self.blocks[i as usize].arena);
+        self.finish_mapping_as(i, mapped, whole);
+    }
+
+    /// [`Heap::finish_mapping`] for a block mapped as one unit (`whole`) or granule by
+    /// granule, as the caller decided when it started the mapping.
+    pub fn finish_mapping_as(&mut self, i: Idx, mapped: bool, whole: bool) {
         debug_assert_eq!(self.blocks[i as usize].state, BlockState::Mapping);
         if mapped {
             let (a, addr, size) = {
@@ -1499,7 +1517,6 @@ impl Heap {
                 (b.arena, b.addr, b.size)
             };
             let g = self.granule;
-            let whole = self.whole_unit_mapping(a);
             let units = &mut self.arena_mut(a).units;
             if whole {
                 units.insert(addr, addr + size);
@@ -1645,12 +1662,15 @@ impl Heap {
     /// Whether a `Mapping` block of arena `a` is mapped as one unit (one device `map`
     /// call: one physical allocation on CUDA, faster for the kernels that use it) rather
     /// than one unit per granule. Placement arenas (the plan pool) map whole blocks: they
-    /// are pinned, so nothing is released from them while they serve. Online arenas, and
-    /// a placement arena no longer pinned (its plan given up or unloaded), map granule by
-    /// granule, so that a release can give back any free granule.
+    /// are pinned, so nothing is released from them while they serve. Online arenas, a
+    /// placement arena no longer pinned (its plan given up or unloaded), and every arena
+    /// under a memory limit (`Heap::set_fine_units`) map granule by granule, so that a
+    /// release can give back any free granule.
     pub fn whole_unit_mapping(&self, a: ArenaId) -> bool {
-        self.arena(a)
-            .is_some_and(|x| x.free_by_addr.is_some() && x.pinned)
+        !self.fine_units
+            && self
+                .arena(a)
+                .is_some_and(|x| x.free_by_addr.is_some() && x.pinned)
     }
 
     /// The largest range inside the granule-aligned mapped range `[lo, hi)` that is a

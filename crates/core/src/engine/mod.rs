@@ -1041,7 +1041,7 @@ impl<D: DeviceMemory> Engine<D> {
             .map_or(total / 8 * 9, Bytes::get)
             .max(granule);
         let arena_size = want.div_ceil(granule).saturating_mul(granule);
-        let state = State {
+        let mut state = State {
             heap: Heap::new(granule),
             arena_of: FxHashMap::default(),
             live: LiveMap::default(),
@@ -1056,6 +1056,7 @@ impl<D: DeviceMemory> Engine<D> {
             abandoned: None,
             keep_arenas: false,
         };
+        state.heap.set_fine_units(limit < total);
         Ok(Engine {
             dev,
             device: config.device,
@@ -1320,8 +1321,8 @@ impl<D: DeviceMemory> Engine<D> {
             .collect();
         let mut st = self.lock()?;
         st.mapping -= total;
-        for ((&i, &(_, size, _, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
-            st.heap.finish_mapping(i, r.is_ok());
+        for ((&i, &(_, size, whole, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
+            st.heap.finish_mapping_as(i, r.is_ok(), whole);
             if r.is_ok() {
                 stats::increase(&mut st.stats.reserved_bytes, kind, size);
                 st.stats.num_device_alloc += 1;
@@ -1768,7 +1769,10 @@ impl<D: DeviceMemory> Engine<D> {
     /// beyond it fails (after one release of cached memory).
     pub fn set_memory_limit(&self, limit: MemoryLimit) -> Result<(), EngineError> {
         let bytes = limit_bytes(limit, self.total)?;
-        self.lock()?.limit = bytes;
+        let mut st = self.lock()?;
+        st.limit = bytes;
+        // Under a limit the plan pool maps granule by granule (`Heap::set_fine_units`).
+        st.heap.set_fine_units(bytes < self.total);
         Ok(())
     }
 
