@@ -20,11 +20,8 @@ use stweaver_planner::input::load_traces;
 use stweaver_planner::planning::{PlanOptions, PlanOutcome, check_coverage, plan_trace};
 
 fn trace(name: &str) -> Trace {
-    let path = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../data/traces"
-    ))
-    .join(format!("{name}.pickle.gz"));
+    let path = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces"))
+        .join(format!("{name}.pickle.gz"));
     let mut traces = load_traces(&path).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(traces.len(), 1, "{name}: one device");
     traces.remove(0)
