@@ -957,6 +957,54 @@ impl<'a> Analysis<'a> {
     }
 }
 
+/// Why a budget string is not a size.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BudgetParseError {
+    #[error(
+        "budget {0:?} looks like a fraction of device memory, which only the runtime knows; give a size (e.g. 16GiB, 512MiB, or bytes)"
+    )]
+    Fraction(String),
+    #[error("budget {0:?} is not a size (e.g. 16GiB, 512MiB, 1.5GB, or bytes)")]
+    NotASize(String),
+    #[error("budget {0:?} is zero or too large")]
+    OutOfRange(String),
+}
+
+/// Parses a budget: bytes (`1073741824`), or a number with a binary (`KiB`, `MiB`,
+/// `GiB`, `TiB`) or decimal (`KB`, `MB`, `GB`, `TB`) unit, case-insensitive, e.g.
+/// `16GiB`, `512MiB`, `1.5GB`. A bare number in `(0, 1]` with a decimal point (`0.8`)
+/// is a fraction of device memory, a runtime notion: refused.
+pub fn parse_budget(s: &str) -> Result<Bytes, BudgetParseError> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    let mult: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(BudgetParseError::NotASize(s.to_owned())),
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| BudgetParseError::NotASize(s.to_owned()))?;
+    if unit.is_empty() && num.contains('.') && v > 0.0 && v <= 1.0 {
+        return Err(BudgetParseError::Fraction(s.to_owned()));
+    }
+    let bytes = (v * mult).round();
+    if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(BudgetParseError::OutOfRange(s.to_owned()));
+    }
+    Ok(Bytes(bytes as u64))
+}
+
 /// `size` rounded up to the plan alignment (sizes that overflow were refused by the
 /// planner already).
 fn pad(size: Bytes) -> u64 {
@@ -1028,6 +1076,36 @@ impl MaxTree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_parse_sizes_and_refuse_fractions() {
+        assert_eq!(parse_budget("16GiB"), Ok(Bytes(16 << 30)));
+        assert_eq!(parse_budget("512 MiB"), Ok(Bytes(512 << 20)));
+        assert_eq!(parse_budget("1.5gb"), Ok(Bytes(1_500_000_000)));
+        assert_eq!(parse_budget("4096"), Ok(Bytes(4096)));
+        assert!(matches!(
+            parse_budget("0.8"),
+            Err(BudgetParseError::Fraction(_))
+        ));
+        assert!(
+            parse_budget("0.8")
+                .unwrap_err()
+                .to_string()
+                .contains("runtime")
+        );
+        assert!(matches!(
+            parse_budget("16 parsecs"),
+            Err(BudgetParseError::NotASize(_))
+        ));
+        assert!(matches!(
+            parse_budget("0"),
+            Err(BudgetParseError::OutOfRange(_))
+        ));
+        assert!(matches!(
+            parse_budget(""),
+            Err(BudgetParseError::NotASize(_))
+        ));
+    }
 
     #[test]
     fn max_tree_matches_a_plain_array() {
