@@ -9,6 +9,7 @@ use stweaver_core::verify::verify_plan;
 use stweaver_core::{
     AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, StreamId, Trace,
 };
+use stweaver_planner::classify::{Steady, classify};
 use stweaver_planner::offload::{OffloadError, OffloadOptions, Timing, plan_with_budget};
 
 const MIB: u64 = 1 << 20;
@@ -124,6 +125,42 @@ fn transformer() -> Shape {
         temp: 16 * MIB,
         grad: 8 * MIB,
         iterations: 4,
+    }
+}
+
+#[test]
+fn saved_events_change_neither_the_period_nor_the_classes() {
+    for timed in [0, 1000] {
+        let with = build(&transformer(), timed, true);
+        let without = build(&transformer(), timed, false);
+        for t in [&with, &without] {
+            // Also without iteration markers: the period comes from the sequence.
+            let mut bare = t.clone();
+            bare.events
+                .retain(|e| !matches!(e.kind, EventKind::Marker { .. }));
+            let (a, b) = (classify(t), classify(&bare));
+            assert!(matches!(a.steady, Steady::Periodic(_)));
+            assert!(matches!(b.steady, Steady::Periodic(_)));
+        }
+        let (a, b) = (classify(&with), classify(&without));
+        assert_eq!(
+            (a.prologue_len, a.iteration_len, a.repetitions),
+            (b.prologue_len, b.iteration_len, b.repetitions)
+        );
+        assert_eq!(a.slots, b.slots);
+        assert_eq!(a.classes, b.classes);
+        let strip = |t: &Trace| {
+            let mut t = t.clone();
+            t.events
+                .retain(|e| !matches!(e.kind, EventKind::Marker { .. }));
+            classify(&t)
+        };
+        let (a, b) = (strip(&with), strip(&without));
+        assert_eq!(
+            (a.iteration_len, a.slots.len()),
+            (b.iteration_len, b.slots.len())
+        );
+        assert_eq!(a.classes, b.classes);
     }
 }
 

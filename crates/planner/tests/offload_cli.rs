@@ -204,3 +204,21 @@ fn compare_says_which_rows_fit_the_budget() {
         "{s}"
     );
 }
+
+#[test]
+fn verify_accepts_an_offload_plan_for_its_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("t.stwt");
+    write_trace_file(&input, &trace(true)).unwrap();
+    let out = dir.path().join("p.stwp");
+    let (i, p) = (input.to_str().unwrap(), out.to_str().unwrap());
+    let o = stweaver(&["plan", i, "--budget", "280MiB", "-o", p]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = stweaver(&["verify", p, "--trace", i]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("offloads 3 saved tensors"),
+        "{}",
+        text(&o)
+    );
+}
