@@ -201,6 +201,35 @@ fn transformer_at_0_8_lb_moves_far_fewer_bytes_than_everything() {
 }
 
 #[test]
+fn without_iteration_markers_the_schedule_is_the_same() {
+    let mut trace = build(&transformer(), 1000, true);
+    let budget = Bytes(trace.lower_bound().bytes.get() * 8 / 10);
+    let marked = plan_with_budget(&trace, &OffloadOptions::new(budget)).unwrap();
+    trace
+        .events
+        .retain(|e| !matches!(e.kind, EventKind::Marker { .. }));
+    let bare = plan_with_budget(&trace, &OffloadOptions::new(budget)).unwrap();
+    verify_plan(&bare.outcome.plan).unwrap();
+    assert!(bare.outcome.plan.pool_size <= budget);
+    assert_eq!(
+        bare.offload.bytes_per_iteration,
+        marked.offload.bytes_per_iteration
+    );
+    let ords = |o: &stweaver_planner::offload::BudgetOutcome| {
+        let mut v: Vec<(u32, u32)> = o
+            .outcome
+            .plan
+            .offload
+            .iter()
+            .map(|e| (e.pack, e.unpack))
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(ords(&bare), ords(&marked));
+}
+
+#[test]
 fn a_slow_link_stalls_and_event_counts_time_a_trace_without_times() {
     // Per iteration: `a` (8 MiB) saved early, 30 ms of small work, a 64 MiB temporary
     // (the peak), `b` saved 1 ms before backward unpacks `a`. At 1 GB/s the copy out
