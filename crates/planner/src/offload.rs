@@ -168,6 +168,10 @@ pub struct BudgetOutcome {
     /// with its report and classification.
     pub outcome: PlanOutcome,
     pub offload: OffloadReport,
+    /// The trace as the run will look with the schedule applied (what the plan's
+    /// requests are made from; `None` without offload): replay it against the plan to
+    /// see the engine serve it (`engine_replay`).
+    pub rewritten: Option<Trace>,
 }
 
 /// What holds the minimum peak (see [`OffloadError::BelowMinimum`]).
@@ -264,6 +268,7 @@ pub fn plan_with_budget(
         return Ok(BudgetOutcome {
             outcome: base,
             offload: report,
+            rewritten: None,
         });
     }
     if !trace
@@ -352,6 +357,7 @@ pub fn plan_with_budget(
         return Ok(BudgetOutcome {
             outcome: out,
             offload: report,
+            rewritten: Some(rewritten),
         });
     }
     Err(OffloadError::NotReached {

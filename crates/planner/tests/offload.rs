@@ -10,6 +10,7 @@ use stweaver_core::{
     AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, StreamId, Trace,
 };
 use stweaver_planner::classify::{Steady, classify};
+use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
 use stweaver_planner::offload::{OffloadError, OffloadOptions, Timing, plan_with_budget};
 
 const MIB: u64 = 1 << 20;
@@ -195,6 +196,20 @@ fn transformer_at_0_8_lb_moves_far_fewer_bytes_than_everything() {
             .expect("an earlier unpack leaves time");
         assert!(trigger < e.unpack);
     }
+    // The engine serves the run as rewritten for the schedule from the plan, with no
+    // overlap (checked at every step) and every request at its planned place.
+    let rewritten = o.rewritten.as_ref().expect("offloads");
+    let served = replay_engine(
+        rewritten,
+        &ServeMode::Plan(plan),
+        &EngineReplayOptions::default(),
+    )
+    .expect("replays");
+    assert_eq!(served.plan_abandoned, None);
+    let stats = served.plan_stats.expect("plan mode");
+    assert_eq!(stats.conflicts, 0, "{stats:?}");
+    assert_eq!(served.counts.online, 0, "{:?}", served.counts);
+    assert!(served.peak_reserved <= budget, "{}", served.peak_reserved);
     // And the file keeps the schedule.
     let back = plan_from_bytes(&plan_to_bytes(plan).unwrap()).unwrap();
     assert_eq!(&back, plan);
