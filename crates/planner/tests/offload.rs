@@ -449,6 +449,13 @@ proptest! {
                 }
                 let back = plan_from_bytes(&plan_to_bytes(plan).unwrap()).unwrap();
                 prop_assert_eq!(&back, plan);
+                if let Some(run) = &o.rewritten {
+                    // The engine serves the rewritten run from the plan (every step
+                    // overlap-checked), all at planned places.
+                    let served = replay_engine(run, &ServeMode::Plan(plan), &EngineReplayOptions::default())
+                        .expect("replays");
+                    prop_assert_eq!(served.counts.online, 0);
+                }
             }
             Err(OffloadError::BelowMinimum { minimum: m, .. }) => {
                 prop_assert!(m > budget);
