@@ -66,11 +66,13 @@ pub enum FormatError {
     #[error("corrupt: the FlatBuffers verifier rejected it: {0}")]
     Verifier(String),
     #[error(
-        "unsupported format version {found} (this build reads version {supported}; the file was written by {producer})"
+        "unsupported format version {found} (this build reads {}; the file was written by {producer})",
+        versions_text(supported)
     )]
     UnsupportedVersion {
         found: u32,
-        supported: u32,
+        /// The versions this build reads, ascending.
+        supported: &'static [u32],
         producer: String,
     },
     #[error("corrupt: {table} record {index}: {problem}")]
@@ -220,6 +222,18 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// `version 1` / `versions 1 and 2` / `versions 1, 2 and 3`.
+fn versions_text(v: &[u32]) -> String {
+    match v {
+        [] => "no version".to_owned(),
+        [one] => format!("version {one}"),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(u32::to_string).collect();
+            format!("versions {} and {last}", init.join(", "))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,19 @@
 //! Laid out on one timeline, the prologue occupies `[0, P)` and iteration `k` occupies
 //! `[P + k·L, P + (k+1)·L)`; a plan is valid when, on that unrolled timeline, no two
 //! live requests overlap in `[offset, offset + size)` and everything fits in the pool.
+//! # Offload under a memory budget
+//!
+//! A plan made for a device memory budget ([`Plan::budget`]) may move saved
+//! activations to pinned host memory between forward and backward
+//! ([`Plan::offload`], steady iteration only). Each [`OffloadEntry`] splits one
+//! tensor's allocation in two requests of the iteration section: the *out* request
+//! (the tensor as made in forward; at its `SavedPack` the runtime starts an async copy
+//! to host on a side stream and drops the device reference, so the free is requested
+//! at the pack and completes when the copy is done) and the *back* request (the copy
+//! back, allocated when the prefetch is triggered and freed where the original tensor
+//! was). Pack and unpack are counted per steady iteration, from 0, in the order the
+//! run makes them ([`Plan::saved_packs`], [`Plan::saved_unpacks`] per iteration).
+//!
 //! That check is the verifier's job (`crate::verify`), not this module's: a plan is a
 //! plain value.
 
@@ -40,6 +53,27 @@ pub struct PlannedRequest {
     /// Free time, in the section's plan clock (may exceed the section length), or
     /// [`NEVER_FREED`].
     pub end: u64,
+}
+
+/// One saved activation moved to pinned host memory in every steady iteration (module
+/// docs, offload).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct OffloadEntry {
+    /// Ordinal of the tensor's `SavedPack` within the steady iteration (0-based).
+    pub pack: u32,
+    /// Ordinal of the tensor's `SavedUnpack` within the steady iteration.
+    pub unpack: u32,
+    /// The copy back starts right after the `SavedUnpack` of this ordinal (an earlier
+    /// unpack of the same iteration); `None`: right after the last `SavedPack` of the
+    /// iteration that precedes this tensor's unpack (the end of forward), the earliest
+    /// point of backward, used when no unpack leaves the copy enough time (a stall).
+    pub prefetch_after_unpack: Option<u32>,
+    /// The tensor's size (the out and back requests' size).
+    pub bytes: Bytes,
+    /// Index in [`Plan::iteration`] of the original (device) request.
+    pub out_request: u32,
+    /// Index in [`Plan::iteration`] of the copy-back request.
+    pub back_request: u32,
 }
 
 /// What the planner saw but left to dynamic serving (token-dependent shapes and the
@@ -77,4 +111,12 @@ pub struct Plan {
     pub iteration_len: u64,
     /// What was left to dynamic serving.
     pub dynamic: DynamicSummary,
+    /// The device memory budget the plan was made for (`pool_size <= budget`), if any.
+    pub budget: Option<Bytes>,
+    /// Saved activations moved to host memory in every steady iteration (module docs).
+    pub offload: Vec<OffloadEntry>,
+    /// `SavedPack` events per steady iteration (0 unless the plan offloads).
+    pub saved_packs: u32,
+    /// `SavedUnpack` events per steady iteration (0 unless the plan offloads).
+    pub saved_unpacks: u32,
 }

@@ -11,6 +11,12 @@
 //! streams using it passed their recorded events). Lifetimes end at `FreeCompleted`
 //! when present, else at `FreeRequested`.
 //!
+//! Two more events are markers that allocate nothing: `SavedPack` (autograd's pack hook
+//! saved, in forward, a tensor whose storage is a whole live allocation) and
+//! `SavedUnpack` (backward unpacked it). They say when a saved activation is needed
+//! again, which is what planned offload to host memory works from
+//! (`stweaver_planner::offload`).
+//!
 //! [`Trace::validate`] checks the structural rules once (O(events + allocations));
 //! everything downstream may then rely on them.
 
@@ -50,6 +56,25 @@ pub enum EventKind {
         kind: MarkerKind,
         label: Option<u32>,
     },
+    /// Autograd's pack hook saved a tensor whose storage is this whole allocation (in
+    /// forward). Allocates nothing; the allocation is live here.
+    SavedPack(AllocId),
+    /// Backward unpacked a tensor saved by a `SavedPack` of this allocation. Allocates
+    /// nothing; the allocation is live here.
+    SavedUnpack(AllocId),
+}
+
+impl EventKind {
+    /// True for the events that are requests to the allocator (`Alloc`,
+    /// `FreeRequested`, `FreeCompleted`): the ticks of the planner's plan clock. Markers
+    /// and saved-tensor events are not.
+    #[inline]
+    pub fn is_request(self) -> bool {
+        matches!(
+            self,
+            EventKind::Alloc(_) | EventKind::FreeRequested(_) | EventKind::FreeCompleted(_)
+        )
+    }
 }
 
 /// An event and when it happened (µs since the Unix epoch, 0 when unknown).
@@ -114,6 +139,15 @@ pub enum TraceError {
     NeverAllocated { alloc: AllocId },
     #[error("event {event} frees allocation {alloc}, which is not live there")]
     FreeOfDead { alloc: AllocId, event: EventIdx },
+    #[error(
+        "event {event} is a saved-tensor {what} of allocation {alloc}, which is not live there"
+    )]
+    SavedOfDead {
+        alloc: AllocId,
+        event: EventIdx,
+        /// `"pack"` or `"unpack"`.
+        what: &'static str,
+    },
     #[error("event {event} marker label {label} is out of range ({count} labels)")]
     UnknownLabel {
         event: EventIdx,
@@ -128,7 +162,9 @@ impl Trace {
     /// Checks the structural rules: every event names an existing allocation; every
     /// allocation has a non-zero size, exactly one `Alloc` event unless preexisting
     /// (then none), and at most one `FreeRequested` and one `FreeCompleted`, each after
-    /// its `Alloc`, `FreeCompleted` after `FreeRequested`; marker labels exist.
+    /// its `Alloc`, `FreeCompleted` after `FreeRequested`; marker labels exist; a
+    /// `SavedPack` / `SavedUnpack` names an allocation that is live (allocated or
+    /// preexisting, no free requested yet) at the event.
     pub fn validate(&self) -> Result<(), TraceError> {
         if self.events.is_empty() {
             return Err(TraceError::Empty);
@@ -156,7 +192,9 @@ impl Trace {
             let id = match e.kind {
                 EventKind::Alloc(id)
                 | EventKind::FreeRequested(id)
-                | EventKind::FreeCompleted(id) => id,
+                | EventKind::FreeCompleted(id)
+                | EventKind::SavedPack(id)
+                | EventKind::SavedUnpack(id) => id,
                 EventKind::Marker { label, .. } => {
                     if let Some(label) = label
                         && label as usize >= self.labels.len()
@@ -205,6 +243,20 @@ impl Trace {
                     }
                     *s = 3;
                 }
+                EventKind::SavedPack(_) | EventKind::SavedUnpack(_) => {
+                    if *s != 1 {
+                        let what = if matches!(e.kind, EventKind::SavedPack(_)) {
+                            "pack"
+                        } else {
+                            "unpack"
+                        };
+                        return Err(TraceError::SavedOfDead {
+                            alloc: id,
+                            event,
+                            what,
+                        });
+                    }
+                }
                 EventKind::Marker { .. } => unreachable!("markers handled above"),
             }
         }
@@ -238,7 +290,7 @@ impl Trace {
                     }
                 }
                 EventKind::FreeCompleted(id) => out[id.index()].end = Some(at),
-                EventKind::Marker { .. } => {}
+                EventKind::Marker { .. } | EventKind::SavedPack(_) | EventKind::SavedUnpack(_) => {}
             }
         }
         out
@@ -353,5 +405,47 @@ mod tests {
         };
         assert!(matches!(t.validate(), Err(TraceError::UnknownAlloc { .. })));
         assert_eq!(Trace::default().validate(), Err(TraceError::Empty));
+    }
+
+    #[test]
+    fn saved_events_need_a_live_allocation_and_allocate_nothing() {
+        let base = |kinds: Vec<EventKind>| Trace {
+            device: DeviceId(0),
+            allocations: vec![alloc(10)],
+            events: kinds.into_iter().map(ev).collect(),
+            labels: vec![],
+        };
+        let ok = base(vec![
+            EventKind::Alloc(AllocId(0)),
+            EventKind::SavedPack(AllocId(0)),
+            EventKind::SavedUnpack(AllocId(0)),
+            EventKind::FreeRequested(AllocId(0)),
+        ]);
+        ok.validate().unwrap();
+        assert_eq!(ok.lower_bound().bytes, Bytes(10));
+        assert_eq!(ok.lifetimes()[0].end, Some(EventIdx(3)));
+        assert!(!EventKind::SavedPack(AllocId(0)).is_request());
+        assert!(EventKind::FreeCompleted(AllocId(0)).is_request());
+        let late = base(vec![
+            EventKind::Alloc(AllocId(0)),
+            EventKind::FreeRequested(AllocId(0)),
+            EventKind::SavedUnpack(AllocId(0)),
+        ]);
+        assert_eq!(
+            late.validate(),
+            Err(TraceError::SavedOfDead {
+                alloc: AllocId(0),
+                event: EventIdx(2),
+                what: "unpack"
+            })
+        );
+        let early = base(vec![
+            EventKind::SavedPack(AllocId(0)),
+            EventKind::Alloc(AllocId(0)),
+        ]);
+        assert!(matches!(
+            early.validate(),
+            Err(TraceError::SavedOfDead { what: "pack", .. })
+        ));
     }
 }

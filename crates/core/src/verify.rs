@@ -11,6 +11,16 @@
 //! 4. **no overlap in address × time**: on the unrolled timeline (the prologue on
 //!    `[0, P)`, iteration `k` on `[P + k·L, P + (k+1)·L)`), no two live requests share a
 //!    byte.
+//! 5. **budget and offload** (a plan with [`Plan::budget`] or [`Plan::offload`]):
+//!    `pool_size <= budget` (the pool is the planned device peak); an offload schedule
+//!    needs a budget; every [`crate::plan::OffloadEntry`] names two different existing
+//!    iteration requests (its out and back requests, each used by no other entry) of
+//!    its size and on one stream, the back request starts after the out request
+//!    starts and ends after it ends, the out request ends within its iteration (the
+//!    device copy is gone before the iteration's backward needs the tensor back);
+//!    ordinals are in range (`pack < saved_packs`, `unpack` and the prefetch trigger
+//!    `< saved_unpacks`), the trigger is an earlier unpack than the tensor's own, and
+//!    no two entries share a pack or an unpack. O(entries + iteration requests).
 //!
 //! Coverage (every planned allocation of a trace has a request) is checked by the
 //! planner, which owns the mapping from trace to plan.
@@ -114,6 +124,12 @@ pub enum PlanViolation {
         b_size: Bytes,
         tick: u64,
     },
+    #[error("the pool ({pool}) is larger than the plan's budget ({budget})")]
+    OverBudget { pool: Bytes, budget: Bytes },
+    #[error("the plan offloads {0} tensors but has no budget")]
+    OffloadWithoutBudget(usize),
+    #[error("offload entry #{entry}: {problem}")]
+    BadOffload { entry: usize, problem: String },
     #[error("the unrolled timeline would need {0} entries, more than the verifier accepts")]
     TooLarge(u128),
     #[error(
@@ -228,6 +244,7 @@ pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
             });
         }
     }
+    check_offload(plan, &mut errs);
     if !errs.is_empty() {
         errs.truncate(MAX_REPORTED);
         return Err(PlanViolations(errs));
@@ -362,6 +379,95 @@ pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
     })
 }
 
+/// Check 5 of the module docs.
+fn check_offload(plan: &Plan, errs: &mut Vec<PlanViolation>) {
+    if let Some(budget) = plan.budget
+        && plan.pool_size > budget
+    {
+        errs.push(PlanViolation::OverBudget {
+            pool: plan.pool_size,
+            budget,
+        });
+    }
+    if plan.offload.is_empty() {
+        return;
+    }
+    if plan.budget.is_none() {
+        errs.push(PlanViolation::OffloadWithoutBudget(plan.offload.len()));
+    }
+    let n = plan.iteration.len();
+    let mut request_used = vec![false; n];
+    let mut pack_used = std::collections::HashSet::new();
+    let mut unpack_used = std::collections::HashSet::new();
+    for (entry, o) in plan.offload.iter().enumerate() {
+        let mut bad = |problem: String| errs.push(PlanViolation::BadOffload { entry, problem });
+        let (out, back) = (o.out_request as usize, o.back_request as usize);
+        if out >= n || back >= n || out == back {
+            bad(format!(
+                "out request #{out} and back request #{back} must be two different requests of the {n} of the iteration"
+            ));
+            continue;
+        }
+        for r in [out, back] {
+            if std::mem::replace(&mut request_used[r], true) {
+                bad(format!("iteration request #{r} is used by another entry"));
+            }
+        }
+        let (ro, rb) = (&plan.iteration[out], &plan.iteration[back]);
+        if ro.size != o.bytes || rb.size != o.bytes {
+            bad(format!(
+                "{} moved, but the out request has {} and the back request {}",
+                o.bytes, ro.size, rb.size
+            ));
+        }
+        if ro.stream != rb.stream {
+            bad(format!(
+                "the out request is on {} and the back request on {}",
+                ro.stream, rb.stream
+            ));
+        }
+        if rb.start <= ro.start || rb.end <= ro.end {
+            bad(format!(
+                "the back request [{}, {}) must start after the out request [{}, {}) starts and end after it ends",
+                rb.start, rb.end, ro.start, ro.end
+            ));
+        }
+        if ro.end > plan.iteration_len {
+            bad(format!(
+                "the out request ends at tick {}, past its iteration ({} ticks)",
+                ro.end, plan.iteration_len
+            ));
+        }
+        if o.pack >= plan.saved_packs {
+            bad(format!(
+                "pack ordinal {} but {} packs per iteration",
+                o.pack, plan.saved_packs
+            ));
+        } else if !pack_used.insert(o.pack) {
+            bad(format!("pack ordinal {} is used by another entry", o.pack));
+        }
+        if o.unpack >= plan.saved_unpacks {
+            bad(format!(
+                "unpack ordinal {} but {} unpacks per iteration",
+                o.unpack, plan.saved_unpacks
+            ));
+        } else if !unpack_used.insert(o.unpack) {
+            bad(format!(
+                "unpack ordinal {} is used by another entry",
+                o.unpack
+            ));
+        }
+        if let Some(t) = o.prefetch_after_unpack
+            && t >= o.unpack
+        {
+            bad(format!(
+                "the copy back is triggered by unpack {t}, not before the tensor's own unpack {}",
+                o.unpack
+            ));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,6 +495,79 @@ mod tests {
             iteration,
             iteration_len: l,
             dynamic: Default::default(),
+            ..Plan::default()
+        }
+    }
+
+    /// An activation (request 0) offloaded at its pack and copied back as request 2.
+    fn offload_plan() -> Plan {
+        let mut p = plan(
+            vec![],
+            0,
+            vec![req(512, 0, 0, 2), req(512, 0, 2, 4), req(512, 512, 3, 5)],
+            6,
+        );
+        p.pool_size = Bytes(1024);
+        p.budget = Some(Bytes(1024));
+        p.saved_packs = 1;
+        p.saved_unpacks = 2;
+        p.offload = vec![crate::plan::OffloadEntry {
+            pack: 0,
+            unpack: 1,
+            prefetch_after_unpack: Some(0),
+            bytes: Bytes(512),
+            out_request: 0,
+            back_request: 2,
+        }];
+        p
+    }
+
+    fn offload_problems(p: &Plan) -> Vec<String> {
+        match verify_plan(p) {
+            Ok(_) => vec![],
+            Err(v) => v.0.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn checks_budget_and_offload_entries() {
+        assert_eq!(offload_problems(&offload_plan()), Vec::<String>::new());
+        let mut p = offload_plan();
+        p.budget = Some(Bytes(512));
+        assert!(offload_problems(&p)[0].contains("larger than the plan's budget"));
+        let mut p = offload_plan();
+        p.budget = None;
+        assert!(offload_problems(&p)[0].contains("no budget"));
+        type Edit = fn(&mut Plan);
+        let cases: Vec<(Edit, &str)> = vec![
+            (|p| p.offload[0].back_request = 7, "two different requests"),
+            (|p| p.offload[0].back_request = 0, "two different requests"),
+            (|p| p.offload[0].bytes = Bytes(511), "moved, but"),
+            (|p| p.iteration[2].stream = StreamId(9), "on s0"),
+            (|p| p.iteration[2].start = 0, "must start after"),
+            (|p| p.iteration[0].end = 7, "past its iteration"),
+            (|p| p.offload[0].pack = 1, "pack ordinal 1 but 1"),
+            (|p| p.offload[0].unpack = 2, "unpack ordinal 2 but 2"),
+            (
+                |p| p.offload[0].prefetch_after_unpack = Some(1),
+                "not before the tensor's own unpack",
+            ),
+            (
+                |p| {
+                    let e = p.offload[0];
+                    p.offload.push(e);
+                },
+                "used by another entry",
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut p = offload_plan();
+            edit(&mut p);
+            let problems = offload_problems(&p);
+            assert!(
+                problems.iter().any(|m| m.contains(want)),
+                "{want:?} not in {problems:?}"
+            );
         }
     }
 

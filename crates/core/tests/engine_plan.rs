@@ -126,6 +126,7 @@ fn make_plan() -> Plan {
         iteration_len: steps.len() as u64,
         iteration,
         dynamic: Default::default(),
+        ..Default::default()
     };
     verify_plan(&plan).expect("the test's plan is valid");
     plan

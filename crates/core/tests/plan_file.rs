@@ -48,6 +48,7 @@ fn rich() -> Plan {
             requests: 17,
             peak_bytes: Bytes(3 * MIB),
         },
+        ..Default::default()
     }
 }
 
@@ -273,6 +274,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
                     requests: dr,
                     peak_bytes: Bytes(dp),
                 },
+                ..Default::default()
             }
         })
 }

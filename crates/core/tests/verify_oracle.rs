@@ -73,6 +73,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
                 .collect(),
             iteration_len: l,
             dynamic: Default::default(),
+            ..Default::default()
         })
     })
 }

@@ -220,14 +220,14 @@ pub struct ClassifyOptions {
 }
 
 /// The plan-clock tick of every event (the number of alloc and free events before it;
-/// a marker gets the tick of the request that follows it), and the total number of
+/// a marker or saved-tensor event gets the tick of the request that follows it), and the total number of
 /// ticks. O(events).
 pub fn plan_clock(trace: &Trace) -> (Vec<u64>, u64) {
     let mut ticks = Vec::with_capacity(trace.events.len());
     let mut t = 0u64;
     for e in &trace.events {
         ticks.push(t);
-        if !matches!(e.kind, EventKind::Marker { .. }) {
+        if e.kind.is_request() {
             t += 1;
         }
     }

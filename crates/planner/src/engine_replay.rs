@@ -340,6 +340,14 @@ pub fn trace_prefix(trace: &Trace, end: usize) -> Trace {
                 Some(n) => EventKind::FreeCompleted(n),
                 None => continue,
             },
+            EventKind::SavedPack(id) => match new_id[id.index()] {
+                Some(n) => EventKind::SavedPack(n),
+                None => continue,
+            },
+            EventKind::SavedUnpack(id) => match new_id[id.index()] {
+                Some(n) => EventKind::SavedUnpack(n),
+                None => continue,
+            },
             m @ EventKind::Marker { .. } => m,
         };
         events.push(Event {
@@ -741,6 +749,8 @@ pub fn replay_engine(
                     r.free(i, id)?;
                 }
             }
+            // Markers for the offload planner: nothing to allocate.
+            EventKind::SavedPack(_) | EventKind::SavedUnpack(_) => {}
             EventKind::Marker { kind, label } => {
                 let label = label.and_then(|l| trace.labels.get(l as usize));
                 r.engine

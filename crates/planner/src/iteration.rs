@@ -3,7 +3,8 @@
 //!
 //! # The request sequence
 //!
-//! Markers aside, every event becomes a token:
+//! Markers and saved-tensor events (`SavedPack`, `SavedUnpack`) aside, every event
+//! becomes a token:
 //!
 //! - `Alloc` → (size, stream);
 //! - `FreeRequested` / `FreeCompleted` → the *age* of the block in allocs (allocs made
@@ -197,6 +198,8 @@ impl RequestSequence {
                         (no, at) => ((tag, u64::from(allocs - no), 0), at),
                     }
                 }
+                // Saved-tensor events allocate nothing and are no part of the sequence.
+                EventKind::SavedPack(_) | EventKind::SavedUnpack(_) => continue,
                 EventKind::Marker { kind, label } => {
                     markers.push(MarkerAt {
                         kind,

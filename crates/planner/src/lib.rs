@@ -10,6 +10,7 @@ pub mod engine_replay;
 pub mod input;
 pub mod iteration;
 pub mod offline;
+pub mod offload;
 pub mod planning;
 pub mod replay;
 pub mod report;

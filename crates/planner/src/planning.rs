@@ -560,6 +560,11 @@ impl Ctx<'_> {
             iteration,
             iteration_len: self.c.iteration_len,
             dynamic: dynamic_summary(trace, self.c, self.life),
+            // Set by `crate::offload` for a plan made under a budget.
+            budget: None,
+            offload: Vec::new(),
+            saved_packs: 0,
+            saved_unpacks: 0,
         }
     }
 }

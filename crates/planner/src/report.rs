@@ -271,6 +271,14 @@ impl Comparison {
         out
     }
 
+    /// Whether each row's peak reserved fits a device memory budget, in row order.
+    pub fn fits(&self, budget: Bytes) -> Vec<(RowKind, bool)> {
+        self.rows
+            .iter()
+            .map(|r| (r.kind, r.peak_reserved <= budget))
+            .collect()
+    }
+
     /// The same, as JSON (bytes as integers).
     pub fn to_json(&self) -> serde_json::Value {
         let rows: Vec<serde_json::Value> = self
@@ -389,6 +397,9 @@ mod tests {
         assert!(table.contains("10.00 MiB (+20.0 %)"), "{table}");
         let j = c.to_json();
         assert_eq!(j["rows"][1]["peak_reserved"], 50 * M);
+        let fits = c.fits(Bytes(45 * M));
+        assert_eq!(fits[1], (RowKind::PytorchNative, false));
+        assert_eq!(fits[2], (RowKind::PytorchExpandable, true));
         assert_eq!(j["rows"][2]["saved_vs_native"], 10 * M);
         assert_eq!(j["rows"][3]["saved_vs_native"], -(10 * M as i64));
         assert_eq!(j["rows"][0]["kind"], "lower_bound");

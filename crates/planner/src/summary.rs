@@ -18,6 +18,9 @@ pub struct EventCounts {
     pub free_requested: usize,
     pub free_completed: usize,
     pub marker: usize,
+    /// `SavedPack` / `SavedUnpack` events (autograd's saved tensors, stweaver traces).
+    pub saved_pack: usize,
+    pub saved_unpack: usize,
 }
 
 /// Allocations by fate.
@@ -113,6 +116,8 @@ pub fn summarize(trace: &Trace) -> TraceSummary {
                 }
             }
             EventKind::Marker { .. } => events.marker += 1,
+            EventKind::SavedPack(_) => events.saved_pack += 1,
+            EventKind::SavedUnpack(_) => events.saved_unpack += 1,
         }
     }
     let mut allocations = AllocationCounts {

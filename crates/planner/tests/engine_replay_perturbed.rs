@@ -150,7 +150,9 @@ fn perturb(trace: &Trace, seed: u64, rate_per_10k: u64) -> Perturbed {
                             }
                         }
                     }
-                    EventKind::Marker { .. } => {}
+                    EventKind::Marker { .. }
+                    | EventKind::SavedPack(_)
+                    | EventKind::SavedUnpack(_) => {}
                 }
             }
             for nid in live {

@@ -182,6 +182,7 @@ use self::live::LiveMap;
 use self::plan_pool::stream_ranges;
 pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::record::Recorder;
+pub use self::record::SavedKind;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
 use self::streams::{EventQueue, PendingEvent, add_use};
 pub use self::virtual_memory::VirtualMemory;
@@ -2196,6 +2197,28 @@ impl<D: DeviceMemory> Engine<D> {
         Ok(())
     }
 
+    /// Records a `SavedPack` / `SavedUnpack` event for the allocation handed out at
+    /// `ptr` (autograd's saved-tensor hooks, whose tensor's storage is that whole
+    /// allocation). Returns whether an event was recorded: `false` when no trace is
+    /// being recorded, when no allocation that the caller has not freed starts at
+    /// `ptr` (an interior pointer, a freed or unknown block), or when the allocation is
+    /// not in the trace (the trace is full). O(1).
+    pub fn record_saved(&self, ptr: DevicePtr, kind: SavedKind) -> Result<bool, EngineError> {
+        let mut st = self.lock()?;
+        let st = &mut *st;
+        let Some(rec) = st.recorder.as_mut() else {
+            return Ok(false);
+        };
+        let Some(i) = st.live.get(ptr.get()) else {
+            return Ok(false);
+        };
+        let b = st.heap.block(i);
+        if b.state != BlockState::Allocated {
+            return Ok(false);
+        }
+        Ok(rec.saved(b.trace_id, kind))
+    }
+
     /// Records a marker in the trace (a no-op when not tracing).
     pub fn mark(&self, kind: MarkerKind, label: Option<&str>) -> Result<(), EngineError> {
         if let Some(r) = self.lock()?.recorder.as_mut() {
@@ -2545,6 +2568,40 @@ mod tests {
                     kind: MarkerKind::IterationBegin,
                     label: None
                 },
+            ]
+        );
+    }
+
+    #[test]
+    fn saved_tensor_events_name_the_live_allocation_at_the_pointer() {
+        let dev = flaky(1 << 30);
+        let e = engine(dev.clone(), MemoryLimit::Fraction(1.0));
+        let a = e.malloc(Bytes(1000), S0).unwrap();
+        assert!(!e.record_saved(a, SavedKind::Pack).unwrap(), "not tracing");
+        e.start_trace().unwrap();
+        let b = e.malloc(Bytes(2048), S0).unwrap();
+        assert!(e.record_saved(b, SavedKind::Pack).unwrap());
+        assert!(e.record_saved(a, SavedKind::Pack).unwrap());
+        assert!(
+            !e.record_saved(DevicePtr(b.get() + 512), SavedKind::Pack)
+                .unwrap(),
+            "an interior pointer"
+        );
+        assert!(e.record_saved(b, SavedKind::Unpack).unwrap());
+        e.record_stream(b, S1).unwrap();
+        e.free(b).unwrap(); // pending on S1
+        assert!(!e.record_saved(b, SavedKind::Unpack).unwrap(), "freed");
+        let t = e.take_trace().unwrap().unwrap();
+        t.validate().unwrap();
+        let kinds: Vec<EventKind> = t.events.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                EventKind::Alloc(AllocId(1)),
+                EventKind::SavedPack(AllocId(1)),
+                EventKind::SavedPack(AllocId(0)),
+                EventKind::SavedUnpack(AllocId(1)),
+                EventKind::FreeRequested(AllocId(1)),
             ]
         );
     }

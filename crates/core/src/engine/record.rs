@@ -4,7 +4,8 @@
 //! (the caller's unrounded size, the stream, the address handed out) with an `Alloc`
 //! event, a `FreeRequested` event when the caller frees, a `FreeCompleted` event when the
 //! memory is back in its arena (later than the request when other streams still used
-//! it), and markers (`mark_iteration`, `mark`). Blocks live when recording starts become
+//! it), markers (`mark_iteration`, `mark`) and autograd's saved-tensor events
+//! (`SavedPack` / `SavedUnpack`, from `Engine::record_saved`). Blocks live when recording starts become
 //! *preexisting* allocations, so the trace is valid on its own ([`Trace::validate`]).
 //!
 //! Each call is O(1) amortised (a push onto the trace's vectors; labels are interned in
@@ -24,6 +25,15 @@ pub(crate) const UNTRACED: u32 = u32::MAX;
 
 /// The largest number of events or allocations a trace may hold.
 const CAPACITY: usize = (u32::MAX - 1) as usize;
+
+/// Which saved-tensor hook ran ([`crate::engine::Engine::record_saved`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SavedKind {
+    /// Autograd's pack hook saved the tensor (forward): a `SavedPack` event.
+    Pack,
+    /// Backward unpacked it: a `SavedUnpack` event.
+    Unpack,
+}
 
 /// Builds a trace; see the module documentation.
 #[derive(Debug)]
@@ -111,6 +121,19 @@ impl Recorder {
         if id != UNTRACED {
             self.event(EventKind::FreeCompleted(AllocId(id)));
         }
+    }
+
+    /// A saved-tensor event of allocation `id` (which the caller knows is live).
+    /// False when `id` is not in the trace or the trace is full.
+    pub fn saved(&mut self, id: u32, kind: SavedKind) -> bool {
+        if id == UNTRACED || self.full() {
+            return false;
+        }
+        self.event(match kind {
+            SavedKind::Pack => EventKind::SavedPack(AllocId(id)),
+            SavedKind::Unpack => EventKind::SavedUnpack(AllocId(id)),
+        });
+        true
     }
 
     pub fn marker(&mut self, kind: MarkerKind, label: Option<&str>) {

@@ -7,7 +7,11 @@
 //! device, alignment, pool size, lower bound, the digest of the trace the plan was
 //! made from ([`crate::trace_file::trace_digest`]), the prologue and iteration request
 //! sequences as 40-byte structs `{bytes, stream, offset, start, end}` with their
-//! clock lengths, and the dynamic summary.
+//! clock lengths, and the dynamic summary. Version 2 adds the budget (0: none), the
+//! offload schedule (32-byte structs `{bytes, pack, unpack, prefetch_after_unpack,
+//! out_request, back_request}`, `0xFFFF_FFFF` for no trigger) and the saved-tensor
+//! event counts per iteration; version-1 files still load (no budget, no offload), other
+//! versions are refused naming the version found and those read ([`READ_VERSIONS`]).
 //!
 //! Reading ([`read_plan_file`], [`plan_from_bytes`]) maps the file, checks the
 //! envelope, runs the FlatBuffers verifier once (O(tables): each struct vector is one
@@ -42,12 +46,19 @@ use plan_generated::stweaver::plan_fb as fb;
 use crate::file_format::{
     self, FileKind, FormatError, IN_MEMORY, MAX_BUFFER, PRODUCER_NAME, PRODUCER_VERSION,
 };
-use crate::plan::{DynamicSummary, Plan, PlannedRequest};
+use crate::plan::{DynamicSummary, OffloadEntry, Plan, PlannedRequest};
 use crate::units::{Bytes, DeviceId, Offset, StreamId};
 use crate::verify::{PlanViolations, verify_plan};
 
-/// The plan format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The plan format version this build writes.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The versions this build reads: 1 (no budget, no offload schedule) and 2 (adds
+/// `budget`, `offload`, `saved_packs`, `saved_unpacks`; nothing else changed).
+pub const READ_VERSIONS: &[u32] = &[1, 2];
+
+/// `OffloadRec.prefetch_after_unpack` for `None`.
+const NO_TRIGGER: u32 = u32::MAX;
 
 /// The conventional file extension (without the dot).
 pub const EXTENSION: &str = "stwp";
@@ -213,10 +224,35 @@ fn request(r: &fb::RequestRec) -> PlannedRequest {
     }
 }
 
+fn offload_record(o: &OffloadEntry) -> fb::OffloadRec {
+    fb::OffloadRec::new(
+        o.bytes.get(),
+        o.pack,
+        o.unpack,
+        o.prefetch_after_unpack.unwrap_or(NO_TRIGGER),
+        o.out_request,
+        o.back_request,
+    )
+}
+
+fn offload_entry(r: &fb::OffloadRec) -> OffloadEntry {
+    OffloadEntry {
+        pack: r.pack(),
+        unpack: r.unpack(),
+        prefetch_after_unpack: (r.prefetch_after_unpack() != NO_TRIGGER)
+            .then_some(r.prefetch_after_unpack()),
+        bytes: Bytes(r.bytes()),
+        out_request: r.out_request(),
+        back_request: r.back_request(),
+    }
+}
+
 fn encode(plan: &Plan) -> Result<Vec<u8>, Failure> {
     verify_plan(plan).map_err(Failure::Invalid)?;
     // The builder panics past 2 GiB; refuse before that with an error.
-    let estimated = 512 + 40 * (plan.prologue.len() as u64 + plan.iteration.len() as u64);
+    let estimated = 512
+        + 40 * (plan.prologue.len() as u64 + plan.iteration.len() as u64)
+        + 32 * plan.offload.len() as u64;
     if estimated >= MAX_BUFFER {
         return Err(FormatError::TooLarge { estimated }.into());
     }
@@ -224,6 +260,7 @@ fn encode(plan: &Plan) -> Result<Vec<u8>, Failure> {
     let mut fbb = FlatBufferBuilder::with_capacity(estimated as usize);
     let iteration = fbb.create_vector_from_iter(plan.iteration.iter().map(record));
     let prologue = fbb.create_vector_from_iter(plan.prologue.iter().map(record));
+    let offload = fbb.create_vector_from_iter(plan.offload.iter().map(offload_record));
     let name = fbb.create_string(PRODUCER_NAME);
     let version = fbb.create_string(PRODUCER_VERSION);
     let producer = fb::Producer::create(
@@ -249,6 +286,10 @@ fn encode(plan: &Plan) -> Result<Vec<u8>, Failure> {
             iteration: Some(iteration),
             iteration_len: plan.iteration_len,
             dynamic: Some(&dynamic),
+            budget: plan.budget.map_or(0, Bytes::get),
+            offload: Some(offload),
+            saved_packs: plan.saved_packs,
+            saved_unpacks: plan.saved_unpacks,
         },
     );
     fb::finish_size_prefixed_plan_file_buffer(&mut fbb, root);
@@ -260,11 +301,11 @@ fn decode(buf: &[u8]) -> Result<Plan, Failure> {
     let opts = file_format::verifier_options(buf.len());
     let pf = fb::size_prefixed_root_as_plan_file_with_opts(&opts, buf)
         .map_err(|e| FormatError::Verifier(file_format::verifier_message(&e)))?;
-    if pf.format_version() != FORMAT_VERSION {
+    if !READ_VERSIONS.contains(&pf.format_version()) {
         let producer = pf.producer();
         return Err(FormatError::UnsupportedVersion {
             found: pf.format_version(),
-            supported: FORMAT_VERSION,
+            supported: READ_VERSIONS,
             producer: file_format::producer_text(
                 producer.and_then(|p| p.name()),
                 producer.and_then(|p| p.version()),
@@ -289,6 +330,14 @@ fn decode(buf: &[u8]) -> Result<Plan, Failure> {
         iteration: pf.iteration().iter().map(request).collect(),
         iteration_len: pf.iteration_len(),
         dynamic,
+        // Version 1 has none of these fields: they read as absent (0, none).
+        budget: (pf.budget() != 0).then_some(Bytes(pf.budget())),
+        offload: pf
+            .offload()
+            .map(|v| v.iter().map(offload_entry).collect())
+            .unwrap_or_default(),
+        saved_packs: pf.saved_packs(),
+        saved_unpacks: pf.saved_unpacks(),
     };
     verify_plan(&plan).map_err(Failure::Invalid)?;
     Ok(plan)
@@ -325,6 +374,7 @@ mod tests {
                 requests: 3,
                 peak_bytes: Bytes(99),
             },
+            ..Plan::default()
         }
     }
 
@@ -380,10 +430,46 @@ mod tests {
             e,
             FormatError::UnsupportedVersion {
                 found: 7,
-                supported: FORMAT_VERSION,
+                supported: READ_VERSIONS,
                 producer: "an unnamed producer".into()
             }
         );
+    }
+
+    #[test]
+    fn version_1_files_load_without_budget_or_offload() {
+        // `raw` writes the version-1 layout: none of the version-2 fields.
+        let p = small();
+        let back = plan_from_bytes(&raw(1, &p, true)).unwrap();
+        assert_eq!(back.iteration, p.iteration);
+        assert_eq!(back.budget, None);
+        assert!(back.offload.is_empty());
+        let e = format_error(&raw(3, &p, true));
+        assert!(e.to_string().contains("versions 1 and 2"), "{e}");
+    }
+
+    #[test]
+    fn an_offload_schedule_round_trips() {
+        let mut p = small();
+        // Request 1 ([1, 3), 24 B) becomes the copy back of request 0's
+        // first 24 bytes: both 24 B.
+        p.iteration = vec![req(24, 1024, 0, 2), req(24, 2048, 1, 3)];
+        p.budget = Some(Bytes(4096));
+        p.saved_packs = 3;
+        p.saved_unpacks = 2;
+        p.offload = vec![OffloadEntry {
+            pack: 2,
+            unpack: 1,
+            prefetch_after_unpack: None,
+            bytes: Bytes(24),
+            out_request: 0,
+            back_request: 1,
+        }];
+        let b = plan_to_bytes(&p).unwrap();
+        assert_eq!(plan_from_bytes(&b).unwrap(), p);
+        p.offload[0].prefetch_after_unpack = Some(0);
+        let b = plan_to_bytes(&p).unwrap();
+        assert_eq!(plan_from_bytes(&b).unwrap(), p);
     }
 
     #[test]

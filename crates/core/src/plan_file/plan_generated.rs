@@ -254,6 +254,271 @@ pub mod stweaver {
             }
         }
 
+        /// One saved activation moved to pinned host memory between forward and backward
+        /// (32 bytes). Mirrors `stweaver_core::plan::OffloadEntry` (read its docs). Format
+        /// version 2.
+        // struct OffloadRec, aligned to 8
+        #[repr(transparent)]
+        #[derive(Clone, Copy, PartialEq)]
+        pub struct OffloadRec(pub [u8; 32]);
+        impl Default for OffloadRec {
+            fn default() -> Self {
+                Self([0; 32])
+            }
+        }
+        impl core::fmt::Debug for OffloadRec {
+            fn fmt(&self, f: &mut core::fmt::Formatter) -> core::fmt::Result {
+                f.debug_struct("OffloadRec")
+                    .field("bytes", &self.bytes())
+                    .field("pack", &self.pack())
+                    .field("unpack", &self.unpack())
+                    .field("prefetch_after_unpack", &self.prefetch_after_unpack())
+                    .field("out_request", &self.out_request())
+                    .field("back_request", &self.back_request())
+                    .finish()
+            }
+        }
+
+        impl flatbuffers::SimpleToVerifyInSlice for OffloadRec {}
+        impl<'a> flatbuffers::Follow<'a> for OffloadRec {
+            type Inner = &'a OffloadRec;
+            #[inline]
+            unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+                <&'a OffloadRec>::follow(buf, loc)
+            }
+        }
+        impl<'a> flatbuffers::Follow<'a> for &'a OffloadRec {
+            type Inner = &'a OffloadRec;
+            #[inline]
+            unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+                flatbuffers::follow_cast_ref::<OffloadRec>(buf, loc)
+            }
+        }
+        impl<'b> flatbuffers::Push for OffloadRec {
+            type Output = OffloadRec;
+            #[inline]
+            unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+                let src = ::core::slice::from_raw_parts(
+                    self as *const OffloadRec as *const u8,
+                    Self::size(),
+                );
+                dst.copy_from_slice(src);
+            }
+        }
+
+        impl<'a> flatbuffers::Verifiable for OffloadRec {
+            #[inline]
+            fn run_verifier(
+                v: &mut flatbuffers::Verifier,
+                pos: usize,
+            ) -> Result<(), flatbuffers::InvalidFlatbuffer> {
+                use self::flatbuffers::Verifiable;
+                v.in_buffer::<Self>(pos)
+            }
+        }
+
+        impl<'a> OffloadRec {
+            #[allow(clippy::too_many_arguments)]
+            pub fn new(
+                bytes: u64,
+                pack: u32,
+                unpack: u32,
+                prefetch_after_unpack: u32,
+                out_request: u32,
+                back_request: u32,
+            ) -> Self {
+                let mut s = Self([0; 32]);
+                s.set_bytes(bytes);
+                s.set_pack(pack);
+                s.set_unpack(unpack);
+                s.set_prefetch_after_unpack(prefetch_after_unpack);
+                s.set_out_request(out_request);
+                s.set_back_request(back_request);
+                s
+            }
+
+            /// Size of the tensor's allocation (the out and back requests' size).
+            pub fn bytes(&self) -> u64 {
+                let mut mem = core::mem::MaybeUninit::<<u64 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[0..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u64 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_bytes(&mut self, x: u64) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[0..].as_mut_ptr(),
+                        core::mem::size_of::<<u64 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+
+            /// Ordinal of its SavedPack within the steady iteration (0-based).
+            pub fn pack(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[8..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_pack(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[8..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+
+            /// Ordinal of its SavedUnpack within the steady iteration.
+            pub fn unpack(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[12..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_unpack(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[12..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+
+            /// The copy back starts right after the SavedUnpack of this ordinal;
+            /// 0xFFFFFFFF: right after the iteration's last SavedPack before `unpack`.
+            pub fn prefetch_after_unpack(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[16..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_prefetch_after_unpack(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[16..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+
+            /// Index in `iteration` of the device request the tensor was made in.
+            pub fn out_request(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[20..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_out_request(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[20..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+
+            /// Index in `iteration` of the copy-back request.
+            pub fn back_request(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[24..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_back_request(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[24..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+        }
+
         /// What the planner left to dynamic serving.
         // struct DynamicSummaryRec, aligned to 8
         #[repr(transparent)]
@@ -550,6 +815,10 @@ pub mod stweaver {
             pub const VT_ITERATION: flatbuffers::VOffsetT = 22;
             pub const VT_ITERATION_LEN: flatbuffers::VOffsetT = 24;
             pub const VT_DYNAMIC: flatbuffers::VOffsetT = 26;
+            pub const VT_BUDGET: flatbuffers::VOffsetT = 28;
+            pub const VT_OFFLOAD: flatbuffers::VOffsetT = 30;
+            pub const VT_SAVED_PACKS: flatbuffers::VOffsetT = 32;
+            pub const VT_SAVED_UNPACKS: flatbuffers::VOffsetT = 34;
 
             #[inline]
             pub unsafe fn init_from_table(table: flatbuffers::Table<'a>) -> Self {
@@ -561,12 +830,18 @@ pub mod stweaver {
                 args: &'args PlanFileArgs<'args>,
             ) -> flatbuffers::WIPOffset<PlanFile<'bldr>> {
                 let mut builder = PlanFileBuilder::new(_fbb);
+                builder.add_budget(args.budget);
                 builder.add_iteration_len(args.iteration_len);
                 builder.add_prologue_len(args.prologue_len);
                 builder.add_trace_digest(args.trace_digest);
                 builder.add_lower_bound(args.lower_bound);
                 builder.add_pool_size(args.pool_size);
                 builder.add_align_bytes(args.align_bytes);
+                builder.add_saved_unpacks(args.saved_unpacks);
+                builder.add_saved_packs(args.saved_packs);
+                if let Some(x) = args.offload {
+                    builder.add_offload(x);
+                }
                 if let Some(x) = args.dynamic {
                     builder.add_dynamic(x);
                 }
@@ -584,7 +859,8 @@ pub mod stweaver {
                 builder.finish()
             }
 
-            /// Format version; this schema is version 1. 0 (absent) is never valid.
+            /// Format version; this schema is version 2 (version 1: no budget and offload fields;
+            /// readers accept both). 0 (absent) is never valid.
             #[inline]
             pub fn format_version(&self) -> u32 {
                 // Safety:
@@ -727,6 +1003,52 @@ pub mod stweaver {
                         .get::<DynamicSummaryRec>(PlanFile::VT_DYNAMIC, None)
                 }
             }
+            /// Device memory budget the plan was made for, in bytes (0: none). Version 2.
+            #[inline]
+            pub fn budget(&self) -> u64 {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe { self._tab.get::<u64>(PlanFile::VT_BUDGET, Some(0)).unwrap() }
+            }
+            /// Saved activations moved to host memory in every steady iteration. Version 2.
+            #[inline]
+            pub fn offload(&self) -> Option<flatbuffers::Vector<'a, OffloadRec>> {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe {
+                    self._tab
+                        .get::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'a, OffloadRec>>>(
+                            PlanFile::VT_OFFLOAD,
+                            None,
+                        )
+                }
+            }
+            /// SavedPack and SavedUnpack events per steady iteration (what the ordinals of
+            /// `offload` count). Version 2.
+            #[inline]
+            pub fn saved_packs(&self) -> u32 {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe {
+                    self._tab
+                        .get::<u32>(PlanFile::VT_SAVED_PACKS, Some(0))
+                        .unwrap()
+                }
+            }
+            #[inline]
+            pub fn saved_unpacks(&self) -> u32 {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe {
+                    self._tab
+                        .get::<u32>(PlanFile::VT_SAVED_UNPACKS, Some(0))
+                        .unwrap()
+                }
+            }
         }
 
         impl flatbuffers::Verifiable for PlanFile<'_> {
@@ -749,6 +1071,10 @@ pub mod stweaver {
      .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, RequestRec>>>("iteration", Self::VT_ITERATION, true)?
      .visit_field::<u64>("iteration_len", Self::VT_ITERATION_LEN, false)?
      .visit_field::<DynamicSummaryRec>("dynamic", Self::VT_DYNAMIC, false)?
+     .visit_field::<u64>("budget", Self::VT_BUDGET, false)?
+     .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, OffloadRec>>>("offload", Self::VT_OFFLOAD, false)?
+     .visit_field::<u32>("saved_packs", Self::VT_SAVED_PACKS, false)?
+     .visit_field::<u32>("saved_unpacks", Self::VT_SAVED_UNPACKS, false)?
      .finish();
                 Ok(())
             }
@@ -766,6 +1092,10 @@ pub mod stweaver {
             pub iteration: Option<flatbuffers::WIPOffset<flatbuffers::Vector<'a, RequestRec>>>,
             pub iteration_len: u64,
             pub dynamic: Option<&'a DynamicSummaryRec>,
+            pub budget: u64,
+            pub offload: Option<flatbuffers::WIPOffset<flatbuffers::Vector<'a, OffloadRec>>>,
+            pub saved_packs: u32,
+            pub saved_unpacks: u32,
         }
         impl<'a> Default for PlanFileArgs<'a> {
             #[inline]
@@ -783,6 +1113,10 @@ pub mod stweaver {
                     iteration: None, // required field
                     iteration_len: 0,
                     dynamic: None,
+                    budget: 0,
+                    offload: None,
+                    saved_packs: 0,
+                    saved_unpacks: 0,
                 }
             }
         }
@@ -863,6 +1197,28 @@ pub mod stweaver {
                     .push_slot_always::<&DynamicSummaryRec>(PlanFile::VT_DYNAMIC, dynamic);
             }
             #[inline]
+            pub fn add_budget(&mut self, budget: u64) {
+                self.fbb_.push_slot::<u64>(PlanFile::VT_BUDGET, budget, 0);
+            }
+            #[inline]
+            pub fn add_offload(
+                &mut self,
+                offload: flatbuffers::WIPOffset<flatbuffers::Vector<'b, OffloadRec>>,
+            ) {
+                self.fbb_
+                    .push_slot_always::<flatbuffers::WIPOffset<_>>(PlanFile::VT_OFFLOAD, offload);
+            }
+            #[inline]
+            pub fn add_saved_packs(&mut self, saved_packs: u32) {
+                self.fbb_
+                    .push_slot::<u32>(PlanFile::VT_SAVED_PACKS, saved_packs, 0);
+            }
+            #[inline]
+            pub fn add_saved_unpacks(&mut self, saved_unpacks: u32) {
+                self.fbb_
+                    .push_slot::<u32>(PlanFile::VT_SAVED_UNPACKS, saved_unpacks, 0);
+            }
+            #[inline]
             pub fn new(
                 _fbb: &'b mut flatbuffers::FlatBufferBuilder<'a>,
             ) -> PlanFileBuilder<'a, 'b> {
@@ -896,6 +1252,10 @@ pub mod stweaver {
                 ds.field("iteration", &self.iteration());
                 ds.field("iteration_len", &self.iteration_len());
                 ds.field("dynamic", &self.dynamic());
+                ds.field("budget", &self.budget());
+                ds.field("offload", &self.offload());
+                ds.field("saved_packs", &self.saved_packs());
+                ds.field("saved_unpacks", &self.saved_unpacks());
                 ds.finish()
             }
         }

@@ -7,7 +7,10 @@
 //! device, the allocations as 32-byte structs `{bytes, stream, addr, flags}` (bit 0 of
 //! `flags`: preexisting), the events as 16-byte structs `{time_us, arg, kind, marker}`
 //! (`arg` is the allocation id, or for a marker the label index, `0xFFFF_FFFF` for none)
-//! and the marker labels.
+//! and the marker labels. Version 2 (written since the saved-tensor events) adds the
+//! event kinds `SavedPack = 4` and `SavedUnpack = 5`; version-1 files still load (a
+//! saved-tensor event in one is a bad record), other versions are refused naming the
+//! version found and the versions read ([`READ_VERSIONS`]).
 //!
 //! Reading ([`read_trace_file`], [`trace_from_bytes`]) maps the file, checks the
 //! envelope, runs the FlatBuffers verifier once (O(tables): each struct vector is one
@@ -44,8 +47,12 @@ use crate::file_format::{
 use crate::trace::{Allocation, Event, EventKind, MarkerKind, Trace, TraceError};
 use crate::units::{AllocId, Bytes, DeviceId, StreamId};
 
-/// The trace format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The trace format version this build writes.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The versions this build reads: 1 (no saved-tensor events) and 2 (adds `SavedPack`
+/// and `SavedUnpack` events; nothing else changed).
+pub const READ_VERSIONS: &[u32] = &[1, 2];
 
 /// The conventional file extension (without the dot).
 pub const EXTENSION: &str = "stwt";
@@ -139,6 +146,8 @@ pub fn trace_from_bytes(bytes: &[u8]) -> Result<Trace, TraceFileError> {
 /// u64 number of events
 ///   per event, in order:
 ///     Alloc / FreeRequested / FreeCompleted: u8 0 / 1 / 2, u32 allocation id
+///     SavedPack / SavedUnpack: u8 4 / 5, u32 allocation id (a trace without them
+///             hashes as before they existed)
 ///     Marker: u8 3, u8 marker kind (0 IterationBegin, 1 IterationEnd, 2 PhaseBegin,
 ///             3 PhaseEnd), then u8 0 (no label) | u8 1, u64 length, label bytes
 ///             (| u8 2, u32 index for a label index out of range: invalid traces only)
@@ -171,6 +180,14 @@ pub fn trace_digest(trace: &Trace) -> u64 {
             }
             EventKind::FreeCompleted(id) => {
                 h.u8(2);
+                h.u32(id.0);
+            }
+            EventKind::SavedPack(id) => {
+                h.u8(4);
+                h.u32(id.0);
+            }
+            EventKind::SavedUnpack(id) => {
+                h.u8(5);
                 h.u32(id.0);
             }
             EventKind::Marker { kind, label } => {
@@ -294,6 +311,8 @@ fn encode(trace: &Trace) -> Result<Vec<u8>, Failure> {
             EventKind::Alloc(id) => (fb::EventKind::Alloc, fb::MarkerKind(0), id.0),
             EventKind::FreeRequested(id) => (fb::EventKind::FreeRequested, fb::MarkerKind(0), id.0),
             EventKind::FreeCompleted(id) => (fb::EventKind::FreeCompleted, fb::MarkerKind(0), id.0),
+            EventKind::SavedPack(id) => (fb::EventKind::SavedPack, fb::MarkerKind(0), id.0),
+            EventKind::SavedUnpack(id) => (fb::EventKind::SavedUnpack, fb::MarkerKind(0), id.0),
             EventKind::Marker { kind, label } => (
                 fb::EventKind::Marker,
                 marker_code(kind),
@@ -335,11 +354,12 @@ fn decode(buf: &[u8]) -> Result<Trace, Failure> {
     let opts = file_format::verifier_options(buf.len());
     let tf = fb::size_prefixed_root_as_trace_file_with_opts(&opts, buf)
         .map_err(|e| FormatError::Verifier(file_format::verifier_message(&e)))?;
-    if tf.format_version() != FORMAT_VERSION {
+    let version = tf.format_version();
+    if !READ_VERSIONS.contains(&version) {
         let producer = tf.producer();
         return Err(FormatError::UnsupportedVersion {
-            found: tf.format_version(),
-            supported: FORMAT_VERSION,
+            found: version,
+            supported: READ_VERSIONS,
             producer: file_format::producer_text(
                 producer.and_then(|p| p.name()),
                 producer.and_then(|p| p.version()),
@@ -379,7 +399,11 @@ fn decode(buf: &[u8]) -> Result<Trace, Failure> {
     for (i, r) in recs.iter().enumerate() {
         let (kind, marker, arg) = (r.kind(), r.marker(), r.arg());
         let kind = match kind {
-            fb::EventKind::Alloc | fb::EventKind::FreeRequested | fb::EventKind::FreeCompleted
+            fb::EventKind::Alloc
+            | fb::EventKind::FreeRequested
+            | fb::EventKind::FreeCompleted
+            | fb::EventKind::SavedPack
+            | fb::EventKind::SavedUnpack
                 if marker.0 != 0 =>
             {
                 return Err(bad(
@@ -391,6 +415,15 @@ fn decode(buf: &[u8]) -> Result<Trace, Failure> {
             fb::EventKind::Alloc => EventKind::Alloc(AllocId(arg)),
             fb::EventKind::FreeRequested => EventKind::FreeRequested(AllocId(arg)),
             fb::EventKind::FreeCompleted => EventKind::FreeCompleted(AllocId(arg)),
+            fb::EventKind::SavedPack | fb::EventKind::SavedUnpack if version < 2 => {
+                return Err(bad(
+                    "event",
+                    i,
+                    format!("a {kind:?} event in a version-{version} file (it needs version 2)"),
+                ));
+            }
+            fb::EventKind::SavedPack => EventKind::SavedPack(AllocId(arg)),
+            fb::EventKind::SavedUnpack => EventKind::SavedUnpack(AllocId(arg)),
             fb::EventKind::Marker => EventKind::Marker {
                 kind: match marker {
                     fb::MarkerKind::IterationBegin => MarkerKind::IterationBegin,
@@ -592,24 +625,82 @@ mod tests {
     #[test]
     fn other_versions_are_refused_naming_the_producer() {
         let mut raw = Raw::valid();
-        raw.version = 2;
+        raw.version = 3;
         raw.producer = Some(("stweaver-core", "9.9.9"));
         let e = format_error(&raw);
         assert_eq!(
             e,
             FormatError::UnsupportedVersion {
-                found: 2,
-                supported: 1,
+                found: 3,
+                supported: &[1, 2],
                 producer: "stweaver-core 9.9.9".into()
             }
         );
-        assert!(e.to_string().contains("version 2"), "{e}");
+        assert!(
+            e.to_string().contains("version 3") && e.to_string().contains("versions 1 and 2"),
+            "{e}"
+        );
         raw.version = 0;
         raw.producer = None;
         assert!(matches!(
             format_error(&raw),
             FormatError::UnsupportedVersion { found: 0, .. }
         ));
+    }
+
+    fn saved_events() -> Vec<fb::EventRec> {
+        vec![
+            fb::EventRec::new(5, 0, fb::EventKind::Alloc, fb::MarkerKind(0)),
+            fb::EventRec::new(6, 0, fb::EventKind::SavedPack, fb::MarkerKind(0)),
+            fb::EventRec::new(7, 0, fb::EventKind::SavedUnpack, fb::MarkerKind(0)),
+        ]
+    }
+
+    #[test]
+    fn version_1_files_load_and_saved_events_need_version_2() {
+        let v1 = Raw {
+            version: 1,
+            ..Raw::valid()
+        };
+        let t = trace_from_bytes(&v1.bytes()).unwrap();
+        assert_eq!(t.events[0].kind, EventKind::Alloc(AllocId(0)));
+        let v2 = Raw {
+            events: Some(saved_events()),
+            ..Raw::valid()
+        };
+        let t = trace_from_bytes(&v2.bytes()).unwrap();
+        assert_eq!(
+            t.events.iter().map(|e| e.kind).collect::<Vec<_>>(),
+            vec![
+                EventKind::Alloc(AllocId(0)),
+                EventKind::SavedPack(AllocId(0)),
+                EventKind::SavedUnpack(AllocId(0))
+            ]
+        );
+        // Written back: version 2, same trace.
+        assert_eq!(trace_from_bytes(&trace_to_bytes(&t).unwrap()).unwrap(), t);
+        let v1_with_saved = Raw {
+            version: 1,
+            events: Some(saved_events()),
+            ..Raw::valid()
+        };
+        let e = format_error(&v1_with_saved);
+        assert!(e.to_string().contains("needs version 2"), "{e}");
+    }
+
+    #[test]
+    fn saved_events_change_the_digest_and_old_digests_stay() {
+        let mut t = small();
+        let d = trace_digest(&t);
+        t.events.push(Event {
+            kind: EventKind::SavedPack(AllocId(1)),
+            time_us: 4,
+        });
+        let packed = trace_digest(&t);
+        assert_ne!(packed, d);
+        t.events.last_mut().unwrap().kind = EventKind::SavedUnpack(AllocId(1));
+        assert_ne!(trace_digest(&t), packed);
+        assert_ne!(trace_digest(&t), d);
     }
 
     #[test]

@@ -39,17 +39,19 @@ pub mod stweaver {
             since = "2.0.0",
             note = "Use associated constants instead. This will no longer be generated in 2021."
         )]
-        pub const ENUM_MAX_EVENT_KIND: u8 = 3;
+        pub const ENUM_MAX_EVENT_KIND: u8 = 5;
         #[deprecated(
             since = "2.0.0",
             note = "Use associated constants instead. This will no longer be generated in 2021."
         )]
         #[allow(non_camel_case_types)]
-        pub const ENUM_VALUES_EVENT_KIND: [EventKind; 4] = [
+        pub const ENUM_VALUES_EVENT_KIND: [EventKind; 6] = [
             EventKind::Alloc,
             EventKind::FreeRequested,
             EventKind::FreeCompleted,
             EventKind::Marker,
+            EventKind::SavedPack,
+            EventKind::SavedUnpack,
         ];
 
         /// What an event is.
@@ -62,14 +64,21 @@ pub mod stweaver {
             pub const FreeRequested: Self = Self(1);
             pub const FreeCompleted: Self = Self(2);
             pub const Marker: Self = Self(3);
+            /// Autograd's pack hook saved a tensor whose storage is the whole allocation
+            /// `arg` (forward). Format version 2.
+            pub const SavedPack: Self = Self(4);
+            /// Backward unpacked the tensor saved from allocation `arg`. Format version 2.
+            pub const SavedUnpack: Self = Self(5);
 
             pub const ENUM_MIN: u8 = 0;
-            pub const ENUM_MAX: u8 = 3;
+            pub const ENUM_MAX: u8 = 5;
             pub const ENUM_VALUES: &'static [Self] = &[
                 Self::Alloc,
                 Self::FreeRequested,
                 Self::FreeCompleted,
                 Self::Marker,
+                Self::SavedPack,
+                Self::SavedUnpack,
             ];
             /// Returns the variant's name or "" if unknown.
             pub fn variant_name(self) -> Option<&'static str> {
@@ -78,6 +87,8 @@ pub mod stweaver {
                     Self::FreeRequested => Some("FreeRequested"),
                     Self::FreeCompleted => Some("FreeCompleted"),
                     Self::Marker => Some("Marker"),
+                    Self::SavedPack => Some("SavedPack"),
+                    Self::SavedUnpack => Some("SavedUnpack"),
                     _ => None,
                 }
             }
@@ -529,7 +540,7 @@ pub mod stweaver {
                 }
             }
 
-            /// Alloc / FreeRequested / FreeCompleted: the allocation's index in
+            /// Alloc / FreeRequested / FreeCompleted / SavedPack / SavedUnpack: the allocation's index in
             /// `allocations`. Marker: the label's index in `labels`, or 0xFFFFFFFF for none.
             pub fn arg(&self) -> u32 {
                 let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
@@ -815,7 +826,8 @@ pub mod stweaver {
                 builder.finish()
             }
 
-            /// Format version; this schema is version 1. 0 (absent) is never valid.
+            /// Format version; this schema is version 2 (version 1: no SavedPack / SavedUnpack
+            /// events; readers accept both). 0 (absent) is never valid.
             #[inline]
             pub fn format_version(&self) -> u32 {
                 // Safety:

@@ -188,7 +188,7 @@ fn step(
         }
         EventKind::FreeRequested(id) => engine.free_requested(id, completes[id.index()]),
         EventKind::FreeCompleted(id) => engine.free_completed(id),
-        EventKind::Marker { .. } => Ok(()),
+        EventKind::Marker { .. } | EventKind::SavedPack(_) | EventKind::SavedUnpack(_) => Ok(()),
     }
 }
 

@@ -13,6 +13,8 @@ use stweaver_core::Trace;
 use stweaver_planner::engine_replay::EngineReplayRow;
 use stweaver_planner::input::LoadedInput;
 use stweaver_planner::offline::OfflinePlanRow;
+use stweaver_planner::offload::{OffloadOptions, parse_budget, plan_with_budget};
+use stweaver_planner::planning::PlanOptions;
 use stweaver_planner::replay::{AllocatorConfig, ReplayOptions};
 use stweaver_planner::report::{self, StweaverRow};
 use stweaver_planner::snapshot::load_snapshot_from_bytes;
@@ -49,6 +51,14 @@ pub struct CompareArgs {
     /// Leave out the stweaver (engine replay) row.
     #[arg(long)]
     pub no_engine: bool,
+    /// A device memory budget (`16GiB`, `512MiB`, bytes): says which rows fit under
+    /// it, and whether stweaver fits with saved activations offloaded
+    /// (`stweaver plan --budget`).
+    #[arg(long, value_name = "SIZE")]
+    pub budget: Option<String>,
+    /// Host link bandwidth per direction for the offload schedule, GB/s.
+    #[arg(long, value_name = "G", default_value_t = stweaver_planner::offload::DEFAULT_LINK_GBPS)]
+    pub link_gbps: f64,
 }
 
 /// A trace ready to compare or draw.
@@ -117,6 +127,10 @@ pub fn run(args: CompareArgs) -> Result<()> {
     if !(args.plan_budget.is_finite() && args.plan_budget > 0.0) {
         bail!("--plan-budget must be a positive number of seconds");
     }
+    let budget = match &args.budget {
+        Some(b) => Some(parse_budget(b).context("--budget")?),
+        None => None,
+    };
     let t0 = Instant::now();
     // stweaver rows: the offline plan of the whole trace, and the online engine serving
     // a plan of the first iterations over the whole trace.
@@ -143,19 +157,81 @@ pub fn run(args: CompareArgs) -> Result<()> {
         &sources,
     )
     .with_context(|| loaded.source.clone())?;
+    let fit = budget.map(|b| {
+        let offload = plan_with_budget(
+            &loaded.trace,
+            &OffloadOptions {
+                budget: b,
+                link_gbps: args.link_gbps,
+                plan: PlanOptions {
+                    solve: offline.options.clone(),
+                    ..PlanOptions::default()
+                },
+            },
+        );
+        (b, cmp.fits(b), offload)
+    });
     let compare_seconds = t0.elapsed().as_secs_f64();
     let text = if args.json {
         let mut j = cmp.to_json();
         j["load_seconds"] = loaded.load_seconds.into();
         j["compare_seconds"] = compare_seconds.into();
+        if let Some((b, rows, offload)) = &fit {
+            let rows: serde_json::Map<String, serde_json::Value> = rows
+                .iter()
+                .map(|(k, f)| (k.id().to_owned(), (*f).into()))
+                .collect();
+            let offload = match offload {
+                Ok(o) => serde_json::json!({
+                    "fits": true,
+                    "planned_peak": o.offload.planned_peak.get(),
+                    "tensors": o.offload.tensors,
+                    "bytes_per_iteration": o.offload.bytes_per_iteration.get(),
+                    "stalls": o.offload.stalls,
+                }),
+                Err(e) => serde_json::json!({ "fits": false, "why": e.to_string() }),
+            };
+            j["budget"] = serde_json::json!({
+                "bytes": b.get(),
+                "fits": rows,
+                "stweaver_offload": offload,
+            });
+        }
         serde_json::to_string_pretty(&j)? + "\n"
     } else {
-        format!(
+        let mut t = format!(
             "{}\nload {:.3} s, rows {:.3} s\n",
             cmp.to_table(),
             loaded.load_seconds,
             compare_seconds
-        )
+        );
+        if let Some((b, rows, offload)) = &fit {
+            t += &format!("budget {b}:\n");
+            for ((_, f), r) in rows.iter().zip(&cmp.rows) {
+                t += &format!(
+                    "  {:<28} {} ({})\n",
+                    r.label,
+                    if *f { "fits" } else { "does not fit" },
+                    r.peak_reserved
+                );
+            }
+            t += &match offload {
+                Ok(o) if o.offload.tensors == 0 => format!(
+                    "  {:<28} fits without offload ({})\n",
+                    "stweaver plan --budget", o.offload.planned_peak
+                ),
+                Ok(o) => format!(
+                    "  {:<28} fits ({}), offloading {} tensors, {} per iteration, {} stalls\n",
+                    "stweaver plan --budget",
+                    o.offload.planned_peak,
+                    o.offload.tensors,
+                    o.offload.bytes_per_iteration,
+                    o.offload.stalls
+                ),
+                Err(e) => format!("  {:<28} does not fit: {e}\n", "stweaver plan --budget"),
+            };
+        }
+        t
     };
     emit(&text)
 }

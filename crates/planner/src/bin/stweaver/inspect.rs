@@ -134,6 +134,15 @@ struct EventsJson {
     free_requested: usize,
     free_completed: usize,
     marker: usize,
+    /// Autograd's saved tensors (stweaver trace mode); left out when 0.
+    #[serde(skip_serializing_if = "is_zero")]
+    saved_pack: usize,
+    #[serde(skip_serializing_if = "is_zero")]
+    saved_unpack: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 #[derive(Serialize)]
@@ -311,6 +320,13 @@ impl Report {
                 "  events              {} (alloc {}, free_requested {}, free_completed {}, marker {})",
                 e.total, e.alloc, e.free_requested, e.free_completed, e.marker
             );
+            if e.saved_pack + e.saved_unpack > 0 {
+                let _ = writeln!(
+                    o,
+                    "  saved tensors       {} packed, {} unpacked",
+                    e.saved_pack, e.saved_unpack
+                );
+            }
             let a = &d.allocations;
             let _ = writeln!(
                 o,
@@ -413,6 +429,8 @@ fn device_json(s: &TraceSummary, snapshot_entries: Option<EntriesJson>) -> Devic
             free_requested: s.events.free_requested,
             free_completed: s.events.free_completed,
             marker: s.events.marker,
+            saved_pack: s.events.saved_pack,
+            saved_unpack: s.events.saved_unpack,
         },
         allocations: AllocationsJson {
             total: s.allocations.total,

@@ -52,6 +52,16 @@ pub struct PlanArgs {
     /// Default: each stream solved apart, pools stacked.
     #[arg(long)]
     pub share_streams: bool,
+    /// Device memory budget for the pool (snapshot and trace inputs): `16GiB`,
+    /// `512MiB`, `1.5GB` or bytes. Above it, saved activations are scheduled to go to
+    /// pinned host memory between forward and backward (needs a trace recorded by
+    /// stweaver's trace mode, which records autograd's saved tensors). A fraction of
+    /// device memory is a runtime notion and is refused here.
+    #[arg(long, value_name = "SIZE")]
+    pub budget: Option<String>,
+    /// Host link bandwidth per direction for the offload schedule, GB/s.
+    #[arg(long, value_name = "G", default_value_t = stweaver_planner::offload::DEFAULT_LINK_GBPS)]
+    pub link_gbps: f64,
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -123,9 +133,9 @@ fn solve_options(args: &PlanArgs) -> Result<SolveOptions> {
 }
 
 fn plan_csv(args: &PlanArgs) -> Result<()> {
-    if args.output.is_some() || args.device.is_some() {
+    if args.output.is_some() || args.device.is_some() || args.budget.is_some() {
         bail!(
-            "{}: -o and --device are for snapshots and trace files; write a CSV solution with --csv-out",
+            "{}: -o, --device and --budget are for snapshots and trace files; write a CSV solution with --csv-out",
             args.input.display()
         );
     }

@@ -10,6 +10,7 @@ use stweaver_core::plan_file::write_plan_file;
 use stweaver_core::{Bytes, DeviceId, Trace};
 use stweaver_planner::classify::{DynamicReason, Steady};
 use stweaver_planner::input::load_traces;
+use stweaver_planner::offload::{OffloadOptions, OffloadReport, parse_budget, plan_with_budget};
 use stweaver_planner::planning::{PlanOptions, PlanOutcome, plan_trace};
 
 use super::{PlanArgs, Spinner, solve_options};
@@ -64,19 +65,101 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         share_streams: args.share_streams,
         ..PlanOptions::default()
     };
+    let budget = match &args.budget {
+        Some(b) => Some(parse_budget(b).context("--budget")?),
+        None => None,
+    };
     let spinner = Spinner::start(&mut opts.solve, !args.json);
-    let result = plan_trace(&trace, &opts);
-    spinner.stop();
-    let outcome = result.with_context(|| format!("{}: planning failed", args.input.display()))?;
+    let (outcome, offload) = match budget {
+        None => {
+            let result = plan_trace(&trace, &opts);
+            spinner.stop();
+            let outcome =
+                result.with_context(|| format!("{}: planning failed", args.input.display()))?;
+            (outcome, None)
+        }
+        Some(budget) => {
+            let result = plan_with_budget(
+                &trace,
+                &OffloadOptions {
+                    budget,
+                    link_gbps: args.link_gbps,
+                    plan: opts,
+                },
+            );
+            spinner.stop();
+            let b = result.with_context(|| {
+                format!(
+                    "{}: no plan within the budget {budget}",
+                    args.input.display()
+                )
+            })?;
+            (b.outcome, Some(b.offload))
+        }
+    };
     if let Some(out) = &args.output {
         write_plan_file(out, &outcome.plan)?;
     }
     if args.json {
-        println!("{}", json(args, &outcome, loaded.as_secs_f64()));
+        let mut j = json(args, &outcome, loaded.as_secs_f64());
+        if let Some(r) = &offload {
+            j["budget"] = r.budget.get().into();
+            j["planned_peak"] = r.planned_peak.get().into();
+            j["offload"] = offload_json(r);
+        }
+        println!("{j}");
     } else {
         print_text(args, &outcome, loaded.as_secs_f64());
+        if let Some(r) = &offload {
+            print_offload(r);
+        }
     }
     Ok(())
+}
+
+fn offload_json(r: &OffloadReport) -> serde_json::Value {
+    serde_json::json!({
+        "tensors": r.tensors,
+        "bytes_per_iteration": r.bytes_per_iteration.get(),
+        "candidates": r.candidates,
+        "candidate_bytes": r.candidate_bytes.get(),
+        "minimum": r.minimum.get(),
+        "pool_without_offload": r.pool_without_offload.get(),
+        "stalls": r.stalls,
+        "stall_us": r.stall_us,
+        "timing": r.timing.id(),
+        "link_gbps": r.link_gbps,
+        "plans_made": r.attempts,
+    })
+}
+
+fn print_offload(r: &OffloadReport) {
+    let b = |x: Bytes| format!("{} ({})", x.get(), x);
+    println!("  budget           {}", b(r.budget));
+    println!("  planned peak     {}", b(r.planned_peak));
+    if r.tensors == 0 {
+        println!(
+            "  offload          none needed (pool without offload {})",
+            r.pool_without_offload
+        );
+        return;
+    }
+    println!(
+        "  offload          {} of {} saved tensors, {} of {} per iteration (pool without offload {}, minimum {})",
+        r.tensors,
+        r.candidates,
+        r.bytes_per_iteration,
+        r.candidate_bytes,
+        r.pool_without_offload,
+        r.minimum
+    );
+    println!(
+        "  copy stalls      {} ({:.0} µs per iteration; link {} GB/s per direction, timed by {})",
+        r.stalls,
+        r.stall_us,
+        r.link_gbps,
+        r.timing.id()
+    );
 }
 
 fn json(args: &PlanArgs, o: &PlanOutcome, load_s: f64) -> serde_json::Value {
