@@ -2,7 +2,10 @@
 // Loading this module never initialises CUDA.
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDAFunctions.h>
+
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "stweaver_allocator.h"
@@ -86,6 +89,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       },
       py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "record_saved",
+      [](int64_t ptr, bool pack) {
+        auto& a = need_installed("record_saved");
+        return call("record_saved", [&] {
+          return a.runtime().record_saved(static_cast<size_t>(ptr), pack);
+        });
+      },
+      py::arg("ptr"),
+      py::arg("pack"),
+      "Record that autograd saved (pack=True) or unpacked the tensor whose storage starts at "
+      "ptr (trace mode and auto's recording). False when nothing was recorded.");
+
+  m.def(
+      "offload_schedule",
+      [](int device) {
+        auto& a = need_installed("offload_schedule");
+        if (device < 0) {
+          device = static_cast<int>(c10::cuda::current_device());
+        }
+        rust::Vec<stweaver::ffi::OffloadItem> items =
+            call("offload_schedule", [&] { return a.runtime().offload_schedule(device); });
+        std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+        out.reserve(items.size());
+        for (const auto& it : items) {
+          out.emplace_back(
+              static_cast<int64_t>(it.pack),
+              static_cast<int64_t>(it.unpack),
+              it.prefetch_after_unpack,
+              static_cast<int64_t>(it.bytes));
+        }
+        return out;
+      },
+      py::arg("device") = -1,
+      "The served plan's offload schedule on `device` (-1: the current device): a list of "
+      "(pack, unpack, prefetch_after_unpack or -1, bytes).");
 
   m.def("failed_frees", []() {
     stweaver::StweaverAllocator* a = stweaver::installed();

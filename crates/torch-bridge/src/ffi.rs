@@ -59,6 +59,19 @@ pub mod bridge {
         second: u64,
     }
 
+    /// One saved activation the served plan moves to host memory in each iteration
+    /// (`stweaver_core::plan::OffloadEntry`): ordinals count the iteration's recorded
+    /// pack and unpack calls.
+    #[derive(Debug, Default, Clone, PartialEq, Eq)]
+    struct OffloadItem {
+        pack: u32,
+        unpack: u32,
+        /// The copy back starts right after this unpack ordinal; -1: at the first
+        /// unpack of the iteration.
+        prefetch_after_unpack: i64,
+        bytes: u64,
+    }
+
     /// What C++ needs to report an out-of-memory error and call the OOM observers.
     #[derive(Debug, Default, Clone, PartialEq, Eq)]
     struct OomInfo {
@@ -267,6 +280,11 @@ pub mod bridge {
         fn flush_trace(self: &Runtime) -> Result<Vec<String>>;
         /// A JSON object with the runtime's state and counters (for `stweaver.stats()`).
         fn info_json(self: &Runtime) -> Result<String>;
+        /// Records that autograd saved (`pack`) or unpacked the tensor whose storage starts
+        /// at `ptr` (trace and auto's recording); false when nothing was recorded.
+        fn record_saved(self: &Runtime, ptr: usize, pack: bool) -> Result<bool>;
+        /// The offload schedule of the plan `device` serves (empty when none).
+        fn offload_schedule(self: &Runtime, device: i32) -> Result<Vec<OffloadItem>>;
     }
 }
 
@@ -505,5 +523,13 @@ impl Runtime {
 
     pub fn info_json(&self) -> Result<String, BridgeError> {
         guard("info_json", || self.core.info_json())
+    }
+
+    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<bool, BridgeError> {
+        guard("record_saved", || self.core.record_saved(ptr, pack))
+    }
+
+    pub fn offload_schedule(&self, device: i32) -> Result<Vec<bridge::OffloadItem>, BridgeError> {
+        guard("offload_schedule", || self.core.offload_schedule(device))
     }
 }

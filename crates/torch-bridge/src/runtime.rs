@@ -38,8 +38,9 @@ use stweaver_core::engine::PlanOptions as EnginePlanOptions;
 use stweaver_core::engine::servable_from_start;
 use stweaver_core::engine::{
     BlockState, Checkpoint, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineConfig,
-    EngineError, MemoryLimit, PoolKind, Restored, SegmentInfo, Stat,
+    EngineError, MemoryLimit, PoolKind, Restored, SavedKind, SegmentInfo, Stat,
 };
+use stweaver_core::plan::OffloadEntry;
 use stweaver_core::plan_file::{read_plan_file, write_plan_file};
 use stweaver_core::trace::MarkerKind;
 use stweaver_core::trace_file::write_trace_file;
@@ -312,6 +313,8 @@ struct DeviceSlot {
     fraction: Mutex<f64>,
     /// The device-wide budget every engine of the device maps within.
     budget: Arc<DeviceBudget>,
+    /// The offload schedule of the plan the default engine serves (empty: none).
+    offload: Mutex<Vec<OffloadEntry>>,
     agg: Mutex<Agg>,
 }
 
@@ -593,6 +596,7 @@ impl Core {
                 private: RwLock::new(BTreeMap::new()),
                 fraction: Mutex::new(1.0),
                 budget: Arc::new(DeviceBudget::default()),
+                offload: Mutex::new(Vec::new()),
                 agg: Mutex::new(Agg::default()),
             })
             .collect();
@@ -742,7 +746,12 @@ impl Core {
             }
         }
         match e.load_plan(&plan, self.plan_options()) {
-            Ok(()) => pc.stage = PlanStage::Serving(vec![device]),
+            Ok(()) => {
+                if let Ok(slot) = self.slot(device) {
+                    *lock(&slot.offload) = plan.offload.clone();
+                }
+                pc.stage = PlanStage::Serving(vec![device]);
+            }
             Err(err) => pc.stage = PlanStage::Fallback(format!("cuda:{device}: {err}")),
         }
     }
@@ -1486,6 +1495,7 @@ impl Core {
                     // replaces it instead of adding to it. step() marked the iteration.
                     match e.switch_to_plan(&plan, self.plan_options()) {
                         Ok(()) => {
+                            *lock(&self.slot(d)?.offload) = plan.offload.clone();
                             serving.push(d);
                             pc.settle.push(d);
                         }
@@ -1502,6 +1512,43 @@ impl Core {
             _ => {}
         }
         Ok(())
+    }
+
+    /// Records a saved-tensor pack or unpack for the allocation starting at `ptr` (the
+    /// default pool's recorder; private pools record nothing). False when nothing was
+    /// recorded: not recording, `ptr` 0, or no live allocation starts there.
+    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<bool> {
+        if ptr == 0 {
+            return Ok(false);
+        }
+        let Some(owner) = self.shared.owner_of(ptr as u64) else {
+            return Ok(false);
+        };
+        if !is_default(owner.pool) {
+            return Ok(false);
+        }
+        let Some(e) = self.slot(owner.device)?.default.get() else {
+            return Ok(false);
+        };
+        let kind = if pack {
+            SavedKind::Pack
+        } else {
+            SavedKind::Unpack
+        };
+        Ok(e.record_saved(DevicePtr(ptr as u64), kind)?)
+    }
+
+    /// The offload schedule of the plan `device` serves (empty when none).
+    pub fn offload_schedule(&self, device: i32) -> Result<Vec<ffi::OffloadItem>> {
+        Ok(lock(&self.slot(device)?.offload)
+            .iter()
+            .map(|o| ffi::OffloadItem {
+                pack: o.pack,
+                unpack: o.unpack,
+                prefetch_after_unpack: o.prefetch_after_unpack.map_or(-1, i64::from),
+                bytes: o.bytes.get(),
+            })
+            .collect())
     }
 
     /// Where plan serving stands.

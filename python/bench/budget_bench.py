@@ -1,0 +1,499 @@
+#!/usr/bin/env python3
+"""Training under a memory budget below the run's peak (issue #16): stweaver with activation
+offload vs torch's save_on_cpu, full activation checkpointing, and the native / expandable
+allocators, each in a fresh process on one GPU.
+
+    python python/bench/budget_bench.py [--out DIR] [--iters 8] [--fractions 0.9,0.8,0.7]
+    python python/bench/budget_bench.py --dry-run --out DIR      (CPU, tiny models: plumbing)
+
+Workloads (gpu_bench.py's model configs, imported): Llama 1B *without* recomputation and
+GPT-2 XL, one micro-batch (``--batch``) that fits an 80 GB H100 unconstrained; bf16, AdamW,
+random token ids, deterministic algorithms (as gpu_bench).
+
+1. link: one child measures pinned 1 GiB host<->device copies (median of 5 each way).
+2. per workload, ``unlimited``: PyTorch's allocator, no cap. LB = its
+   ``torch.cuda.max_memory_allocated`` (the peak of live bytes).
+3. per budget ``f x LB`` (f in --fractions), every row in a fresh process capped by
+   ``torch.cuda.set_per_process_memory_fraction(budget / total)``:
+   - ``stweaver_offload``: ``stweaver.install("auto", budget=...)`` (STWEAVER_BUDGET) before
+     CUDA, with ``stweaver.offload``: at each iteration boundary, if the served plan carries an
+     offload schedule the offloader follows it (``plan``), else it offloads every eligible saved
+     tensor >= ``--min-bytes`` (``threshold``; also while auto mode records, since an
+     un-offloaded iteration does not fit the budget). The row says which mode served each
+     iteration (``offload_modes``) and the measured window's mode;
+   - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around forward;
+   - ``recompute``: full activation checkpointing (HF ``gradient_checkpointing_enable``);
+   - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not).
+
+Per row: fits or OOM (and at which iteration), peak reserved/allocated, step time min and
+median over the measured iterations (after ``--warmup``) and their ratio to unlimited's, bytes
+moved per iteration (host<-device + device<-host), achieved D2H/H2D bandwidth (stweaver's copy
+events: bytes / copy time) vs the link peak, and whether the losses are bitwise those of the
+unlimited run (compared over the iterations both ran). JSON goes to ``--out``
+(default ``$OUT`` or .) as budget_bench.json; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PY_DIR = os.path.join(REPO, "python")
+for _p in (HERE, PY_DIR):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import gpu_bench as gb  # noqa: E402  (model configs and builder; imports no torch)
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+def _base(name: str) -> dict:
+    return next(w for w in gb.WORKLOADS if w["name"] == name)
+
+
+# gpu_bench's Llama 1B and GPT-2 XL configs, without recomputation, one micro-batch.
+WORKLOADS = [
+    dict(_base("llama1b_rcp"), name="llama1b_norcp", ckpt=False, batch=8, micro=1,
+         note="Llama 1B, 8 x 2048 tokens, one micro-batch, no recomputation"),
+    dict(_base("gpt2xl_rcp"), name="gpt2xl_norcp", ckpt=False, batch=8, micro=1,
+         note="GPT-2 XL (gpu_bench config), 8 x 1024 tokens, one micro-batch, no recomputation"),
+]
+ROWS = ("stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
+
+
+def dry_workloads() -> List[dict]:
+    out = []
+    for w in WORKLOADS:
+        d = dict(w)
+        for k in ("hidden", "layers", "heads", "inter", "seq", "batch"):
+            d[k] = gb.DRY[k]
+        d["vocab"] = gb.DRY["vocab"]
+        out.append(d)
+    return out
+
+
+# ------------------------------------------------------------------ child
+
+
+class _DryBackend:
+    """--dry-run: the offloader's backend on CPU (copies at once, events always passed)."""
+
+    timing = False
+
+    def __init__(self):
+        self.copies = 0
+
+    def is_device(self, t):
+        return t.device.type == "cpu"
+
+    def current_stream(self, device):
+        return "current"
+
+    def side_stream(self, device, kind):
+        return kind
+
+    def wait_stream(self, waiter, waitee):
+        pass
+
+    def wait_event(self, stream, event):
+        pass
+
+    def event(self, stream):
+        return stream
+
+    def query(self, event):
+        return True
+
+    def elapsed_ms(self, a, b):
+        return None
+
+    def copy(self, dst, src, stream):
+        dst.copy_(src)
+        self.copies += 1
+
+    def record_stream(self, t, stream):
+        pass
+
+    def empty_device(self, size, stride, dtype, device):
+        import torch
+
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def link_probe(dry: bool) -> dict:
+    """Pinned 1 GiB copies each way, median of 5 (after one warm-up)."""
+    import torch
+
+    if dry:
+        return {"dry_run": True, "h2d_GBps": None, "d2h_GBps": None}
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {"bytes": n, "device": torch.cuda.get_device_name(0)}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        times = []
+        for i in range(6):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            dst.copy_(src, non_blocking=True)
+            e1.record()
+            e1.synchronize()
+            if i:
+                times.append(e0.elapsed_time(e1) / 1e3)
+        out[name + "_GBps"] = n / statistics.median(times) / 1e9
+    return out
+
+
+def run_row(spec: dict) -> dict:
+    """One training run in this fresh process (CUDA first touched here)."""
+    dry = spec["dry_run"]
+    row, c = spec["row"], spec["workload"]
+    res: dict = {"row": row, "workload": c["name"], "fraction": spec.get("fraction"),
+                 "budget": spec.get("budget"), "ok": False}
+    st = None
+    if row == "stweaver_offload" and not dry:
+        import stweaver
+
+        stweaver.install("auto", budget=str(spec["budget"]), hook_optimizer=True)
+        st = stweaver
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.benchmark = False
+    cuda = not dry
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        res["device"] = torch.cuda.get_device_name(0)
+        res["backend"] = torch.cuda.memory.get_allocator_backend()
+        if spec.get("budget"):
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec["budget"] / total), 0)
+    c = dict(c, ckpt=(row == "recompute"))
+    torch.manual_seed(0)
+    model, _ = gb._build_model(c, device, torch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1234)
+
+    from stweaver import _offload as off
+
+    offloader = None
+    moved: List[int] = []
+    cpu_bytes = [0]
+    if row == "stweaver_offload":
+        kw = {"backend": _DryBackend(), "pool": off.PinnedPool(pin=lambda n: torch.empty(n, dtype=torch.uint8)),
+              "ext": None} if dry else {}
+        offloader = off.enable(min_bytes=spec["min_bytes"], hook_optimizer=False, **kw)
+    save_cpu = None
+    if row == "save_on_cpu":
+        save_cpu = torch.autograd.graph.save_on_cpu(pin_memory=True)
+        inner = save_cpu.pack_hook
+
+        def counting_pack(t):  # torch's own pack, with the bytes counted
+            cpu_bytes[0] += t.numel() * t.element_size()
+            return inner(t)
+
+        save_cpu.pack_hook = counting_pack
+
+    n_total = spec["iters"] + spec["warmup"]
+    max_n = n_total + (spec["extra_auto"] if st is not None else 0)
+    losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
+    measured_from = spec["warmup"]
+    switched_at = None
+    i = 0
+    try:
+        while i < max_n:
+            x = torch.randint(0, vocab, (c["batch"], c["seq"]), generator=gen).to(device)
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if save_cpu is not None:
+                with save_cpu:
+                    loss = model(input_ids=x, labels=x).loss
+            else:
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()  # stweaver's optimizer hook marks its iteration here
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach().float().item()).hex())
+            if offloader is not None:
+                it = offloader.iteration_end() or {}
+                moved.append(it.get("bytes_out", 0) + it.get("bytes_in", 0))
+                offload_modes.append(offloader.mode)
+            elif save_cpu is not None:
+                moved.append(2 * cpu_bytes[0])  # out in forward, back in backward
+                cpu_bytes[0] = 0
+            if cuda:
+                reserved_after.append(torch.cuda.memory_reserved())
+            if st is not None:
+                m = st.mode()
+                modes.append(m)
+                ext = st._extension()
+                sched = list(ext.offload_schedule()) if hasattr(ext, "offload_schedule") else []
+                if sched and offloader.mode == "threshold":
+                    # The plan carries a schedule: follow it from the next iteration on.
+                    off.disable()
+                    offloader = off.enable(schedule="plan", hook_optimizer=False)
+                if switched_at is None and m == "auto (plan)":
+                    switched_at = i
+                    # Measure the iterations after the switch (the online cache released).
+                    measured_from = max(measured_from, i + 2)
+                    max_n = min(max_n, measured_from + spec["iters"])
+            i += 1
+        res["ok"] = True
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        res["oom"] = True
+        res["oom_iter"] = i
+        res["error"] = str(e).splitlines()[0][:300]
+    if st is not None and switched_at is None:
+        measured_from = max(spec["warmup"], len(steps) - spec["iters"])  # never switched: the last ones
+    res["iterations"] = i
+    res["losses"] = losses
+    res["step_s"] = steps
+    res["measured_from"] = measured_from
+    win = steps[measured_from:]
+    res["step_min_s"] = min(win) if win else None
+    res["step_median_s"] = statistics.median(win) if win else None
+    res["moved_bytes_per_iter"] = moved[measured_from:] or moved
+    res["modes"] = modes
+    res["switched_at"] = switched_at
+    res["offload_modes"] = offload_modes
+    if offloader is not None:
+        res["offload"] = offloader.stats()
+        res["offload_mode"] = (offload_modes[measured_from:] or offload_modes or [None])[-1]
+        off.disable()
+    if cuda:
+        res["max_reserved"] = torch.cuda.max_memory_reserved()
+        res["max_allocated"] = torch.cuda.max_memory_allocated()
+        res["reserved_after"] = reserved_after
+    else:
+        res["max_reserved"] = res["max_allocated"] = 0
+    if st is not None:
+        try:
+            res["stweaver"] = st.stats()
+        except Exception as e:  # report, do not lose the run
+            res["stweaver"] = {"error": str(e)}
+    return res
+
+
+def child_main() -> int:
+    spec = json.loads(sys.stdin.readline())
+    try:
+        res = link_probe(spec["dry_run"]) if spec["row"] == "link" else run_row(spec)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        res = {"ok": False, "row": spec["row"], "error": f"{type(e).__name__}: {e}"[:2000]}
+    with open(spec["result"], "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+# ------------------------------------------------------------------ driver
+
+
+def child_env(row: str) -> dict:
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("STWEAVER_") or k == "PYTORCH_CUDA_ALLOC_CONF":
+            del env[k]
+    if row == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONPATH"] = PY_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def spawn(spec: dict, tmp: str, timeout: float) -> dict:
+    name = f"{spec.get('workload', {}).get('name', 'link')}_{spec['row']}_{spec.get('fraction')}"
+    spec = dict(spec, result=os.path.join(tmp, name + ".json"))
+    log_path = os.path.join(tmp, name + ".log")
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child"], stdin=subprocess.PIPE,
+                             stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["row"]), text=True)
+        try:
+            p.stdin.write(json.dumps(spec) + "\n")
+            p.stdin.close()
+        except OSError:
+            pass
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = "timeout"
+    try:
+        with open(spec["result"]) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        res = {"ok": False, "row": spec["row"], "error": f"no result (rc={rc})"}
+    res["rc"] = rc
+    res["wall_s"] = time.time() - t0
+    if not res.get("ok") and not res.get("oom"):
+        with open(log_path) as f:
+            res["log_tail"] = f.read()[-3000:]
+    return res
+
+
+def derive(row: dict, ref: dict, link: dict) -> dict:
+    """The row's numbers relative to the unlimited run and the link."""
+    d = {}
+    if row.get("step_median_s") and ref.get("step_median_s"):
+        d["step_median_ratio"] = row["step_median_s"] / ref["step_median_s"]
+        d["step_min_ratio"] = row["step_min_s"] / ref["step_min_s"]
+    a, b = row.get("losses") or [], ref.get("losses") or []
+    n = min(len(a), len(b))
+    d["losses_compared"] = n
+    d["losses_equal"] = bool(n) and a[:n] == b[:n]
+    mv = row.get("moved_bytes_per_iter") or []
+    d["moved_bytes_per_iter"] = statistics.median(mv) if mv else 0
+    o = row.get("offload") or {}
+    for k in ("d2h", "h2d"):
+        bw = o.get(k + "_GBps")
+        d[k + "_GBps"] = bw
+        peak = link.get(k + "_GBps")
+        d[k + "_of_link"] = bw / peak if bw and peak else None
+    if not o and mv and row.get("step_median_s"):
+        # save_on_cpu: no copy events; bytes over the whole step (a lower bound of the rate)
+        d["moved_GBps_over_step"] = d["moved_bytes_per_iter"] / row["step_median_s"] / 1e9
+    return d
+
+
+def fmt_table(doc: dict) -> str:
+    lines = [f"{'workload':<14} {'row':<17} {'budget':>9} {'fits':<5} {'peak res':>9} "
+             f"{'step med':>9} {'x unlim':>8} {'moved/it':>9} {'D2H%':>5} {'H2D%':>5} {'loss=':<6} mode"]
+    for w in doc["workloads"]:
+        ref = w["unlimited"]
+        lines.append(f"{w['name']:<14} {'unlimited':<17} {'-':>9} {str(ref.get('ok')):<5} "
+                     f"{(ref.get('max_reserved') or 0) / GiB:8.2f}G {_s(ref.get('step_median_s')):>9} "
+                     f"{'1.000':>8} {'-':>9} {'-':>5} {'-':>5} {'-':<6}")
+        for r in w["rows"]:
+            d = r.get("derived", {})
+            fits = "yes" if r.get("ok") else ("OOM" if r.get("oom") else "err")
+            pct = lambda v: f"{100 * v:4.0f}" if v else "-"  # noqa: E731
+            ratio = d.get("step_median_ratio")
+            lines.append(
+                f"{'':<14} {r['row']:<17} {r['fraction']:>5.2f}xLB {fits:<5} "
+                f"{(r.get('max_reserved') or 0) / GiB:8.2f}G {_s(r.get('step_median_s')):>9} "
+                f"{(f'{ratio:.3f}' if ratio else '-'):>8} {d.get('moved_bytes_per_iter', 0) / GiB:8.2f}G "
+                f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
+                f"{('yes' if d.get('losses_equal') else 'NO' if d.get('losses_compared') else '-'):<6} "
+                f"{r.get('offload_mode') or ''}")
+    link = doc.get("link") or {}
+    lines.append(f"link: H2D {_g(link.get('h2d_GBps'))} GB/s, D2H {_g(link.get('d2h_GBps'))} GB/s (pinned 1 GiB)")
+    return "\n".join(lines)
+
+
+def _s(x) -> str:
+    return f"{x:.3f}s" if x else "-"
+
+
+def _g(x) -> str:
+    return f"{x:.1f}" if x else "-"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or ".")
+    ap.add_argument("--dry-run", action="store_true", help="tiny models on CPU, no GPU: checks the plumbing")
+    ap.add_argument("--iters", type=int, default=8, help="measured iterations per row")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--extra-auto", type=int, default=12, help="stweaver: iterations allowed for record+plan")
+    ap.add_argument("--fractions", default="0.9,0.8,0.7", help="budgets as fractions of LB (--dry-run: 0.8)")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--workloads", default=",".join(w["name"] for w in WORKLOADS))
+    ap.add_argument("--batch", type=int, default=None, help="override the micro-batch (sequences)")
+    ap.add_argument("--min-bytes", type=int, default=1 << 20, help="threshold offload: smallest tensor")
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="per child process")
+    args = ap.parse_args(argv)
+
+    if args.dry_run and args.fractions == "0.9,0.8,0.7":
+        args.fractions = "0.8"  # one budget: every row and workload still runs
+    fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
+    rows = [r for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        ap.error(f"unknown rows {bad} (known: {', '.join(ROWS)})")
+    names = [n for n in args.workloads.split(",") if n.strip()]
+    pool = dry_workloads() if args.dry_run else [dict(w) for w in WORKLOADS]
+    wls = [w for w in pool if w["name"] in names]
+    if not wls:
+        ap.error(f"no workload among {names}")
+    if args.batch:
+        for w in wls:
+            w["batch"] = args.batch
+    if args.dry_run:
+        args.iters, args.warmup, args.extra_auto = min(args.iters, 3), min(args.warmup, 1), 0
+        args.min_bytes = 0  # tiny tensors: offload them all
+    os.makedirs(args.out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="stweaver-budget-")
+    base = {"dry_run": args.dry_run, "iters": args.iters, "warmup": args.warmup,
+            "extra_auto": args.extra_auto, "min_bytes": args.min_bytes}
+    doc = {"schema": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
+           "fractions": fractions, "args": vars(args), "workloads": []}
+    path = os.path.join(args.out, "budget_bench.json")
+
+    def save():
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    doc["link"] = spawn(dict(base, row="link"), tmp, args.timeout_s)
+    print(f"link: {doc['link']}", flush=True)
+    for w in wls:
+        entry = {"name": w["name"], "config": w, "rows": []}
+        doc["workloads"].append(entry)
+        ref = spawn(dict(base, row="unlimited", workload=w), tmp, args.timeout_s)
+        entry["unlimited"] = ref
+        if not ref.get("ok"):
+            print(f"{w['name']}: the unlimited run failed: {ref.get('error')}", flush=True)
+            save()
+            continue
+        lb = ref["max_allocated"]
+        entry["lower_bound"] = lb
+        entry["lower_bound_source"] = "torch.cuda.max_memory_allocated of the unlimited run"
+        print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}", flush=True)
+        for f in fractions:
+            budget = int(f * lb) if lb else None
+            for row in rows:
+                r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget), tmp, args.timeout_s)
+                r["fraction"] = f
+                r["derived"] = derive(r, ref, doc["link"])
+                entry["rows"].append(r)
+                state = "ok" if r.get("ok") else ("OOM" if r.get("oom") else f"error: {r.get('error')}")
+                print(f"  {f:.2f} x LB {row}: {state}", flush=True)
+                save()
+    doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
+    table = fmt_table(doc)
+    with open(os.path.join(args.out, "budget_bench.txt"), "w") as fh:
+        fh.write(table + "\n")
+    print(f"\nwritten: {path}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        sys.exit(child_main())
+    sys.exit(main())

@@ -1,0 +1,962 @@
+"""Activation offload: autograd-saved tensors go to pinned host memory between forward and
+backward, and come back before backward needs them (issue #16, part 2: run time).
+
+    import stweaver, stweaver._offload as off
+    stweaver.install(budget="60GiB")        # auto mode: the plan may carry an offload schedule
+    off.enable()                            # follow the served plan's schedule
+    ...                                     # or: with off.offload(min_bytes=2**20): ...
+    off.stats()
+
+Modes
+=====
+* **plan** (``enable()`` with no arguments, ``schedule="plan"``): the schedule is the one of the
+  plan stweaver serves now (``ext.offload_schedule()``), read again at every iteration
+  boundary; an empty schedule offloads nothing.
+* **schedule** (``schedule=[(pack, unpack, prefetch_after_unpack, bytes), ...]``): a fixed
+  schedule (tests, hand-made plans).
+* **threshold** (``min_bytes=N``, no schedule): every eligible saved tensor of at least N bytes
+  is offloaded (as torchtune's ``OffloadActivations``); the copy back of the next offloaded
+  tensor (the next lower pack ordinal, backward's usual order) is started when one is unpacked.
+
+Ordinals
+========
+A schedule entry names a saved tensor by its **pack ordinal** k: the 0-based count of the
+*counted* pack-hook calls since the iteration boundary (``stweaver.step()`` or the
+optimizer-step hook; here :func:`iteration_end`). A call is counted when its tensor is a CUDA
+tensor that starts its storage (``data_ptr() == untyped_storage().data_ptr()``, storage not
+empty): exactly the calls for which the trace can carry a marker, since a storage is one
+allocation. Its unpack is the **unpack ordinal** j among the iteration's counted unpack-hook
+calls (a tensor returned as is by pack is the same object at unpack, so it is counted the same
+way; a handle always is), and ``prefetch_after_unpack`` p the unpack ordinal right after which
+its copy back starts (-1: at the iteration's first unpack). While stweaver records a trace,
+every counted call also calls ``ext.record_saved(ptr, pack)``, so the trace carries a
+SavedPack / SavedUnpack event at the allocation, in call order, and the planner's ordinals
+(the events of one iteration, in order) are the hook's. A counted call that recorded nothing
+while others did (an allocation of a CUDA graph's private pool, say) is counted in
+``stats()["marker_misses"]``: the ordinals after it no longer match the plan's, which makes
+schedule entries mismatch (``schedule_mismatch``) rather than anything unsafe.
+
+A tensor saved several times (softmax's output, by softmax and by the next matmul) is
+offloaded once: a later pack of the same tensor object in the iteration returns the first
+handle (``shared``), which every save unpacks.
+
+Eligible tensors: a plain CUDA ``torch.Tensor`` (no subclass, no ``nn.Parameter``: offloading a
+parameter frees nothing), strided, not conjugated/negated, contiguous, covering its whole
+storage (``data_ptr == storage ptr`` and ``nbytes == storage nbytes``), not empty. Dropping such a
+tensor after the copy frees its device block; a view would free nothing. In schedule modes an
+entry whose tensor is not eligible, or whose size differs from ``bytes`` (the ordinals no longer
+match the plan's), is left on the device and counted (``schedule_skipped``,
+``schedule_mismatch``).
+
+Algorithm and stream rules
+==========================
+Two side streams per device, ``d2h`` and ``h2d``; copies are asynchronous, and the host never
+blocks on the device (no ``synchronize``, no ``Event.synchronize``; only ``Event.query``).
+
+Pack (forward), tensor t, ordinal k, scheduled or over the threshold:
+
+1. take a host slice of ``t.nbytes`` from the :class:`PinnedPool` (one pinned buffer,
+   sub-allocated; no ``cudaHostAlloc`` per tensor);
+2. ``d2h.wait_stream(current)``: t's producer was queued on the current stream; the copy must
+   not read t before it is written;
+3. copy t into the slice on ``d2h`` (``non_blocking=True``), with an event ``ev_out`` after it;
+4. ``t.record_stream(d2h)``: autograd drops its last reference to t when the hook returns; the
+   allocator (stweaver) then frees t's block only once the work queued on ``d2h`` so far (the
+   copy) is done, so no later allocation on the current stream overwrites t mid-copy;
+5. return a handle that holds the slice and t's metadata, **not** t.
+
+Unpack (backward), ordinal j, handle h (a tensor returned by pack is returned as is):
+
+0. start the copies back due before j (prefetch point p < j, p = -1 at the first unpack) that
+   have not started (their tensor was packed after their point: 1F1B-like orders);
+1. if h's copy back has not started (its prefetch point p >= j, or threshold mode), start it
+   now and count a stall;
+2. start the copy back of every scheduled tensor with p <= j that was packed and not started
+   yet (threshold mode: of the next offloaded tensor below h's pack ordinal). To start one: allocate the device
+   tensor on the **current** stream (``torch.empty_strided``: it then belongs to the stream
+   that will use it, as if backward had made it), ``h2d.wait_stream(current)`` (the block may
+   have been freed by work queued on the current stream that has not run yet: the copy must
+   not overwrite it before that work ran), ``h2d.wait_event(ev_out)`` (the host slice must be
+   filled), copy on ``h2d``, event ``ev_in`` after it, ``dev.record_stream(h2d)`` (if the
+   tensor dies before the current stream waited for ``ev_in`` (e.g. the graph is freed
+   unused), its block must not be reused while the copy writes it);
+3. ``current.wait_event(ev_in)``: the consumer sees the data; a device-side wait, not a host
+   one. The handle keeps the device tensor (a second unpack under ``retain_graph`` returns it);
+   it dies with the saved variable, i.e. when its autograd node has run;
+4. h's host slice is free once ``ev_in`` has passed: slices are released when their event's
+   ``query()`` says so, at every later hook call and at the iteration boundary, never
+   waiting. A slice is reused by a later d2h copy only after that; a slice whose handle died
+   unpacked (graph freed) is released once its ``ev_out`` has passed.
+
+Iteration boundary (:func:`iteration_end`): ordinals go back to 0, finished copies give their
+slices back, handles packed in the iteration but not unpacked are counted (``not_unpacked``;
+they stay valid), copy times are read from the events that have completed, and in plan mode
+the schedule is read again.
+
+Host memory: the pool grows by adding a buffer (live slices cannot move while copies may be
+in flight): up front to the schedule's bytes (an upper bound of what is offloaded at once;
+exact when every pack precedes the first unpack), else, when a slice does not fit, by a buffer
+as large as the pool (doubling), so it has a handful of buffers whatever its size. Buffers are
+powers of two (PyTorch's pinned allocator rounds to one anyway). If pinning fails (host memory
+exhausted), :class:`PinnedMemoryError` says how many bytes could not be pinned; the offloader
+turns offload off (a warning; ``stats()["off_reason"]``) and the tensor simply stays on the
+device: training goes on, results unchanged.
+
+Threads: the hooks are thread-local in PyTorch; :func:`enable` pushes them for the calling
+thread (the one that runs forward). Unpacks run on autograd's device threads; the offloader's
+state is guarded by a lock.
+
+The CUDA pieces (streams, events, copies, pinning, ``record_stream``) are behind a small
+backend object (:class:`CudaBackend`) so the logic runs on CPU in tests with a fake one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "ALIGN",
+    "CudaBackend",
+    "Offloader",
+    "PinnedMemoryError",
+    "PinnedPool",
+    "current",
+    "disable",
+    "enable",
+    "iteration_end",
+    "normalize_schedule",
+    "offload",
+    "schedule_host_bytes",
+    "stats",
+]
+
+ALIGN = 512
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class PinnedMemoryError(RuntimeError):
+    """Pinned host memory could not be had; offload is off, training state untouched."""
+
+    def __init__(self, nbytes: int, cause: Optional[BaseException] = None):
+        self.nbytes = nbytes
+        why = f": {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause else ""
+        super().__init__(
+            f"stweaver offload: could not pin {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host "
+            f"memory{why}. Offload is off from here on; the training state is untouched (saved "
+            f"tensors stay on the device)."
+        )
+
+
+def _pin_torch(nbytes: int):
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class HostSlice:
+    """A range of a pool buffer: ``tensor`` is a uint8 view of ``nbytes`` bytes at ``offset``."""
+
+    __slots__ = ("buffer", "offset", "nbytes", "size", "tensor")
+
+    def __init__(self, buffer: int, offset: int, nbytes: int, size: int, tensor):
+        self.buffer, self.offset, self.nbytes, self.size, self.tensor = buffer, offset, nbytes, size, tensor
+
+    def __repr__(self) -> str:
+        return f"HostSlice(buffer={self.buffer}, offset={self.offset}, nbytes={self.nbytes})"
+
+
+class _Buffer:
+    __slots__ = ("data", "capacity", "free", "used")
+
+    def __init__(self, data, capacity: int):
+        self.data, self.capacity = data, capacity
+        self.free: List[List[int]] = [[0, capacity]]  # sorted [offset, size], coalesced
+        self.used = 0
+
+
+class PinnedPool:
+    """Pinned host memory for offloaded tensors: a few large pinned buffers (normally one),
+    sub-allocated first-fit with offsets aligned to ``align`` bytes.
+
+    ``pin(nbytes)`` makes a buffer (a 1-D uint8 tensor of ``nbytes``); it defaults to
+    ``torch.empty(n, dtype=torch.uint8, pin_memory=True)``. A failure raises
+    :class:`PinnedMemoryError` and leaves the pool as it was.
+
+    ``pow2`` (default: on with torch's pinning): buffer sizes are powers of two. PyTorch's
+    caching host allocator rounds every pinned allocation up to one, so a buffer of another
+    size would pin memory it never uses; ``reserve`` therefore adds one buffer per power of
+    two of the missing bytes (16 GiB + 4 GiB for 20 GiB), not one rounded-up buffer."""
+
+    def __init__(self, pin: Optional[Callable[[int], Any]] = None, align: int = ALIGN,
+                 min_grow: int = 64 << 20, pow2: Optional[bool] = None):
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"align must be a power of two, got {align}")
+        self._pin = pin or _pin_torch
+        self.pow2 = (pin is None) if pow2 is None else pow2
+        self.align = align
+        self.min_grow = max(align, min_grow)
+        self._buffers: List[Optional[_Buffer]] = []
+        self.pins = 0  # buffers pinned so far (each one cudaHostAlloc)
+        self.peak_used = 0
+
+    # -- sizes
+    @property
+    def capacity(self) -> int:
+        return sum(b.capacity for b in self._buffers if b is not None)
+
+    @property
+    def used(self) -> int:
+        return sum(b.used for b in self._buffers if b is not None)
+
+    @property
+    def buffers(self) -> int:
+        return sum(1 for b in self._buffers if b is not None)
+
+    def _new_buffer(self, nbytes: int) -> int:
+        nbytes = _pow2(nbytes) if self.pow2 else _align(nbytes, self.align)
+        try:
+            data = self._pin(nbytes)
+        except PinnedMemoryError:
+            raise
+        except (RuntimeError, MemoryError, OSError) as e:  # cudaErrorMemoryAllocation & co
+            raise PinnedMemoryError(nbytes, e) from e
+        if data is None or int(data.numel()) < nbytes:
+            raise PinnedMemoryError(nbytes, RuntimeError("the pin function returned too little"))
+        self.pins += 1
+        self._buffers.append(_Buffer(data, nbytes))
+        return len(self._buffers) - 1
+
+    def reserve(self, nbytes: int) -> None:
+        """Makes the capacity at least ``nbytes``: one new buffer for the difference (with
+        ``pow2``: one per power of two of it, the last at least ``min_grow``). On a pinning
+        failure the buffers pinned by this call are kept (they are usable)."""
+        short = _align(nbytes, self.align) - self.capacity
+        while short > 0:
+            if not self.pow2:
+                self._new_buffer(short)
+                return
+            chunk = 1 << (short.bit_length() - 1)
+            if chunk < self.min_grow:
+                chunk = _pow2(max(short, self.min_grow))
+            self._new_buffer(chunk)
+            short -= chunk
+
+    def alloc(self, nbytes: int) -> HostSlice:
+        """A slice of ``nbytes`` (first fit over the buffers in order); grows the pool by a
+        buffer of ``max(nbytes, capacity, min_grow)`` when nothing fits."""
+        if nbytes <= 0:
+            raise ValueError(f"a host slice needs a positive size, got {nbytes}")
+        need = _align(nbytes, self.align)
+        for bi, buf in enumerate(self._buffers):
+            if buf is None:
+                continue
+            for fi, (off, size) in enumerate(buf.free):
+                if size >= need:
+                    if size == need:
+                        del buf.free[fi]
+                    else:
+                        buf.free[fi] = [off + need, size - need]
+                    return self._take(bi, buf, off, need, nbytes)
+        # Doubling: a handful of buffers however the pool got to its size.
+        bi = self._new_buffer(max(need, self.capacity, self.min_grow))
+        buf = self._buffers[bi]
+        off, size = buf.free[0]
+        if size == need:
+            buf.free.pop(0)
+        else:
+            buf.free[0] = [off + need, size - need]
+        return self._take(bi, buf, off, need, nbytes)
+
+    def _take(self, bi: int, buf: _Buffer, off: int, need: int, nbytes: int) -> HostSlice:
+        buf.used += need
+        self.peak_used = max(self.peak_used, self.used)
+        return HostSlice(bi, off, need, nbytes, buf.data[off: off + nbytes])
+
+    def free(self, s: HostSlice) -> None:
+        buf = self._buffers[s.buffer] if 0 <= s.buffer < len(self._buffers) else None
+        if buf is None:
+            raise ValueError(f"{s!r}: no such buffer in this pool")
+        if s.offset % self.align or s.offset + s.nbytes > buf.capacity:
+            raise ValueError(f"{s!r}: not a slice of this pool")
+        fl = buf.free
+        i = bisect.bisect_left(fl, [s.offset, 0])
+        # overlap with a free neighbour = a double free
+        if (i < len(fl) and fl[i][0] < s.offset + s.nbytes) or (i > 0 and fl[i - 1][0] + fl[i - 1][1] > s.offset):
+            raise ValueError(f"{s!r}: freed twice")
+        fl.insert(i, [s.offset, s.nbytes])
+        if i + 1 < len(fl) and fl[i][0] + fl[i][1] == fl[i + 1][0]:
+            fl[i][1] += fl[i + 1][1]
+            del fl[i + 1]
+        if i > 0 and fl[i - 1][0] + fl[i - 1][1] == fl[i][0]:
+            fl[i - 1][1] += fl[i][1]
+            del fl[i]
+        buf.used -= s.nbytes
+        s.tensor = None
+
+    def release_all(self) -> None:
+        """Drops every buffer (all slices must be free)."""
+        if any(b is not None and b.used for b in self._buffers):
+            raise RuntimeError("PinnedPool.release_all with slices in use")
+        self._buffers = []
+
+
+# ---------------------------------------------------------------- backend
+
+
+class CudaBackend:
+    """The CUDA operations of the offloader (the test suite swaps in a CPU fake)."""
+
+    def __init__(self, timing: bool = True):
+        import torch
+
+        self.torch = torch
+        self.timing = timing
+        self._streams: Dict[Tuple[str, int], Any] = {}
+
+    def is_device(self, t) -> bool:
+        return t.is_cuda
+
+    def current_stream(self, device):
+        return self.torch.cuda.current_stream(device)
+
+    def side_stream(self, device, kind: str):
+        idx = device.index if device.index is not None else self.torch.cuda.current_device()
+        key = (kind, idx)
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = self.torch.cuda.Stream(device=idx)
+        return s
+
+    def wait_stream(self, waiter, waitee) -> None:
+        waiter.wait_stream(waitee)
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def event(self, stream):
+        ev = self.torch.cuda.Event(enable_timing=self.timing)
+        ev.record(stream)
+        return ev
+
+    def query(self, event) -> bool:
+        return event.query()
+
+    def elapsed_ms(self, a, b) -> Optional[float]:
+        if not self.timing:
+            return None
+        return a.elapsed_time(b)
+
+    def copy(self, dst, src, stream) -> None:
+        with self.torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, t, stream) -> None:
+        t.record_stream(stream)
+
+    def empty_device(self, size, stride, dtype, device):
+        return self.torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- schedule
+
+Entry = Tuple[int, int, int, int]
+
+
+def normalize_schedule(schedule: Iterable) -> List[Entry]:
+    """Validated ``(pack, unpack, prefetch_after_unpack, bytes)`` entries (None -> -1), sorted by
+    pack ordinal."""
+    out: List[Entry] = []
+    seen = set()
+    for i, e in enumerate(schedule):
+        try:
+            pack, unpack, pre, nbytes = e
+        except (TypeError, ValueError):
+            raise ValueError(f"offload schedule entry {i}: expected (pack, unpack, prefetch_after_unpack, bytes), got {e!r}") from None
+        pre = -1 if pre is None else pre
+        for name, v in (("pack", pack), ("unpack", unpack), ("prefetch_after_unpack", pre), ("bytes", nbytes)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"offload schedule entry {i}: {name}={v!r} is not an int")
+        if pack < 0 or unpack < 0 or nbytes <= 0:
+            raise ValueError(f"offload schedule entry {i}: {e!r}: pack and unpack must be >= 0, bytes > 0")
+        if not (-1 <= pre <= unpack):
+            raise ValueError(
+                f"offload schedule entry {i}: {e!r}: prefetch_after_unpack must be in [-1, unpack] "
+                f"(a copy back cannot start after its tensor is needed)")
+        if pack in seen:
+            raise ValueError(f"offload schedule entry {i}: pack ordinal {pack} appears twice")
+        seen.add(pack)
+        out.append((int(pack), int(unpack), int(pre), int(nbytes)))
+    out.sort()
+    return out
+
+
+def schedule_host_bytes(schedule: Sequence[Entry], align: int = ALIGN) -> int:
+    """Pinned bytes that hold every scheduled tensor at once (slices aligned): an upper bound of
+    the peak of concurrently offloaded bytes, exact when all packs precede the first unpack."""
+    return sum(_align(e[3], align) for e in schedule)
+
+
+# ---------------------------------------------------------------- offloader
+
+
+class _Handle:
+    """What autograd keeps for an offloaded tensor: host slice and metadata, not the tensor."""
+
+    __slots__ = ("k", "j_expected", "host", "size", "stride", "dtype", "device", "nbytes",
+                 "ev_out", "ev_out0", "dev", "ev_in", "unpacked", "stalled", "owner", "iteration", "src",
+                 "__weakref__")
+
+    def __del__(self):
+        # Dropped unpacked (graph freed) or after: give the slice back once copies are done.
+        owner = self.owner
+        if owner is not None and self.host is not None:
+            owner._zombies.append((self.host, self.ev_in if self.ev_in is not None else self.ev_out))
+            self.host = None
+
+
+class Offloader:
+    """Pack/unpack hooks for ``torch.autograd.graph.saved_tensors_hooks``; see the module doc.
+
+    ``schedule``: a list of entries, ``"plan"`` (the served plan's, read at each boundary) or
+    None (threshold mode with ``min_bytes``). ``ext``: stweaver's extension object (for
+    ``record_saved`` / ``offload_schedule``); None: none. ``backend``: :class:`CudaBackend` by
+    default. ``pool``: a :class:`PinnedPool`."""
+
+    def __init__(self, schedule=None, min_bytes: Optional[int] = None, ext=None, backend=None,
+                 pool: Optional[PinnedPool] = None, prefetch: int = 1):
+        if schedule is None and min_bytes is None:
+            raise ValueError("Offloader needs a schedule (entries or 'plan') or min_bytes")
+        if min_bytes is not None and (isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0):
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        if schedule == "plan":
+            if ext is None or not hasattr(ext, "offload_schedule"):
+                raise RuntimeError(
+                    "offload schedule='plan' needs stweaver installed with an extension that has "
+                    "offload_schedule() (install stweaver first, or pass a schedule / min_bytes)")
+            self.mode = "plan"
+        elif schedule is not None:
+            self.mode = "schedule"
+        else:
+            self.mode = "threshold"
+        self.min_bytes = min_bytes
+        self.ext = ext
+        self._record = getattr(ext, "record_saved", None) if ext is not None else None
+        self.backend = backend if backend is not None else CudaBackend()
+        self.pool = pool if pool is not None else PinnedPool()
+        self.prefetch = prefetch
+        self._lock = threading.RLock()
+        self._zombies: List[tuple] = []  # (slice, event) of dead handles, appended from __del__
+        self._pending: List[tuple] = []  # (slice, event) waiting for the event to pass
+        self._timings: List[tuple] = []  # (kind, start event, end event, bytes)
+        self.off_reason: Optional[str] = None
+        self._raw_plan: Optional[list] = None
+        self._schedule: List[Entry] = []
+        self._by_pack: Dict[int, Entry] = {}
+        self._by_prefetch: List[Tuple[int, int]] = []  # (prefetch_after_unpack, pack), sorted
+        self._totals = self._zero()
+        self._it = self._zero()
+        self.iterations = 0
+        self.last_iteration: Optional[dict] = None
+        self._copy_ms = {"d2h": 0.0, "h2d": 0.0}
+        self._copy_bytes_timed = {"d2h": 0, "h2d": 0}
+        self._reset_ordinals()
+        if self.mode == "schedule":
+            self.set_schedule(schedule)
+        elif self.mode == "plan":
+            self._read_plan()
+
+    # -- state
+    @staticmethod
+    def _zero() -> dict:
+        return {"packs": 0, "unpacks": 0, "packs_device": 0, "markers": 0, "marker_misses": 0,
+                "tensors_out": 0, "bytes_out": 0, "tensors_in": 0, "bytes_in": 0, "stalls": 0,
+                "prefetched": 0, "shared": 0, "schedule_skipped": 0, "schedule_mismatch": 0,
+                "schedule_unreached": 0, "unpack_drift": 0, "not_unpacked": 0, "pin_failures": 0}
+
+    def _reset_ordinals(self) -> None:
+        self._misses = 0  # record_saved calls with a device pointer that recorded nothing
+        self.k = 0  # next pack ordinal
+        self.j = 0  # next unpack ordinal
+        self._live: Dict[int, weakref.ref] = {}  # pack ordinal -> handle (this iteration)
+        self._by_ptr: Dict[int, weakref.ref] = {}  # device pointer -> handle (this iteration)
+        self._started: set = set()
+        self._prefetch_pos = 0
+        self._due: List[int] = []  # pack ordinals due for copy back, not packed yet
+        self._order: List[int] = []  # threshold mode: offloaded pack ordinals, in order
+
+    def set_schedule(self, schedule: Iterable) -> None:
+        """Replaces the schedule (takes effect now; normally called at a boundary)."""
+        entries = normalize_schedule(schedule)
+        with self._lock:
+            self._schedule = entries
+            self._by_pack = {e[0]: e for e in entries}
+            self._by_prefetch = sorted((e[2], e[0]) for e in entries)
+            need = schedule_host_bytes(entries, self.pool.align)
+            if need and self.off_reason is None:
+                try:
+                    self.pool.reserve(need)
+                except PinnedMemoryError as e:
+                    self._turn_off(e)
+
+    def _read_plan(self) -> None:
+        try:
+            sched = list(self.ext.offload_schedule())
+        except Exception as e:  # report; never stop training
+            warnings.warn(f"stweaver offload: reading the plan's offload schedule failed: {e}", RuntimeWarning)
+            sched = []
+        if sched != self._raw_plan:
+            self._raw_plan = sched
+            self.set_schedule(sched)
+
+    def _turn_off(self, err: PinnedMemoryError) -> None:
+        self._it["pin_failures"] += 1
+        if self.off_reason is None:
+            self.off_reason = str(err)
+            warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+
+    # -- helpers
+    def _mark(self, t, dev: bool, pack: bool) -> None:
+        if self._record is None:
+            return
+        ptr = 0
+        if dev:
+            try:
+                ptr = t.data_ptr()
+            except RuntimeError:  # a tensor without storage (fake / functional): no marker
+                ptr = 0
+        if self._record(ptr, pack):
+            self._it["markers"] += 1
+        elif ptr:
+            self._misses += 1
+
+    def _reap(self) -> None:
+        """Frees host slices whose last copy has passed (never waits)."""
+        while self._zombies:  # list.pop is atomic: __del__ may append meanwhile
+            self._pending.append(self._zombies.pop())
+        if not self._pending:
+            return
+        keep = []
+        for sl, ev in self._pending:
+            if ev is None or self.backend.query(ev):
+                self.pool.free(sl)
+            else:
+                keep.append((sl, ev))
+        self._pending = keep
+
+    def eligible(self, t) -> bool:
+        """Whether t can be offloaded (see the module doc)."""
+        import torch
+
+        if type(t) is not torch.Tensor or not self.backend.is_device(t):
+            return False
+        if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+            return False
+        n = t.numel() * t.element_size()
+        if n == 0 or not t.is_contiguous():
+            return False
+        st = t.untyped_storage()
+        return t.data_ptr() == st.data_ptr() and n == st.nbytes()
+
+    def counted(self, t) -> bool:
+        """Whether a hook call on t counts as an ordinal (see the module doc): a device tensor
+        that starts its (non-empty) storage."""
+        if not self.backend.is_device(t):
+            return False
+        try:
+            st = t.untyped_storage()
+            return st.nbytes() > 0 and t.data_ptr() == st.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (fake / functional tensors)
+            return False
+
+    # -- hooks
+    def pack(self, t):
+        with self._lock:
+            it = self._it
+            it["packs"] += 1
+            dev = self.backend.is_device(t)
+            if dev:
+                it["packs_device"] += 1
+            if not self.counted(t):
+                self._reap()
+                return t
+            k = self.k
+            self.k += 1
+            self._mark(t, dev, True)
+            self._reap()
+            if self.off_reason is not None:
+                return t
+            if dev and self._by_ptr:
+                shared = self._shared(t, k)  # scheduled or not: the device copy is gone already
+                if shared is not None:
+                    return shared
+            nbytes = t.numel() * t.element_size() if dev else 0
+            if self.mode == "threshold":
+                if not (dev and nbytes >= self.min_bytes and self.eligible(t)):
+                    return t
+                j_expected = -1
+            else:
+                e = self._by_pack.get(k)
+                if e is None:
+                    return t
+                if not self.eligible(t):
+                    it["schedule_skipped"] += 1
+                    return t
+                if nbytes != e[3]:
+                    it["schedule_mismatch"] += 1
+                    return t
+                j_expected = e[1]
+            try:
+                return self._offload(t, k, j_expected, nbytes)
+            except PinnedMemoryError as err:
+                self._turn_off(err)
+                return t
+
+    def _shared(self, t, k: int) -> Optional["_Handle"]:
+        """The handle of this very tensor if it was offloaded earlier in the iteration (a tensor
+        saved twice, e.g. softmax's output by softmax and by the next matmul): one host copy,
+        one copy back. Offloading only one of the saves would free nothing (the other keeps
+        the device tensor). The same Python object is what autograd passes for the same
+        TensorImpl; a pointer alone could be a new tensor in a freed block."""
+        ref = self._by_ptr.get(t.data_ptr())
+        h = ref() if ref is not None else None
+        if h is None or h.unpacked or h.src is None or h.src() is not t:
+            return None
+        self._live[k] = ref
+        h.j_expected = -1  # unpacked once per save: either may come first
+        self._it["shared"] += 1
+        return h
+
+    def _offload(self, t, k: int, j_expected: int, nbytes: int):
+        b = self.backend
+        sl = self.pool.alloc(nbytes)  # raises before anything is queued
+        h = _Handle()
+        h.k, h.j_expected, h.host, h.nbytes = k, j_expected, sl, nbytes
+        h.size, h.stride, h.dtype, h.device = tuple(t.size()), tuple(t.stride()), t.dtype, t.device
+        h.dev = h.ev_in = None
+        h.unpacked = h.stalled = False
+        h.iteration = self.iterations
+        cur = b.current_stream(t.device)
+        d2h = b.side_stream(t.device, "d2h")
+        b.wait_stream(d2h, cur)                      # t is written (current stream) before read
+        h.ev_out0 = b.event(d2h) if b.timing else None
+        b.copy(self._host_view(h), t, d2h)
+        b.record_stream(t, d2h)                      # t's block is not reused mid-copy
+        h.ev_out = b.event(d2h)
+        if h.ev_out0 is not None:
+            self._timings.append(("d2h", h.ev_out0, h.ev_out, nbytes))
+        h.owner = self
+        h.src = weakref.ref(t)
+        self._live[k] = self._by_ptr[t.data_ptr()] = weakref.ref(h)
+        if self.mode == "threshold":
+            self._order.append(k)
+        self._it["tensors_out"] += 1
+        self._it["bytes_out"] += nbytes
+        return h
+
+    def _host_view(self, h: _Handle):
+        # Offsets are 512-aligned: a view as any dtype is aligned.
+        return h.host.tensor.view(h.dtype).as_strided(h.size, h.stride)
+
+    def _copy_back(self, h: _Handle) -> None:
+        """Starts h's copy back (see the module doc, unpack step 2)."""
+        b = self.backend
+        dev = b.empty_device(h.size, h.stride, h.dtype, h.device)  # on the current stream
+        cur = b.current_stream(h.device)
+        h2d = b.side_stream(h.device, "h2d")
+        b.wait_stream(h2d, cur)      # the block's earlier users (current stream) are done
+        b.wait_event(h2d, h.ev_out)  # the host slice holds the data
+        ev0 = b.event(h2d) if b.timing else None
+        b.copy(dev, self._host_view(h), h2d)
+        b.record_stream(dev, h2d)    # dev dying early does not free it under the copy
+        h.ev_in = b.event(h2d)
+        if ev0 is not None:
+            self._timings.append(("h2d", ev0, h.ev_in, h.nbytes))
+        h.dev = dev
+        self._started.add(h.k)
+        self._it["tensors_in"] += 1
+        self._it["bytes_in"] += h.nbytes
+
+    def _start_if_live(self, k: int) -> bool:
+        """Copy back of pack ordinal k if it is an offloaded handle not started; whether k is
+        settled (started now or before, or never offloaded and never will be)."""
+        if k in self._started:
+            return True
+        ref = self._live.get(k)
+        h = ref() if ref is not None else None
+        if h is not None:
+            if h.ev_in is None and not h.unpacked:
+                self._copy_back(h)
+                self._it["prefetched"] += 1
+            return True
+        return k < self.k  # packed (and not offloaded, or dead) vs not packed yet
+
+    def unpack(self, x):
+        with self._lock:
+            self._it["unpacks"] += 1
+            if not isinstance(x, _Handle) and not self.counted(x):
+                self._reap()
+                return x
+            j = self.j
+            self.j += 1
+            if self.mode != "threshold":
+                self._trigger(j - 1)  # due before this unpack (p = -1 at the first one)
+            if not isinstance(x, _Handle):
+                self._mark(x, self.backend.is_device(x), False)
+                self._reap()
+                self._prefetch_after(j, None)
+                return x
+            h = x
+            if h.ev_in is None:
+                if h.host is None:
+                    raise RuntimeError("stweaver offload: a saved tensor was unpacked after its host copy was released")
+                self._copy_back(h)
+                h.stalled = True
+                self._it["stalls"] += 1
+            b = self.backend
+            b.wait_event(b.current_stream(h.device), h.ev_in)  # device-side wait only
+            if not h.unpacked:
+                if h.j_expected >= 0 and h.j_expected != j:
+                    self._it["unpack_drift"] += 1  # the plan expected it at another unpack
+                h.unpacked = True
+                if h.host is not None:
+                    self._pending.append((h.host, h.ev_in))
+                    h.host = None
+                for kk in [kk for kk, r in self._live.items() if r() is h] if self._it["shared"] else [h.k]:
+                    self._live.pop(kk, None)
+            self._mark(h.dev, True, False)
+            self._reap()
+            self._prefetch_after(j, h)
+            return h.dev
+
+    def _prefetch_after(self, j: int, h: Optional[_Handle]) -> None:
+        if self.off_reason is not None and not self._live:
+            return
+        if self.mode == "threshold":
+            if h is None or self.prefetch <= 0 or h.iteration != self.iterations:
+                return
+            # The next offloaded tensors below h's pack ordinal (backward's usual order).
+            i = bisect.bisect_left(self._order, h.k)
+            n = 0
+            while i > 0 and n < self.prefetch:
+                i -= 1
+                ref = self._live.get(self._order[i])
+                g = ref() if ref is not None else None
+                if g is not None and g.ev_in is None:
+                    self._copy_back(g)
+                    self._it["prefetched"] += 1
+                    n += 1
+            return
+        self._trigger(j)
+
+    def _trigger(self, j: int) -> None:
+        """Starts the copies back due at unpack ordinal j (prefetch point <= j), if packed."""
+        bp = self._by_prefetch
+        while self._prefetch_pos < len(bp) and bp[self._prefetch_pos][0] <= j:
+            self._due.append(bp[self._prefetch_pos][1])
+            self._prefetch_pos += 1
+        if self._due:
+            self._due = [k for k in self._due if not self._start_if_live(k)]
+
+    # -- boundary
+    def iteration_end(self) -> Optional[dict]:
+        """Marks an iteration boundary (see the module doc). Returns the iteration's stats, or
+        None when no hook ran since the last boundary (a repeated boundary is a no-op)."""
+        with self._lock:
+            it = self._it
+            # Misses matter only while recording (some call recorded a marker).
+            it["marker_misses"] = self._misses if it["markers"] else 0
+            live = [r() for r in self._live.values()]
+            it["not_unpacked"] = len({id(h) for h in live if h is not None and not h.unpacked})
+            if self._schedule and self.mode != "threshold":
+                it["schedule_unreached"] = sum(1 for e in self._schedule if e[0] >= self.k)
+            self._reap()
+            self._read_timings()
+            busy = it["packs"] or it["unpacks"] or it["pin_failures"]
+            if busy:
+                self.iterations += 1
+                for key, v in it.items():
+                    self._totals[key] += v
+                it = dict(it)
+                it["iteration"] = self.iterations - 1
+                self.last_iteration = it
+            self._it = self._zero()
+            self._reset_ordinals()
+            if self.mode == "plan":
+                self._read_plan()
+            if it.get("not_unpacked"):
+                warnings.warn(
+                    f"stweaver offload: {it['not_unpacked']} offloaded tensor(s) of the iteration "
+                    f"were not unpacked before its end (kept in host memory until they are or "
+                    f"their graph is freed)", RuntimeWarning, stacklevel=2)
+            return it if busy else None
+
+    def _read_timings(self) -> None:
+        """Adds the time of the copies finished so far. A copy's start event is recorded on its
+        side stream after the stream's waits, and the stream runs one thing at a time, so
+        start -> end is the copy alone (not the wait, not the copies before it)."""
+        if not self._timings:
+            return
+        b = self.backend
+        keep = []
+        for rec in self._timings:
+            kind, e0, e1, n = rec
+            if not b.query(e1):
+                keep.append(rec)
+                continue
+            try:
+                ms = b.elapsed_ms(e0, e1)
+            except RuntimeError:
+                continue
+            if ms is not None:
+                self._copy_ms[kind] += max(0.0, ms)
+                self._copy_bytes_timed[kind] += n
+        self._timings = keep
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._totals)
+            out.update(
+                mode=self.mode,
+                iterations=self.iterations,
+                schedule_entries=len(self._schedule),
+                schedule_bytes=sum(e[3] for e in self._schedule),
+                off_reason=self.off_reason,
+                host_capacity=self.pool.capacity,
+                host_buffers=self.pool.buffers,
+                host_pins=self.pool.pins,
+                host_used=self.pool.used,
+                host_peak=self.pool.peak_used,
+                d2h_ms=self._copy_ms["d2h"],
+                h2d_ms=self._copy_ms["h2d"],
+                d2h_GBps=_rate(self._copy_bytes_timed["d2h"], self._copy_ms["d2h"]),
+                h2d_GBps=_rate(self._copy_bytes_timed["h2d"], self._copy_ms["h2d"]),
+                last_iteration=dict(self.last_iteration) if self.last_iteration else None,
+                current_iteration=dict(self._it),
+            )
+            return out
+
+
+def _rate(nbytes: int, ms: float) -> Optional[float]:
+    return nbytes / (ms * 1e6) if ms > 0 else None
+
+
+# ---------------------------------------------------------------- process-wide use
+
+_state_lock = threading.Lock()
+_active: Optional[Offloader] = None
+_pushed_by: Optional[int] = None
+_opt_handle = None
+
+
+def _installed_ext():
+    """stweaver's extension when stweaver serves this process, else None."""
+    import stweaver
+
+    if not stweaver.is_installed():
+        return None
+    return stweaver._extension()
+
+
+def current() -> Optional[Offloader]:
+    """The offloader :func:`enable` made, or None."""
+    return _active
+
+
+def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bool = True,
+           backend=None, pool: Optional[PinnedPool] = None, ext: Any = "auto") -> Offloader:
+    """Pushes offload's pack/unpack hooks for the calling thread (the one that runs forward).
+
+    ``schedule``: entries, or ``"plan"``; with neither a schedule nor ``min_bytes``: ``"plan"``
+    (stweaver must be installed). ``min_bytes`` without a schedule: threshold mode.
+    ``hook_optimizer``: mark an iteration boundary after every step of the first optimizer
+    that steps (registered after stweaver's own hook, so the plan switch at that boundary is
+    seen); else call :func:`iteration_end` at each boundary yourself."""
+    global _active, _pushed_by, _opt_handle
+    import torch
+
+    with _state_lock:
+        if _active is not None:
+            raise RuntimeError("stweaver offload is already enabled (call disable() first)")
+        if ext == "auto":
+            ext = _installed_ext()
+        if schedule is None and min_bytes is None:
+            schedule = "plan"
+        off = Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=backend, pool=pool)
+        torch._C._autograd._push_saved_tensors_default_hooks(off.pack, off.unpack)
+        _active, _pushed_by = off, threading.get_ident()
+        if hook_optimizer:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            _opt_handle = register_optimizer_step_post_hook(_optimizer_hook())
+        return off
+
+
+def disable() -> Optional[dict]:
+    """Pops the hooks :func:`enable` pushed (same thread); returns the offloader's stats.
+    Tensors already offloaded stay valid (their graph still unpacks them)."""
+    global _active, _pushed_by, _opt_handle
+    import torch
+
+    with _state_lock:
+        if _active is None:
+            return None
+        if _pushed_by != threading.get_ident():
+            raise RuntimeError("stweaver offload: disable() must run on the thread that called enable()")
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        if _opt_handle is not None:
+            _opt_handle.remove()
+            _opt_handle = None
+        off, _active, _pushed_by = _active, None, None
+        return off.stats()
+
+
+def iteration_end() -> Optional[dict]:
+    """An iteration boundary for the enabled offloader (no-op when none)."""
+    off = _active
+    return off.iteration_end() if off is not None else None
+
+
+def stats() -> dict:
+    """The enabled offloader's stats (``{"enabled": False}`` when none)."""
+    off = _active
+    if off is None:
+        return {"enabled": False}
+    s = off.stats()
+    s["enabled"] = True
+    return s
+
+
+def _optimizer_hook():
+    first: List[weakref.ref] = []
+
+    def hook(optimizer, args, kwargs):
+        if not first:
+            first.append(weakref.ref(optimizer))
+        if first[0]() is optimizer:
+            iteration_end()
+
+    return hook
+
+
+@contextlib.contextmanager
+def offload(min_bytes: Optional[int] = 2**20, schedule=None, **kw) -> Iterator[Offloader]:
+    """``with offload(): ...`` -- offload saved tensors inside the block (threshold mode with
+    ``min_bytes``; a schedule, or ``"plan"``, instead when given). Yields the offloader. The
+    hooks are popped on exit; tensors saved inside stay valid for backward after it."""
+    off = enable(schedule=schedule, min_bytes=None if schedule is not None else min_bytes, **kw)
+    try:
+        yield off
+    finally:
+        disable()

@@ -1,0 +1,675 @@
+"""Activation offload (stweaver.offload) without a GPU: the pinned pool's allocator, and the
+offloader's ordinals, schedule triggering, stream/event protocol and values, through a fake
+backend whose "device" tensors are CPU tensors and whose streams/events only log what a CUDA
+backend would do (copies run at once; events complete when the test says so)."""
+
+import itertools
+import os
+import sys
+import warnings
+import weakref
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+torch = pytest.importorskip("torch")
+
+from stweaver import _offload as off  # noqa: E402
+from stweaver._offload import (  # noqa: E402
+    Offloader, PinnedMemoryError, PinnedPool, normalize_schedule, schedule_host_bytes)
+
+KIB = 1 << 10
+
+
+# ------------------------------------------------------------------ fakes
+
+
+def cpu_pin(log=None, fail_at=None):
+    """A pin function over plain CPU memory; fails (as cudaHostAlloc does) for sizes >= fail_at."""
+
+    def pin(n):
+        if log is not None:
+            log.append(n)
+        if fail_at is not None and n >= fail_at:
+            raise RuntimeError("CUDA error: out of memory")
+        return torch.zeros(n, dtype=torch.uint8)
+
+    return pin
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+class FakeEvent:
+    ids = itertools.count()
+
+    def __init__(self, backend, stream):
+        self.id = next(FakeEvent.ids)
+        self.stream = stream
+        self.done = backend.complete
+        self.t = backend.clock
+        backend.clock += 1.0
+        backend.events.append(self)
+
+
+class FakeBackend:
+    """The CudaBackend interface over CPU tensors. `log` holds every stream operation in order;
+    a tensor is a "device" tensor unless it has `on_host = True`. Events are complete at once
+    unless `complete` is False (then `finish()` completes them). No method blocks the host:
+    there is no synchronize to call."""
+
+    def __init__(self, complete=True):
+        self.complete = complete
+        self.timing = True
+        self.clock = 0.0
+        self.log = []
+        self.events = []
+        self.current = FakeStream("current")
+        self.streams = {}
+
+    def is_device(self, t):
+        return not getattr(t, "on_host", False)
+
+    def current_stream(self, device):
+        return self.current
+
+    def side_stream(self, device, kind):
+        return self.streams.setdefault(kind, FakeStream(kind))
+
+    def wait_stream(self, waiter, waitee):
+        self.log.append(("wait_stream", waiter.name, waitee.name))
+
+    def wait_event(self, stream, ev):
+        self.log.append(("wait_event", stream.name, ev.id))
+
+    def event(self, stream):
+        ev = FakeEvent(self, stream)
+        self.log.append(("event", stream.name, ev.id))
+        return ev
+
+    def query(self, ev):
+        return ev.done
+
+    def elapsed_ms(self, a, b):
+        return b.t - a.t
+
+    def copy(self, dst, src, stream):
+        dst.copy_(src)
+        self.log.append(("copy", stream.name, src.data_ptr(), dst.data_ptr()))
+
+    def record_stream(self, t, stream):
+        self.log.append(("record_stream", t.data_ptr(), stream.name))
+
+    def empty_device(self, size, stride, dtype, device):
+        t = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        self.log.append(("empty", t.data_ptr(), self.current.name))
+        return t
+
+    def finish(self):
+        for e in self.events:
+            e.done = True
+
+    def ops(self, name):
+        return [e for e in self.log if e[0] == name]
+
+
+class FakeExt:
+    """record_saved / offload_schedule as the C++ extension exposes them."""
+
+    def __init__(self, recording=True, schedule=()):
+        self.recording = recording
+        self.calls = []
+        self.schedule = list(schedule)
+
+    def record_saved(self, ptr, pack):
+        self.calls.append((ptr, pack))
+        return self.recording and ptr != 0
+
+    def offload_schedule(self):
+        return list(self.schedule)
+
+
+def offloader(schedule=None, min_bytes=None, complete=True, ext=None, pin=None, **kw):
+    be = FakeBackend(complete=complete)
+    pool = PinnedPool(pin=pin or cpu_pin(), pow2=False, min_grow=4 * KIB)
+    return Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=be, pool=pool, **kw), be
+
+
+def mlp(seed=0, width=64, depth=3):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def train_step(model, x, hooks=None):
+    model.zero_grad(set_to_none=True)
+    if hooks is not None:
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            loss = model(x).square().mean()
+    else:
+        loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ PinnedPool
+
+
+def test_pool_first_fit_alignment_and_reuse():
+    pins = []
+    pool = PinnedPool(pin=cpu_pin(pins), pow2=False, min_grow=64 * KIB)
+    a = pool.alloc(1000)
+    b = pool.alloc(100)
+    c = pool.alloc(3000)
+    assert [s.offset for s in (a, b, c)] == [0, 1024, 1536]
+    assert all(s.offset % 512 == 0 for s in (a, b, c))
+    assert (a.nbytes, b.nbytes, c.nbytes) == (1024, 512, 3072)
+    assert a.tensor.numel() == 1000 and a.size == 1000
+    assert pins == [64 * KIB] and pool.capacity == 64 * KIB and pool.used == 1024 + 512 + 3072
+    pool.free(b)
+    d = pool.alloc(200)  # fits b's hole: first fit takes it
+    assert (d.buffer, d.offset) == (0, 1024)
+    e = pool.alloc(600)  # does not fit a 512 hole: the first free range after c
+    assert e.offset == 1536 + 3072
+    pool.free(a)
+    pool.free(d)  # a and d's ranges coalesce into [0, 1536)
+    f = pool.alloc(1536)
+    assert f.offset == 0
+    # views of any dtype at these offsets are aligned
+    for dt in (torch.float64, torch.bfloat16, torch.int32):
+        v = f.tensor[: 1536 // 8 * 8].view(dt)
+        assert v.data_ptr() % dt.itemsize == 0
+    for s in (c, e, f):
+        pool.free(s)
+    assert pool.used == 0 and pool._buffers[0].free == [[0, 64 * KIB]]
+    assert pool.pins == 1 and pool.peak_used == 5632
+
+
+def test_pool_double_free_and_bad_sizes_are_refused():
+    pool = PinnedPool(pin=cpu_pin(), pow2=False, min_grow=4 * KIB)
+    a = pool.alloc(10)
+    pool.free(a)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free(a)
+    with pytest.raises(ValueError, match="positive"):
+        pool.alloc(0)
+    with pytest.raises(ValueError, match="power of two"):
+        PinnedPool(pin=cpu_pin(), align=500)
+
+
+def test_pool_grows_by_doubling_into_few_buffers():
+    pins = []
+    pool = PinnedPool(pin=cpu_pin(pins), pow2=False, min_grow=4 * KIB)
+    slices = [pool.alloc(4 * KIB) for _ in range(16)]
+    # 4K, then 4K (doubling to 8K), 8K, 16K, 32K: 64 KiB in 5 buffers for 16 slices
+    assert pins == [4 * KIB, 4 * KIB, 8 * KIB, 16 * KIB, 32 * KIB]
+    assert pool.capacity == 64 * KIB and pool.used == 64 * KIB
+    big = pool.alloc(100 * KIB)  # larger than the pool: a buffer of its own
+    assert pins[-1] == 100 * KIB and big.offset == 0
+    for s in slices + [big]:
+        pool.free(s)
+    # all free again: everything is reused, nothing pinned
+    again = [pool.alloc(4 * KIB) for _ in range(16)]
+    assert len(pins) == 6
+    for s in again:
+        pool.free(s)
+
+
+def test_pool_reserve_in_powers_of_two():
+    pins = []
+    pool = PinnedPool(pin=cpu_pin(pins), pow2=True, min_grow=64 * KIB)
+    pool.reserve(20 << 20)  # 16 MiB + 4 MiB: what torch's pinned allocator gives anyway
+    assert pins == [16 << 20, 4 << 20]
+    pool.reserve(20 << 20)
+    assert len(pins) == 2
+    pool.reserve((20 << 20) + 1000)  # short by 1000 bytes: one min_grow buffer
+    assert pins[-1] == 64 * KIB
+    s = pool.alloc(3000)  # pow2 growth rounds a new buffer up as well
+    pool.free(s)
+    assert pool.capacity == sum(pins)
+    odd = PinnedPool(pin=cpu_pin(pins), pow2=True, min_grow=64 * KIB)
+    odd.alloc(100 * KIB)
+    assert pins[-1] == 128 * KIB
+
+
+def test_pool_exhaustion_is_a_clear_error_and_leaves_the_pool_as_it_was():
+    pins = []
+    pool = PinnedPool(pin=cpu_pin(pins, fail_at=1 << 20), pow2=False, min_grow=64 * KIB)
+    a = pool.alloc(60 * KIB)
+    with pytest.raises(PinnedMemoryError) as ei:
+        pool.alloc(2 << 20)
+    msg = str(ei.value)
+    assert ei.value.nbytes == 2 << 20
+    assert "could not pin 2097152 bytes" in msg and "Offload is off" in msg and "untouched" in msg
+    assert "out of memory" in msg
+    assert pool.capacity == 64 * KIB and pool.used == 60 * KIB and pool.buffers == 1
+    pool.free(a)
+    assert pool.alloc(64 * KIB).offset == 0
+
+
+# ------------------------------------------------------------------ schedule
+
+
+def test_schedule_validation():
+    assert normalize_schedule([(3, 0, None, 10), (1, 2, 1, 20)]) == [(1, 2, 1, 20), (3, 0, -1, 10)]
+    assert schedule_host_bytes([(0, 0, -1, 1), (1, 1, -1, 513)]) == 512 + 1024
+    for bad, msg in [
+        ([(0, 0, -1)], "expected"),
+        ([(0, 0, -1, 0)], "bytes > 0"),
+        ([(-1, 0, -1, 8)], ">= 0"),
+        ([(0, 2, 3, 8)], "cannot start after"),
+        ([(0, 2, -2, 8)], r"\[-1, unpack\]"),
+        ([(0, 1, -1, 8), (0, 2, -1, 8)], "twice"),
+        ([(0.5, 1, -1, 8)], "not an int"),
+        ([(True, 1, -1, 8)], "not an int"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            normalize_schedule(bad)
+    with pytest.raises(ValueError, match="schedule"):
+        Offloader(backend=FakeBackend(), pool=PinnedPool(pin=cpu_pin()))
+    with pytest.raises(RuntimeError, match="needs stweaver installed"):
+        Offloader(schedule="plan", ext=None, backend=FakeBackend(), pool=PinnedPool(pin=cpu_pin()))
+
+
+# ------------------------------------------------------------------ the hooks, by hand
+
+
+def tensors(n, numel=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel + 64 * i, generator=g) for i in range(n)]
+
+
+def test_pack_unpack_stream_protocol_and_values():
+    o, be = offloader(min_bytes=0, prefetch=0)
+    t = torch.randn(33, 17)
+    ref = t.clone()
+    ptr = t.data_ptr()
+    h = o.pack(t)
+    assert isinstance(h, off._Handle)
+    # the handle does not keep the device tensor: once autograd drops t, it is gone
+    w = weakref.ref(t)
+    del t
+    assert w() is None
+    # pack: d2h waits for the current stream, copies, record_stream, then the "out" event
+    seq = [e for e in be.log if e[0] != "event" or e[1] == "d2h"]
+    assert seq[0] == ("wait_stream", "d2h", "current")
+    kinds = [e[0] for e in seq]
+    assert kinds.index("copy") < kinds.index("record_stream") < len(kinds) - 1
+    assert ("record_stream", ptr, "d2h") in be.log
+    assert be.ops("copy")[0][1] == "d2h" and be.ops("copy")[0][2] == ptr
+    ev_out = h.ev_out.id
+    assert be.log[-1] == ("event", "d2h", ev_out)
+    n0 = len(be.log)
+    back = o.unpack(h)
+    assert torch.equal(back, ref) and back.stride() == ref.stride() and back.dtype == ref.dtype
+    u = be.log[n0:]
+    names = [e[0] for e in u]
+    # unpack: allocation on the current stream, h2d waits for current and for the out event,
+    # copies, record_stream(dev, h2d), in event; the current stream waits for that event.
+    i_empty = names.index("empty")
+    assert u[i_empty][2] == "current"
+    assert u[i_empty + 1] == ("wait_stream", "h2d", "current")
+    assert ("wait_event", "h2d", ev_out) in u
+    i_copy = names.index("copy")
+    assert u[i_copy][1] == "h2d" and u[i_copy][3] == back.data_ptr()
+    assert ("record_stream", back.data_ptr(), "h2d") in u[i_copy:]
+    ev_in = h.ev_in.id
+    assert u.index(("event", "h2d", ev_in)) > i_copy
+    assert u.index(("wait_event", "current", ev_in)) > u.index(("event", "h2d", ev_in))
+    assert o._it["stalls"] == 1  # threshold mode without prefetch: every copy back is late
+    # the same tensor again (retain_graph): no second copy
+    n1 = len(be.ops("copy"))
+    assert o.unpack(h) is back and len(be.ops("copy")) == n1
+
+
+def test_host_slices_are_freed_only_after_the_copy_back_passed():
+    o, be = offloader(min_bytes=0, complete=False, prefetch=0)
+    ts = tensors(3)  # 1024, 1280, 1536 bytes: slices of 1024, 1536, 1536
+    hs = [o.pack(t) for t in ts]
+    assert o.pool.used == 4096
+    out = o.unpack(hs[2])
+    assert torch.equal(out, ts[2])
+    assert o.pool.used == 4096  # its h2d event has not passed: the slice stays
+    be.finish()
+    o.unpack(hs[1])  # a later hook call gives back what has passed (not hs[1]'s, just queued)
+    assert o.pool.used == 4096 - 1536
+    o.unpack(hs[0])
+    assert o.pool.used == 4096 - 1536
+    o.iteration_end()
+    assert o.pool.used == 4096 - 1536
+    be.finish()
+    o.iteration_end()
+    assert o.pool.used == 0
+
+
+def test_dropped_handles_give_their_slice_back_after_the_out_copy():
+    o, be = offloader(min_bytes=0, complete=False)
+    h = o.pack(torch.randn(1000))
+    assert o.pool.used == 4096
+    del h  # the graph was freed without backward
+    o.iteration_end()
+    assert o.pool.used == 4096  # its d2h copy may still be running
+    be.finish()
+    o.iteration_end()
+    assert o.pool.used == 0
+
+
+def test_schedule_triggers_prefetches_and_counts_stalls():
+    ts = tensors(4)
+    nb = [t.nbytes for t in ts]
+    # unpacks run in reverse: j=0 -> D(3), 1 -> C(2), 2 -> B(1), 3 -> A(0)
+    sched = [(0, 3, 1, nb[0]),    # A: after unpack 1 -> ready at 3
+             (1, 2, 2, nb[1]),    # B: its point is its own unpack: late, a stall
+             (2, 1, -1, nb[2]),   # C, D: at the first unpack, before it
+             (3, 0, None, nb[3])]
+    o, be = offloader(schedule=sched)
+    ptrs = [t.data_ptr() for t in ts]
+    hs = [o.pack(t) for t in ts]
+    assert all(isinstance(h, off._Handle) for h in hs)
+    assert o.k == 4 and len(be.ops("copy")) == 4
+    order = []
+
+    def copies_back():
+        return [c for c in be.ops("copy") if c[1] == "h2d"]
+
+    for j, h in enumerate(reversed(hs)):
+        before = len(copies_back())
+        out = o.unpack(h)
+        assert torch.equal(out, ts[3 - j])
+        order.append(len(copies_back()) - before)
+    # j=0 starts C and D; j=1 starts A (after unpack 1); j=2 starts B late; j=3 nothing
+    assert order == [2, 1, 1, 0]
+    st = o.iteration_end()
+    assert st["stalls"] == 1 and st["prefetched"] == 3 and st["tensors_in"] == 4
+    assert st["tensors_out"] == 4 and st["bytes_out"] == sum(nb) == st["bytes_in"]
+    assert st["unpack_drift"] == 0 and st["not_unpacked"] == 0
+    assert o.k == 0 and o.j == 0
+    # the d2h copies read the tensors in pack order
+    assert [c[2] for c in be.ops("copy") if c[1] == "d2h"] == ptrs
+
+
+def test_a_prefetch_point_never_reached_is_a_stall_and_drift_is_counted():
+    ts = tensors(2)
+    sched = [(0, 1, 1, ts[0].nbytes), (1, 5, 4, ts[1].nbytes)]
+    o, be = offloader(schedule=sched)
+    h0, h1 = o.pack(ts[0]), o.pack(ts[1])
+    assert torch.equal(o.unpack(h1), ts[1])  # unpack 0, its point (4) not reached: late
+    assert torch.equal(o.unpack(h0), ts[0])  # unpack 1, point 1: also late
+    st = o.iteration_end()
+    assert st["stalls"] == 2 and st["prefetched"] == 0
+    assert st["unpack_drift"] == 1  # ts[1] planned at unpack 5, came at 0 (ts[0] on time)
+
+
+def test_packs_after_their_prefetch_point_start_at_the_next_unpack():
+    # 1F1B-like: micro-batch 2's tensor is packed after an unpack that was its point.
+    a, b, c = tensors(3)
+    sched = [(1, 2, 0, b.nbytes)]
+    o, be = offloader(schedule=sched)
+    ha = o.pack(a)  # k=0, kept on the device (not scheduled)
+    assert ha is a
+    o.unpack(ha)  # j=0: b's point; b is not packed yet
+    hb = o.pack(b)  # k=1: offloaded
+    assert isinstance(hb, off._Handle) and hb.ev_in is None
+    hc = o.pack(c)
+    o.unpack(hc)  # j=1: b is due since j=0: started now (before this unpack)
+    assert hb.ev_in is not None
+    assert torch.equal(o.unpack(hb), b)  # j=2
+    st = o.iteration_end()
+    assert st["stalls"] == 0 and st["prefetched"] == 1
+
+
+def test_only_whole_storage_contiguous_device_tensors_are_offloaded():
+    base = torch.randn(64, 32)
+    host = torch.randn(64, 32)
+    host.on_host = True
+    param = torch.nn.Parameter(torch.randn(64, 32))
+    cases = [base[1:], base[:10], base.t(), base[:, :5], host, param, torch.empty(0),
+             torch.randn(64, 32, dtype=torch.complex64).conj()]
+    o, be = offloader(min_bytes=0)
+    for t in cases:
+        assert o.pack(t) is t
+    assert be.ops("copy") == []
+    whole = torch.randn(64, 32)
+    assert isinstance(o.pack(whole), off._Handle)
+    # with a schedule: a view that does not start its storage takes no ordinal; a counted
+    # tensor scheduled but not eligible (transposed) -> skipped; wrong size -> mismatch
+    view, tr = base[1:], base.t()
+    o2, be2 = offloader(schedule=[(0, 0, -1, tr.nbytes), (1, 1, -1, 999)])
+    assert o2.pack(view) is view
+    assert o2.pack(tr) is tr
+    t = torch.randn(10)
+    assert o2.pack(t) is t
+    assert o2.k == 2, "the view took no ordinal"
+    st = o2.iteration_end()
+    assert st["schedule_skipped"] == 1 and st["schedule_mismatch"] == 1 and st["tensors_out"] == 0
+
+
+def test_min_bytes_threshold():
+    small, big = torch.randn(100), torch.randn(300)
+    o, be = offloader(min_bytes=1024)
+    assert o.pack(small) is small
+    assert isinstance(o.pack(big), off._Handle)
+
+
+def test_pin_failure_turns_offload_off_and_keeps_tensors_on_device():
+    o, be = offloader(min_bytes=0, pin=cpu_pin(fail_at=1))
+    t = torch.randn(100)
+    with pytest.warns(RuntimeWarning, match="could not pin"):
+        assert o.pack(t) is t
+    assert "could not pin" in o.off_reason and "Offload is off" in o.off_reason
+    assert o.pack(t) is t  # stays off, no second warning needed
+    st = o.iteration_end()
+    assert st["pin_failures"] == 1 and st["tensors_out"] == 0
+
+
+def test_schedule_reserve_failure_turns_offload_off():
+    with pytest.warns(RuntimeWarning, match="could not pin"):
+        o, be = offloader(schedule=[(0, 0, -1, 1 << 20)], pin=cpu_pin(fail_at=1 << 19))
+    t = torch.randn(1 << 18)
+    assert o.pack(t) is t and o.off_reason is not None
+
+
+def test_iteration_end_resets_ordinals_and_reports_unpacked_leftovers():
+    o, be = offloader(schedule=[(0, 0, -1, 400), (1, 1, -1, 400)])
+    a, b = torch.randn(100), torch.randn(100)
+    ha, hb = o.pack(a), o.pack(b)
+    o.unpack(hb)
+    with pytest.warns(RuntimeWarning, match="not unpacked"):
+        st = o.iteration_end()
+    assert st["not_unpacked"] == 1 and st["packs"] == 2 and st["unpacks"] == 1
+    assert o.iteration_end() is None  # nothing since: a repeated boundary is a no-op
+    assert o.iterations == 1
+    # the leftover handle still unpacks correctly (into the next iteration's ordinals)
+    assert torch.equal(o.unpack(ha), a)
+    # ordinals restarted: the next iteration's 0 and 1 are scheduled again
+    c = torch.randn(100)
+    assert isinstance(o.pack(c), off._Handle) and o.k == 1
+
+
+def test_recording_calls_record_saved_in_order_and_counts_misses():
+    ext = FakeExt(recording=True)
+    o, be = offloader(schedule=[(1, 2, -1, 4 * 50)], ext=ext)
+    a, b = torch.randn(50), torch.randn(50)
+    host = torch.randn(5)
+    host.on_host = True
+    ha = o.pack(a)
+    hb = o.pack(b)
+    hh = o.pack(host)
+    o.unpack(hh)
+    o.unpack(ha)
+    out_b = o.unpack(hb)
+    # the host tensor is not counted: no ordinal, no marker call
+    assert ext.calls == [(a.data_ptr(), True), (b.data_ptr(), True),
+                         (a.data_ptr(), False), (out_b.data_ptr(), False)]
+    st = o.iteration_end()
+    assert st["markers"] == 4 and st["marker_misses"] == 0
+    # not recording: every call returns False, which is no miss
+    ext.recording = False
+    o.pack(torch.randn(3))
+    st = o.iteration_end()
+    assert st["markers"] == 0 and st["marker_misses"] == 0
+
+
+def test_plan_mode_reads_the_schedule_at_each_boundary():
+    ext = FakeExt(recording=False, schedule=[])
+    o, be = offloader(schedule="plan", ext=ext)
+    assert o.mode == "plan"
+    t = torch.randn(64)
+    assert o.pack(t) is t
+    ext.schedule = [(0, 0, None, t.nbytes)]
+    o.iteration_end()
+    assert o.stats()["schedule_entries"] == 1
+    h = o.pack(t)
+    assert isinstance(h, off._Handle)
+    assert torch.equal(o.unpack(h), t)
+    ext.schedule = []
+    o.iteration_end()
+    assert o.stats()["schedule_entries"] == 0
+
+
+# ------------------------------------------------------------------ real autograd, fake device
+
+
+def test_autograd_round_trip_is_bitwise_and_frees_device_tensors():
+    model = mlp()
+    x = torch.randn(32, 64)
+    ref_loss, ref_grads = train_step(model, x)
+    o, be = offloader(min_bytes=0)
+    for it in range(3):
+        loss, grads = train_step(model, x, o)
+        st = o.iteration_end()
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+        assert st["tensors_out"] > 0 and st["tensors_in"] == st["tensors_out"]
+        assert st["not_unpacked"] == 0
+    assert o.pool.used == 0 and o.stats()["iterations"] == 3
+
+
+def test_recorded_trace_gives_a_schedule_that_is_followed():
+    """What the planner does, in miniature: record the SavedPack/SavedUnpack markers of an
+    iteration, pair them by pointer into (pack, unpack) ordinals, schedule the eligible ones
+    with a prefetch one unpack ahead, and run with it: all offloaded, no stall, same bits."""
+    model = mlp(seed=3, depth=4)
+    x = torch.randn(16, 64)
+    ref_loss, ref_grads = train_step(model, x)
+    ext = FakeExt(recording=True)
+    sizes = {}
+    rec = Offloader(schedule=[], ext=ext, backend=FakeBackend(), pool=PinnedPool(pin=cpu_pin(), pow2=False))
+    keep = []
+    _pack = rec.pack
+
+    def pack(t):  # keep the tensors alive so pointers are not reused within the iteration
+        keep.append(t)
+        if rec.eligible(t) and not isinstance(t, torch.nn.Parameter):
+            sizes[rec.k] = t.nbytes
+        return _pack(t)
+
+    rec.pack = pack
+    train_step(model, x, rec)
+    rec.iteration_end()
+    packs = [p for p, is_pack in ext.calls if is_pack]
+    unpacks = [p for p, is_pack in ext.calls if not is_pack]
+    assert len(packs) == len(keep) and len(unpacks) >= 1
+    assert packs == [t.data_ptr() for t in keep]
+    sched = []
+    used = set()
+    for k, ptr in enumerate(packs):
+        if k not in sizes:
+            continue
+        j = next(j for j, q in enumerate(unpacks) if q == ptr and j not in used)
+        used.add(j)
+        sched.append((k, j, j - 1, sizes[k]))
+    assert len(sched) >= 4
+    o, be = offloader(schedule=sched, ext=FakeExt(recording=False))
+    for _ in range(2):
+        loss, grads = train_step(model, x, o)
+        st = o.iteration_end()
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+        assert st["tensors_out"] == len(sched), st
+        assert st["stalls"] == 0 and st["prefetched"] == len(sched), st
+        assert st["unpack_drift"] == 0 and st["schedule_mismatch"] == 0 and st["schedule_skipped"] == 0
+
+
+def test_retain_graph_unpacks_twice():
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(8, 64)
+    o, be = offloader(min_bytes=0)
+    with torch.autograd.graph.saved_tensors_hooks(o.pack, o.unpack):
+        y = torch.tanh(x @ w).sin().sum()
+    (g1,) = torch.autograd.grad(y, w, retain_graph=True)
+    (g2,) = torch.autograd.grad(y, w)
+    (ref,) = torch.autograd.grad(torch.tanh(x @ w).sin().sum(), w)
+    assert torch.equal(g1, ref) and torch.equal(g2, ref)
+
+
+def test_enable_disable_and_context_manager_with_optimizer_boundaries(monkeypatch):
+    model = mlp(seed=1)
+    x = torch.randn(16, 64)
+    ref_model = mlp(seed=1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_losses = []
+    for _ in range(3):
+        loss, _ = train_step(ref_model, x)
+        ref_opt.step()
+        ref_losses.append(loss)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    be = FakeBackend()
+    pool = PinnedPool(pin=cpu_pin(), pow2=False)
+    with off.offload(min_bytes=0, backend=be, pool=pool, ext=None) as o:
+        assert off.current() is o
+        with pytest.raises(RuntimeError, match="already enabled"):
+            off.enable(min_bytes=0, backend=be, pool=pool, ext=None)
+        losses = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()  # the optimizer hook marks the boundary
+            losses.append(loss.detach())
+        st = off.stats()
+        assert st["enabled"] and st["iterations"] == 3 and st["tensors_out"] > 0
+        assert st["last_iteration"]["tensors_in"] == st["last_iteration"]["tensors_out"]
+    assert off.current() is None and off.stats() == {"enabled": False}
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    # the hooks were popped: nothing is packed any more
+    packs = o.stats()["packs"] + o._it["packs"]
+    model(x).sum().backward()
+    opt.step()
+    assert o.stats()["packs"] + o._it["packs"] == packs and o.iterations == 3
+    assert off.disable() is None
+
+
+def test_enable_plan_mode_without_stweaver_is_refused():
+    with pytest.raises(RuntimeError, match="needs stweaver installed"):
+        off.enable(backend=FakeBackend(), ext=None)
+    assert off.current() is None
+
+
+def test_a_tensor_saved_twice_is_offloaded_once():
+    x = torch.randn(256, 64, requires_grad=True)
+    o, be = offloader(min_bytes=0)
+    with torch.autograd.graph.saved_tensors_hooks(o.pack, o.unpack):
+        y = x.exp()  # exp saves its output y
+        z = (y * y).sum()  # mul saves y twice more: one handle for all three
+    z.backward()
+    st = o.iteration_end()
+    ref = (2 * x.exp() * x.exp()).detach()
+    assert torch.allclose(x.grad, ref)
+    assert st["packs"] == 3 and st["tensors_out"] == 1 and st["shared"] == 2, st
+    assert st["tensors_in"] == 1 and st["unpacks"] == 3 and st["not_unpacked"] == 0, st
+    # a new tensor at a freed tensor's address is not mistaken for it
+    o2, be2 = offloader(min_bytes=0)
+    a = torch.randn(100)
+    h = o2.pack(a)
+    b = torch.randn(100)
+    o2._by_ptr[b.data_ptr()] = o2._by_ptr.pop(a.data_ptr())  # as if b took a's block
+    assert o2.pack(b) is not h and o2._it["shared"] == 0
