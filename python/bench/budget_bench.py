@@ -166,6 +166,9 @@ def run_row(spec: dict) -> dict:
     if row == "stweaver_offload" and not dry:
         import stweaver
 
+        # The harness drives the offloader itself (threshold while recording, then the
+        # plan's schedule once served), so install() starts none of its own.
+        os.environ["STWEAVER_OFFLOAD"] = "0"
         stweaver.install("auto", budget=str(spec["budget"]), hook_optimizer=True)
         st = stweaver
     import torch

@@ -34,6 +34,8 @@ __all__ = [
     "is_installed",
     "mark",
     "mode",
+    "offload",
+    "offload_stats",
     "phase",
     "stats",
     "step",
@@ -102,6 +104,7 @@ def install(
         ext.install(settings.mode, settings.plan or "", settings.trace or "")
         if settings.hook_optimizer:
             _hook_handle = register_optimizer_step_post_hook(_optimizer_hook())
+        _start_offload(settings)
         if settings.mode == "trace":
             atexit.register(_flush_at_exit)
         _settings = settings
@@ -126,6 +129,63 @@ def _require():
 def step() -> None:
     """Marks an iteration boundary (call once per training step, e.g. after ``opt.step()``)."""
     _require().step()
+    from . import _offload
+
+    # After the runtime's boundary: a plan switched to here brings its offload schedule.
+    _offload.iteration_end()
+
+
+def _offload_setting(settings: Settings) -> Optional[str]:
+    """What the saved-tensor hooks do for the whole run (``STWEAVER_OFFLOAD``, default
+    ``auto``): ``"record"`` in trace mode (the trace carries every saved tensor's pack and
+    unpack, for ``stweaver plan --budget``), ``"plan"`` in auto and plan modes under a budget
+    (record while auto records, then follow the served plan's offload schedule), nothing
+    otherwise; ``1`` turns them on in every mode, ``0`` off."""
+    raw = os.environ.get("STWEAVER_OFFLOAD", "auto").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return None
+    forced = raw in ("1", "true", "yes", "on")
+    if not forced and raw != "auto":
+        raise SettingsError(f"STWEAVER_OFFLOAD={raw!r}: expected auto, 1 or 0")
+    if settings.mode == "trace":
+        return "record"
+    if settings.mode in ("auto", "plan") and (forced or settings.budget is not None):
+        return "plan"
+    return "record" if forced else None
+
+
+def _start_offload(settings: Settings) -> None:
+    what = _offload_setting(settings)
+    if what is None:
+        return
+    from . import _offload
+
+    # Boundaries come from step() (which the optimizer hook calls), not a hook of its own.
+    _offload.enable(schedule=[] if what == "record" else "plan", hook_optimizer=False)
+
+
+@contextlib.contextmanager
+def offload(min_bytes: int = 2**20, schedule=None) -> Iterator[object]:
+    """``with stweaver.offload(): loss = model(x)`` -- the autograd-saved tensors of the
+    block (every one of at least ``min_bytes`` that is a whole CUDA storage) go to pinned
+    host memory on a side stream as they are saved, and come back before backward needs
+    them (the next one is prefetched as each is unpacked). ``schedule``: a list of
+    ``(pack, unpack, prefetch_after_unpack, bytes)`` entries (``stweaver plan --budget``
+    makes them) or ``"plan"`` (the served plan's) instead of the threshold. Losses and
+    gradients are those of the run without offload. Under a budget in auto or plan mode the
+    whole run already follows the plan's schedule; nesting raises."""
+    from . import _offload
+
+    with _offload.offload(min_bytes=min_bytes, schedule=schedule, hook_optimizer=False) as off:
+        yield off
+
+
+def offload_stats() -> dict:
+    """The offloader's counters: tensors and bytes moved each way, stalls, schedule matches,
+    achieved copy bandwidth (empty when offload never ran)."""
+    from . import _offload
+
+    return _offload.stats()
 
 
 def mark(label: str, begin: bool = True) -> None:

@@ -24,6 +24,10 @@ with no arguments):
                            fraction of the device (``0.8``); every pool of the device
                            stays under it (with ``set_per_process_memory_fraction`` too,
                            the smaller limit holds)
+``STWEAVER_OFFLOAD``       ``auto`` (default): trace mode records every saved tensor's
+                           pack and unpack (for ``stweaver plan --budget``); auto and plan
+                           modes under a budget follow the plan's offload schedule;
+                           ``1``: the hooks in every mode; ``0``: never
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
@@ -212,6 +216,9 @@ def resolve(
     raw_iters = env.get("STWEAVER_AUTO_ITERATIONS")
     if raw_iters is not None and not (raw_iters.strip().isdigit() and int(raw_iters) > 0):
         raise SettingsError(f"STWEAVER_AUTO_ITERATIONS={raw_iters!r} is not a positive integer")
+    raw_off = env.get("STWEAVER_OFFLOAD")
+    if raw_off is not None and raw_off.strip().lower() not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise SettingsError(f"STWEAVER_OFFLOAD={raw_off!r}: expected auto, 1 or 0")
     for var in ("STWEAVER_RELEASE_AT_PEAK", "STWEAVER_PLAN_WAIT", "STWEAVER_SHARE_STREAMS"):
         raw = env.get(var)
         if raw is not None:

@@ -107,3 +107,26 @@ def test_budget_from_argument_or_environment():
     assert resolve(env={}, budget=0.7).budget == "0.7"
     with pytest.raises(SettingsError, match="STWEAVER_BUDGET"):
         resolve(env={"STWEAVER_BUDGET": "much"})
+
+
+def test_offload_setting_is_validated():
+    assert resolve(env={"STWEAVER_OFFLOAD": "auto"}).mode == "auto"
+    assert resolve(env={"STWEAVER_OFFLOAD": "0"}).mode == "auto"
+    with pytest.raises(SettingsError, match="STWEAVER_OFFLOAD"):
+        resolve(env={"STWEAVER_OFFLOAD": "sometimes"})
+
+
+def test_offload_hooks_follow_mode_and_budget(monkeypatch, tmp_path):
+    import stweaver
+
+    monkeypatch.delenv("STWEAVER_OFFLOAD", raising=False)
+    s = lambda **kw: resolve(env={}, **kw)  # noqa: E731
+    assert stweaver._offload_setting(s()) is None
+    assert stweaver._offload_setting(s(budget="16GiB")) == "plan"
+    assert stweaver._offload_setting(s(mode="trace", trace=str(tmp_path / "t.stwt"))) == "record"
+    assert stweaver._offload_setting(s(mode="online", budget="16GiB")) is None
+    monkeypatch.setenv("STWEAVER_OFFLOAD", "1")
+    assert stweaver._offload_setting(s()) == "plan"
+    assert stweaver._offload_setting(s(mode="online")) == "record"
+    monkeypatch.setenv("STWEAVER_OFFLOAD", "0")
+    assert stweaver._offload_setting(s(budget="16GiB")) is None
