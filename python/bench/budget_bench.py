@@ -21,6 +21,12 @@ random token ids, deterministic algorithms (as gpu_bench).
      tensor >= ``--min-bytes`` (``threshold``; also while auto mode records, since an
      un-offloaded iteration does not fit the budget). The row says which mode served each
      iteration (``offload_modes``) and the measured window's mode;
+   - ``stweaver_plan``: the three explicit steps with the planner choosing what moves: a
+     trace run (unlimited, once per workload: ``STWEAVER_MODE=trace``, which records every
+     saved tensor's pack and unpack), ``stweaver plan TRACE --budget B`` (the fewest bytes
+     so that the planned peak fits B; its report is kept in the row), then the plan run
+     (``STWEAVER_PLAN`` + ``STWEAVER_BUDGET``: the plan's schedule is followed from the
+     first iteration boundary on). Needs ``--stweaver-bin`` (the release CLI);
    - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around forward;
    - ``recompute``: full activation checkpointing (HF ``gradient_checkpointing_enable``);
    - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not).
@@ -70,7 +76,7 @@ WORKLOADS = [
     dict(_base("gpt2xl_rcp"), name="gpt2xl_norcp", ckpt=False, batch=8, micro=1,
          note="GPT-2 XL (gpu_bench config), 8 x 1024 tokens, one micro-batch, no recomputation"),
 ]
-ROWS = ("stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
+ROWS = ("stweaver_plan", "stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
 
 
 def dry_workloads() -> List[dict]:
@@ -163,6 +169,14 @@ def run_row(spec: dict) -> dict:
     res: dict = {"row": row, "workload": c["name"], "fraction": spec.get("fraction"),
                  "budget": spec.get("budget"), "ok": False}
     st = None
+    if row in ("stweaver_trace", "stweaver_plan") and not dry:
+        import stweaver
+
+        if row == "stweaver_trace":
+            stweaver.install("trace", trace=spec["trace"])
+        else:
+            stweaver.install("plan", plan=spec["plan"], budget=str(spec["budget"]))
+        st = stweaver
     if row == "stweaver_offload" and not dry:
         import stweaver
 
@@ -212,7 +226,7 @@ def run_row(spec: dict) -> dict:
         save_cpu.pack_hook = counting_pack
 
     n_total = spec["iters"] + spec["warmup"]
-    max_n = n_total + (spec["extra_auto"] if st is not None else 0)
+    max_n = n_total + (spec["extra_auto"] if row == "stweaver_offload" and st is not None else 0)
     losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
     measured_from = spec["warmup"]
     switched_at = None
@@ -231,6 +245,9 @@ def run_row(spec: dict) -> dict:
                 loss = model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()  # stweaver's optimizer hook marks its iteration here
+            if st is not None and row in ("stweaver_trace", "stweaver_plan"):
+                if not st._settings.hook_optimizer:
+                    st.step()  # plan / trace mode: the boundary (and the offloader's)
             opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
@@ -245,7 +262,13 @@ def run_row(spec: dict) -> dict:
                 cpu_bytes[0] = 0
             if cuda:
                 reserved_after.append(torch.cuda.memory_reserved())
-            if st is not None:
+            if st is not None and row == "stweaver_plan":
+                last = st.offload_stats().get("last_iteration") or {}
+                moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
+                o = st.offload_stats()
+                offload_modes.append(o.get("mode"))
+                modes.append(st.mode())
+            elif st is not None and row == "stweaver_offload":
                 m = st.mode()
                 modes.append(m)
                 ext = st._extension()
@@ -278,6 +301,11 @@ def run_row(spec: dict) -> dict:
     res["modes"] = modes
     res["switched_at"] = switched_at
     res["offload_modes"] = offload_modes
+    if st is not None and row == "stweaver_plan":
+        res["offload"] = st.offload_stats()
+        res["offload_mode"] = res["offload"].get("mode")
+    if st is not None and row == "stweaver_trace":
+        res["trace_files"] = st.flush_trace()
     if offloader is not None:
         res["offload"] = offloader.stats()
         res["offload_mode"] = (offload_modes[measured_from:] or offload_modes or [None])[-1]
@@ -428,6 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="override the micro-batch (sequences)")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="threshold offload: smallest tensor")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per child process")
+    ap.add_argument("--stweaver-bin", default="", help="the stweaver CLI (stweaver_plan row)")
+    ap.add_argument("--link-gbps", type=float, default=25.0, help="stweaver plan --link-gbps")
     args = ap.parse_args(argv)
 
     if args.dry_run and args.fractions == "0.9,0.8,0.7":
@@ -476,10 +506,43 @@ def main(argv=None) -> int:
         entry["lower_bound"] = lb
         entry["lower_bound_source"] = "torch.cuda.max_memory_allocated of the unlimited run"
         print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}", flush=True)
+        trace = None
+        if "stweaver_plan" in rows and not args.dry_run:
+            trace = os.path.join(tmp, w["name"] + ".stwt")
+            tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=trace), tmp, args.timeout_s)
+            entry["trace_run"] = {k: tr.get(k) for k in ("ok", "error", "max_allocated", "max_reserved",
+                                                       "step_median_s", "trace_files", "log_tail")}
+            print(f"{w['name']}: trace run {'ok' if tr.get('ok') else tr.get('error')}", flush=True)
+            trace = (tr.get("trace_files") or [trace])[0] if tr.get("ok") else None
         for f in fractions:
             budget = int(f * lb) if lb else None
             for row in rows:
-                r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget), tmp, args.timeout_s)
+                extra = {}
+                if row == "stweaver_plan":
+                    if args.dry_run or trace is None or not args.stweaver_bin:
+                        continue
+                    plan_path = os.path.join(tmp, f"{w['name']}_{f}.stwp")
+                    cmd = [args.stweaver_bin, "plan", trace, "--budget", str(budget), "--link-gbps",
+                           str(args.link_gbps), "--json", "-o", plan_path]
+                    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    try:
+                        planned = json.loads(cp.stdout)
+                    except ValueError:
+                        planned = {"error": (cp.stderr or cp.stdout)[-2000:], "rc": cp.returncode}
+                    if cp.returncode != 0:
+                        planned = {"error": (cp.stderr or cp.stdout)[-2000:], "rc": cp.returncode}
+                        r = {"ok": False, "row": row, "error": "stweaver plan refused: " + planned["error"][-500:],
+                             "planner": planned}
+                        r["fraction"] = f
+                        r["derived"] = {}
+                        entry["rows"].append(r)
+                        print(f"  {f:.2f} x LB {row}: planner refused: {planned['error'][-300:]}", flush=True)
+                        save()
+                        continue
+                    extra = {"plan": plan_path, "planner": planned}
+                r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget, **extra), tmp, args.timeout_s)
+                if extra:
+                    r["planner"] = extra["planner"]
                 r["fraction"] = f
                 r["derived"] = derive(r, ref, doc["link"])
                 entry["rows"].append(r)
