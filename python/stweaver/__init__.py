@@ -161,7 +161,11 @@ def _start_offload(settings: Settings) -> None:
     from . import _offload
 
     # Boundaries come from step() (which the optimizer hook calls), not a hook of its own.
-    _offload.enable(schedule=[] if what == "record" else "plan", hook_optimizer=False)
+    # The extension is passed explicitly: install() has not finished yet, so the offloader
+    # could not find it through is_installed().
+    _offload.enable(
+        schedule=[] if what == "record" else "plan", hook_optimizer=False, ext=_extension()
+    )
 
 
 @contextlib.contextmanager
