@@ -173,6 +173,8 @@ def run_row(spec: dict) -> dict:
         import stweaver
 
         if row == "stweaver_trace":
+            # The first iteration offloads as the budgeted run's will (its prologue).
+            os.environ["STWEAVER_OFFLOAD"] = "1"
             stweaver.install("trace", trace=spec["trace"])
         else:
             stweaver.install("plan", plan=spec["plan"], budget=str(spec["budget"]))

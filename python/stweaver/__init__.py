@@ -163,8 +163,17 @@ def _start_offload(settings: Settings) -> None:
     # Boundaries come from step() (which the optimizer hook calls), not a hook of its own.
     # The extension is passed explicitly: install() has not finished yet, so the offloader
     # could not find it through is_installed().
+    # The first iteration is the plan's prologue, which carries no schedule: under a budget
+    # (auto and plan modes) it offloads every saved tensor of at least 1 MiB to fit, and so
+    # does a trace run asked to (STWEAVER_OFFLOAD=1), so that the recorded prologue is the
+    # one the budgeted run will have.
+    forced = os.environ.get("STWEAVER_OFFLOAD", "auto").strip().lower() in ("1", "true", "yes", "on")
+    first = 1 << 20 if (what == "plan" or forced) else None
     _offload.enable(
-        schedule=[] if what == "record" else "plan", hook_optimizer=False, ext=_extension()
+        schedule=[] if what == "record" else "plan",
+        hook_optimizer=False,
+        ext=_extension(),
+        first_min_bytes=first,
     )
 
 

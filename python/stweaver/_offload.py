@@ -435,7 +435,8 @@ class Offloader:
     default. ``pool``: a :class:`PinnedPool`."""
 
     def __init__(self, schedule=None, min_bytes: Optional[int] = None, ext=None, backend=None,
-                 pool: Optional[PinnedPool] = None, prefetch: int = 1):
+                 pool: Optional[PinnedPool] = None, prefetch: int = 1,
+                 first_min_bytes: Optional[int] = None):
         if schedule is None and min_bytes is None:
             raise ValueError("Offloader needs a schedule (entries or 'plan') or min_bytes")
         if min_bytes is not None and (isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0):
@@ -451,6 +452,12 @@ class Offloader:
         else:
             self.mode = "threshold"
         self.min_bytes = min_bytes
+        # Schedule / plan modes: until the first boundary, offload as threshold mode does with
+        # this size (the first iteration is the plan's prologue, which carries no schedule:
+        # under a budget below the run's peak it must offload to fit too). None: no.
+        if first_min_bytes is not None and (isinstance(first_min_bytes, bool) or first_min_bytes < 0):
+            raise ValueError(f"first_min_bytes must be an int >= 0, got {first_min_bytes!r}")
+        self.first_min_bytes = first_min_bytes
         self.ext = ext
         self._record = getattr(ext, "record_saved", None) if ext is not None else None
         self.backend = backend if backend is not None else CudaBackend()
@@ -484,6 +491,11 @@ class Offloader:
                 "tensors_out": 0, "bytes_out": 0, "tensors_in": 0, "bytes_in": 0, "stalls": 0,
                 "prefetched": 0, "shared": 0, "schedule_skipped": 0, "schedule_mismatch": 0,
                 "schedule_unreached": 0, "unpack_drift": 0, "not_unpacked": 0, "pin_failures": 0}
+
+    def _threshold_now(self) -> bool:
+        """Threshold rules apply now: threshold mode, or the first iteration with
+        ``first_min_bytes``."""
+        return self.mode == "threshold" or (self.first_min_bytes is not None and self.iterations == 0)
 
     def _reset_ordinals(self) -> None:
         self._misses = 0  # record_saved calls with a device pointer that recorded nothing
@@ -602,8 +614,9 @@ class Offloader:
                 if shared is not None:
                     return shared
             nbytes = t.numel() * t.element_size() if dev else 0
-            if self.mode == "threshold":
-                if not (dev and nbytes >= self.min_bytes and self.eligible(t)):
+            if self._threshold_now():
+                floor = self.min_bytes if self.mode == "threshold" else self.first_min_bytes
+                if not (dev and nbytes >= floor and self.eligible(t)):
                     return t
                 j_expected = -1
             else:
@@ -659,7 +672,7 @@ class Offloader:
         h.owner = self
         h.src = weakref.ref(t)
         self._live[k] = self._by_ptr[t.data_ptr()] = weakref.ref(h)
-        if self.mode == "threshold":
+        if self._threshold_now():
             self._order.append(k)
         self._it["tensors_out"] += 1
         self._it["bytes_out"] += nbytes
@@ -710,7 +723,7 @@ class Offloader:
                 return x
             j = self.j
             self.j += 1
-            if self.mode != "threshold":
+            if not self._threshold_now():
                 self._trigger(j - 1)  # due before this unpack (p = -1 at the first one)
             if not isinstance(x, _Handle):
                 self._mark(x, self.backend.is_device(x), False)
@@ -743,7 +756,7 @@ class Offloader:
     def _prefetch_after(self, j: int, h: Optional[_Handle]) -> None:
         if self.off_reason is not None and not self._live:
             return
-        if self.mode == "threshold":
+        if self._threshold_now():
             if h is None or self.prefetch <= 0 or h.iteration != self.iterations:
                 return
             # The next offloaded tensors below h's pack ordinal (backward's usual order).
@@ -875,7 +888,8 @@ def current() -> Optional[Offloader]:
 
 
 def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bool = True,
-           backend=None, pool: Optional[PinnedPool] = None, ext: Any = "auto") -> Offloader:
+           backend=None, pool: Optional[PinnedPool] = None, ext: Any = "auto",
+           first_min_bytes: Optional[int] = None) -> Offloader:
     """Pushes offload's pack/unpack hooks for the calling thread (the one that runs forward).
 
     ``schedule``: entries, or ``"plan"``; with neither a schedule nor ``min_bytes``: ``"plan"``
@@ -893,7 +907,8 @@ def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bo
             ext = _installed_ext()
         if schedule is None and min_bytes is None:
             schedule = "plan"
-        off = Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=backend, pool=pool)
+        off = Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=backend, pool=pool,
+                        first_min_bytes=first_min_bytes)
         torch._C._autograd._push_saved_tensors_default_hooks(off.pack, off.unpack)
         _active, _pushed_by = off, threading.get_ident()
         if hook_optimizer:

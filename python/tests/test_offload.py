@@ -673,3 +673,24 @@ def test_a_tensor_saved_twice_is_offloaded_once():
     b = torch.randn(100)
     o2._by_ptr[b.data_ptr()] = o2._by_ptr.pop(a.data_ptr())  # as if b took a's block
     assert o2.pack(b) is not h and o2._it["shared"] == 0
+
+
+def test_first_iteration_offloads_by_threshold_then_follows_the_schedule():
+    # Plan / schedule modes with first_min_bytes: the first iteration (the plan's prologue,
+    # no schedule) offloads every eligible tensor >= first_min_bytes; from the first
+    # boundary on only the schedule counts.
+    o, be = offloader(schedule=[(1, 0, -1, 4 * 300)], first_min_bytes=1024)
+    small, big, big2 = torch.randn(100), torch.randn(300), torch.randn(300)
+    assert o.pack(small) is small
+    h1, h2 = o.pack(big), o.pack(big2)
+    assert isinstance(h1, off._Handle) and isinstance(h2, off._Handle)
+    assert torch.equal(o.unpack(h2), big2) and torch.equal(o.unpack(h1), big)
+    st = o.iteration_end()
+    assert st["tensors_out"] == 2
+    a, b = torch.randn(300), torch.randn(300)
+    assert o.pack(a) is a, "pack 0 is not scheduled"
+    hb = o.pack(b)
+    assert isinstance(hb, off._Handle), "pack 1 is"
+    assert torch.equal(o.unpack(hb), b) and o.unpack(a) is a
+    st = o.iteration_end()
+    assert st["tensors_out"] == 1 and st["stalls"] == 0

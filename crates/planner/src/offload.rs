@@ -210,7 +210,7 @@ pub enum OffloadError {
     )]
     NoSteadyState { pool: Bytes, budget: Bytes },
     #[error(
-        "the budget {budget} is below the minimum {minimum} (every one of {candidates} offloadable tensors offloaded): at request {} ({}) {} persistent and {} of other live tensors that cannot be offloaded", at.tick, if at.in_prologue { "in the prologue, before the steady state, where nothing is offloaded" } else { "in the steady state" }, at.persistent, at.unmovable
+        "the budget {budget} is below the minimum {minimum} (every one of {candidates} offloadable tensors offloaded): at request {} ({}) {} persistent and {} of other live tensors that cannot be offloaded", at.tick, if at.in_prologue { "in the prologue, before the steady state, where the plan moves nothing: record the trace with STWEAVER_OFFLOAD=1, whose first iteration offloads as a budgeted run's does" } else { "in the steady state" }, at.persistent, at.unmovable
     )]
     BelowMinimum {
         budget: Bytes,
