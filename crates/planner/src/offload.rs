@@ -106,6 +106,17 @@ pub struct OffloadOptions {
     pub link_gbps: f64,
     /// How to plan (the same options as [`plan_trace`]).
     pub plan: PlanOptions,
+    /// The out request's memory is free for reuse right after the pack (`true`, the
+    /// default): the engine serves a planned request whose range is held only by a free
+    /// pending on the copy stream by making the request's stream wait for the copy on the
+    /// device (`PlanOptions::wait_for_pending_frees`, on by default in the bridge), so the
+    /// host never waits and the copy need not be done in host time. `false`: the memory is
+    /// free only once the copy is done in the trace's (host) time, the model for an engine
+    /// that does not wait on the device. On a GPU the host runs ahead of the device: in host
+    /// time a forward pass is over long before its copies are, and with `false` nothing
+    /// offloaded in forward is free at the peak at the start of backward (measured on an
+    /// H100, Llama 1B: no schedule below 0.95 x LB).
+    pub out_waits_on_device: bool,
 }
 
 impl OffloadOptions {
@@ -114,6 +125,7 @@ impl OffloadOptions {
             budget,
             link_gbps: DEFAULT_LINK_GBPS,
             plan: PlanOptions::default(),
+            out_waits_on_device: true,
         }
     }
 }
@@ -289,7 +301,12 @@ pub fn plan_with_budget(
         });
     }
 
-    let a = Analysis::new(trace, &base.classification, opts.link_gbps);
+    let a = Analysis::new(
+        trace,
+        &base.classification,
+        opts.link_gbps,
+        opts.out_waits_on_device,
+    );
     report.candidates = a.cands.len();
     report.candidate_bytes = a.cands.iter().map(|c| c.bytes).sum();
     report.timing = a.timing;
@@ -420,13 +437,20 @@ struct Analysis<'a> {
     timing: Timing,
     /// Microseconds per byte on the link.
     us_per_byte: f64,
+    /// [`OffloadOptions::out_waits_on_device`].
+    out_waits_on_device: bool,
     cands: Vec<Cand>,
     saved_packs: u32,
     saved_unpacks: u32,
 }
 
 impl<'a> Analysis<'a> {
-    fn new(trace: &'a Trace, c: &'a Classification, link_gbps: f64) -> Self {
+    fn new(
+        trace: &'a Trace,
+        c: &'a Classification,
+        link_gbps: f64,
+        out_waits_on_device: bool,
+    ) -> Self {
         let (ticks, total) = plan_clock(trace);
         let (p, l) = (c.prologue_len, c.iteration_len);
         let in_iter0 = |e: usize| ticks[e] >= p && ticks[e] < p + l;
@@ -577,6 +601,7 @@ impl<'a> Analysis<'a> {
             gap_time,
             timing,
             us_per_byte: 1.0 / (link_gbps * 1e3),
+            out_waits_on_device,
             cands,
             saved_packs: pack_ord.len() as u32,
             saved_unpacks: unpack_ord.len() as u32,
@@ -605,7 +630,7 @@ impl<'a> Analysis<'a> {
     fn standalone_sched(&self, c: &Cand) -> Sched {
         let dur = c.bytes.get() as f64 * self.us_per_byte;
         let done = c.t_pack + dur;
-        let r_done = self.gap_at(c.r_pack, done, c.r_unpack);
+        let r_done = self.gap_at(c.r_pack, self.free_at(c, done), c.r_unpack);
         self.pick_trigger(c, done, 0.0)
             .map(|(trigger, stall_us)| Sched {
                 r_done,
@@ -613,6 +638,16 @@ impl<'a> Analysis<'a> {
                 stall_us,
             })
             .expect("a candidate has a trigger option")
+    }
+
+    /// When `c`'s out memory is free for reuse, in trace time, given its copy is done at
+    /// `done` ([`OffloadOptions::out_waits_on_device`]).
+    fn free_at(&self, c: &Cand, done: f64) -> f64 {
+        if self.out_waits_on_device {
+            c.t_pack
+        } else {
+            done
+        }
     }
 
     fn standalone(&self, c: &Cand) -> Window {
@@ -656,7 +691,7 @@ impl<'a> Analysis<'a> {
             let c = &self.cands[chosen[x]];
             q = q.max(c.t_pack) + c.bytes.get() as f64 * self.us_per_byte;
             done[x] = q;
-            out[x].r_done = self.gap_at(c.r_pack, q, c.r_unpack);
+            out[x].r_done = self.gap_at(c.r_pack, self.free_at(c, q), c.r_unpack);
         }
         let mut by_unpack: Vec<usize> = (0..chosen.len()).collect();
         by_unpack.sort_by(|&x, &y| {

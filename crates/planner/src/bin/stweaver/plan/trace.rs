@@ -85,6 +85,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                     budget,
                     link_gbps: args.link_gbps,
                     plan: opts,
+                    ..OffloadOptions::new(budget)
                 },
             );
             spinner.stop();
