@@ -45,6 +45,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -516,6 +517,9 @@ def main(argv=None) -> int:
                                                        "step_median_s", "trace_files", "log_tail")}
             print(f"{w['name']}: trace run {'ok' if tr.get('ok') else tr.get('error')}", flush=True)
             trace = (tr.get("trace_files") or [trace])[0] if tr.get("ok") else None
+            if trace and os.path.isfile(trace):
+                # Kept beside the results: the planner can be re-run on it on a CPU.
+                shutil.copy(trace, os.path.join(args.out, os.path.basename(trace)))
         for f in fractions:
             budget = int(f * lb) if lb else None
             for row in rows:

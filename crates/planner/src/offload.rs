@@ -117,6 +117,10 @@ pub struct OffloadOptions {
     /// offloaded in forward is free at the peak at the start of backward (measured on an
     /// H100, Llama 1B: no schedule below 0.95 x LB).
     pub out_waits_on_device: bool,
+    /// Time events by the trace's host `time_us` as they are ([`Timing::TraceTimes`])
+    /// instead of the iteration's period spread over its requests
+    /// ([`Timing::SpreadPeriod`], the default).
+    pub host_times: bool,
 }
 
 impl OffloadOptions {
@@ -126,6 +130,7 @@ impl OffloadOptions {
             link_gbps: DEFAULT_LINK_GBPS,
             plan: PlanOptions::default(),
             out_waits_on_device: true,
+            host_times: false,
         }
     }
 }
@@ -133,8 +138,15 @@ impl OffloadOptions {
 /// Where the schedule's times came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Timing {
-    /// The trace's `time_us`.
+    /// The trace's `time_us` ([`OffloadOptions::host_times`]).
     TraceTimes,
+    /// The steady iteration's duration in the trace's `time_us` (from its first request to
+    /// the next iteration's), spread evenly over its requests: the default. On a GPU the
+    /// host runs ahead of the device within an iteration and waits at its end, so the
+    /// host times of a forward and backward pass are a fraction of the device's, while
+    /// the copies take device (link) time; spreading the period is the device's pace, to
+    /// first order.
+    SpreadPeriod,
     /// Event counts ([`US_PER_REQUEST_WITHOUT_TIMES`]).
     EventCounts,
 }
@@ -143,6 +155,7 @@ impl Timing {
     pub fn id(self) -> &'static str {
         match self {
             Timing::TraceTimes => "trace_times",
+            Timing::SpreadPeriod => "spread_period",
             Timing::EventCounts => "event_counts",
         }
     }
@@ -306,6 +319,7 @@ pub fn plan_with_budget(
         &base.classification,
         opts.link_gbps,
         opts.out_waits_on_device,
+        opts.host_times,
     );
     report.candidates = a.cands.len();
     report.candidate_bytes = a.cands.iter().map(|c| c.bytes).sum();
@@ -450,6 +464,7 @@ impl<'a> Analysis<'a> {
         c: &'a Classification,
         link_gbps: f64,
         out_waits_on_device: bool,
+        host_times: bool,
     ) -> Self {
         let (ticks, total) = plan_clock(trace);
         let (p, l) = (c.prologue_len, c.iteration_len);
@@ -461,15 +476,26 @@ impl<'a> Analysis<'a> {
             && window
                 .windows(2)
                 .all(|w| trace.events[w[0]].time_us <= trace.events[w[1]].time_us);
-        let timing = if usable {
+        let t0 = window.first().map_or(0, |&e| trace.events[e].time_us);
+        // The period: from the iteration's first request to the next iteration's first
+        // event (else its own last event).
+        let next = (0..trace.events.len())
+            .find(|&e| ticks[e] >= p + l && trace.events[e].time_us >= t0)
+            .or(window.last().copied());
+        let period_us = next.map_or(0, |e| trace.events[e].time_us.saturating_sub(t0)) as f64;
+        let timing = if !usable || period_us <= 0.0 {
+            Timing::EventCounts
+        } else if host_times {
             Timing::TraceTimes
         } else {
-            Timing::EventCounts
+            Timing::SpreadPeriod
         };
-        let t0 = window.first().map_or(0, |&e| trace.events[e].time_us);
         let time_of = |e: usize| -> f64 {
             match timing {
                 Timing::TraceTimes => (trace.events[e].time_us.max(t0) - t0) as f64,
+                Timing::SpreadPeriod => {
+                    ticks[e].saturating_sub(p).min(l) as f64 * period_us / l.max(1) as f64
+                }
                 Timing::EventCounts => {
                     ticks[e].saturating_sub(p) as f64 * US_PER_REQUEST_WITHOUT_TIMES
                 }

@@ -170,7 +170,14 @@ fn transformer_at_0_8_lb_moves_far_fewer_bytes_than_everything() {
     let trace = build(&transformer(), 1000, true);
     let lb = trace.lower_bound().bytes;
     let budget = Bytes(lb.get() * 8 / 10);
-    let o = plan_with_budget(&trace, &OffloadOptions::new(budget)).expect("fits");
+    // The default times the iteration by its period spread over its requests; this
+    // synthetic trace's times are the device's already (one request per ms).
+    let spread = plan_with_budget(&trace, &OffloadOptions::new(budget)).expect("fits");
+    assert_eq!(spread.offload.timing, Timing::SpreadPeriod);
+    assert!(spread.outcome.plan.pool_size <= budget);
+    let mut opts = OffloadOptions::new(budget);
+    opts.host_times = true;
+    let o = plan_with_budget(&trace, &opts).expect("fits");
     let plan = &o.outcome.plan;
     verify_plan(plan).expect("verifies");
     let r = &o.offload;
@@ -273,6 +280,7 @@ fn a_slow_link_stalls_and_event_counts_time_a_trace_without_times() {
     assert!(trace.lower_bound().bytes > budget);
     let mut opts = OffloadOptions::new(budget);
     opts.link_gbps = 1.0;
+    opts.host_times = true;
     let o = plan_with_budget(&trace, &opts).expect("fits, with a stall");
     verify_plan(&o.outcome.plan).unwrap();
     assert_eq!(o.offload.tensors, 1);

@@ -112,7 +112,7 @@ fn plan_with_a_budget_reports_and_writes_the_schedule() {
     assert_eq!(j["offload"]["bytes_per_iteration"], 3 * 32 * MIB);
     assert_eq!(j["offload"]["candidates"], 8);
     assert_eq!(j["offload"]["stalls"], 0);
-    assert_eq!(j["offload"]["timing"], "trace_times");
+    assert_eq!(j["offload"]["timing"], "spread_period");
     let plan = read_plan_file(&out).unwrap();
     assert_eq!(plan.budget, Some(Bytes(280 * MIB)));
     assert_eq!(plan.offload.len(), 3);

@@ -24,7 +24,9 @@ import torch  # noqa: E402
 
 MIB = 1 << 20
 out = {"budget": budget, "mode": mode}
-limit = stweaver._settings.parse_budget(budget)
+from stweaver._settings import parse_budget  # noqa: E402 (stweaver._settings is the install's Settings)
+
+limit = parse_budget(budget)
 if isinstance(limit, float):
     limit = int(limit * torch.cuda.get_device_properties(0).total_memory)
 out["budget_bytes"] = limit
