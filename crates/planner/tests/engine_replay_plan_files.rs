@@ -16,11 +16,8 @@ use stweaver_planner::planning::PlanOptions;
 use stweaver_planner::snapshot::load_snapshot;
 
 fn load(name: &str) -> Trace {
-    let path: PathBuf = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../data/traces"
-    ))
-    .join(format!("snap_{name}.pickle.gz"));
+    let path: PathBuf = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces"))
+        .join(format!("snap_{name}.pickle.gz"));
     let mut s = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
     s.traces.swap_remove(0)
 }

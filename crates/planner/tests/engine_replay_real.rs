@@ -12,11 +12,7 @@ use stweaver_planner::planning::PlanOptions;
 use stweaver_planner::snapshot::load_snapshot;
 
 fn shared(name: &str) -> PathBuf {
-    Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../data/traces"
-    ))
-    .join(name)
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
 }
 
 fn load(name: &str) -> Trace {

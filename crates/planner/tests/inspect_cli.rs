@@ -8,11 +8,7 @@ fn data(name: &str) -> PathBuf {
 }
 
 fn shared(name: &str) -> PathBuf {
-    Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../data/traces"
-    ))
-    .join(name)
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
 }
 
 fn stweaver(args: &[&std::ffi::OsStr]) -> Output {

@@ -8,11 +8,7 @@ use stweaver_planner::iteration::{PeriodSource, detect_period};
 use stweaver_planner::snapshot::{Snapshot, load_snapshot};
 
 fn shared(name: &str) -> PathBuf {
-    Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../data/traces"
-    ))
-    .join(name)
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
 }
 
 fn load(name: &str) -> Snapshot {

@@ -43,6 +43,7 @@ pub use check::{MAX_REPORTED_ERRORS, SolutionError, check_solution};
 pub use instance::{Buffer, Instance, InstanceError, Solution};
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use stweaver_core::Bytes;
@@ -76,6 +77,10 @@ pub struct SolveOptions {
     pub improve: bool,
     /// Called on progress; `None` for silence.
     pub progress: Option<ProgressFn>,
+    /// Cancellation: once it reads `true` (e.g. set by a Ctrl-C handler), every stage
+    /// stops as if the time budget had expired and the best plan found so far is
+    /// returned. Polled, never reset by the solver.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for SolveOptions {
@@ -86,6 +91,7 @@ impl Default for SolveOptions {
             time_budget: None,
             improve: true,
             progress: None,
+            cancel: None,
         }
     }
 }
@@ -98,6 +104,7 @@ impl std::fmt::Debug for SolveOptions {
             .field("time_budget", &self.time_budget)
             .field("improve", &self.improve)
             .field("progress", &self.progress.as_ref().map(|_| "callback"))
+            .field("cancel", &self.cancel)
             .finish()
     }
 }

@@ -12,7 +12,7 @@ use stweaver_planner::classify::{DynamicReason, Steady};
 use stweaver_planner::input::load_traces;
 use stweaver_planner::planning::{PlanOptions, PlanOutcome, plan_trace};
 
-use super::{PlanArgs, Spinner, solve_options};
+use super::{PlanArgs, Spinner, interrupted, solve_options};
 
 /// The trace of `device` (or the only one) among those of `path`.
 pub fn pick_trace(path: &Path, traces: Vec<Trace>, device: Option<i32>) -> Result<Trace> {
@@ -64,9 +64,12 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         share_streams: args.share_streams,
         ..PlanOptions::default()
     };
-    let spinner = Spinner::start(&mut opts.solve, !args.json);
+    let spinner = Spinner::start(&mut opts.solve, !args.quiet);
     let result = plan_trace(&trace, &opts);
     spinner.stop();
+    if interrupted(&opts.solve) {
+        eprintln!("stweaver plan: interrupted: writing the best plan found until Ctrl-C");
+    }
     let outcome = result.with_context(|| format!("{}: planning failed", args.input.display()))?;
     if let Some(out) = &args.output {
         write_plan_file(out, &outcome.plan)?;
