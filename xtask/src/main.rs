@@ -85,6 +85,12 @@ fn ci() -> Result<()> {
     let mut test = cargo();
     test.args(["test", "--workspace"]);
     run(test)?;
+    // The API docs build without a warning (broken or private links); their examples ran
+    // as doctests above.
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(doc)?;
     codegen::run(&["--check".to_owned()])?;
     torch_ext::python_tests()?;
     // The C++ allocator compiles and links against the real torch 2.11 and the newest

@@ -8,16 +8,14 @@
 //!
 //! [`solve`] runs, per independent component of the instance (connected in time):
 //!
-//! 1. **Normalise** ([`problem`]): compress time to slots, split circular lifetimes
+//! 1. **Normalise** (`problem.rs`): compress time to slots, split circular lifetimes
 //!    that cross the period boundary into two spans sharing an offset, put buffers that
 //!    are live whenever anything is at the bottom (free when alignment is 1).
-//! 2. **Greedy portfolio** ([`bestfit`], [`order`]): best-fit and first-fit placement
+//! 2. **Greedy portfolio** (`bestfit.rs`, `order.rs`): best-fit and first-fit placement
 //!    under many static orderings (size, length, area, start, minimalloc's WAT/TAW/TWA
 //!    contention keys) plus seeded perturbed restarts, in parallel; O(n log T + P log P)
-//!    each for P conflicting pairs. On instances whose conflict count makes that too
-//!    expensive, a time sweep ([`sweep`]) places buffers in allocation order against
-//!    the live set only: O(n log n).
-//! 3. **Exact improvement** ([`exact`]): a minimalloc-style branch and bound (canonical
+//!    each for P conflicting pairs (no conflict graph is built: `bestfit.rs`).
+//! 3. **Exact improvement** (`exact.rs`): a minimalloc-style branch and bound (canonical
 //!    placements in offset order, section inference, dominance, dynamic decomposition,
 //!    symmetry breaking of identical buffers) proves or finds packings at the lower
 //!    bound, and tightens the capacity below the incumbent when it cannot; on large
