@@ -8,6 +8,43 @@
 // allocations of CUDA graph captures and MemPools to their private pool ids.
 //
 // Interface: torch 2.11 (33 pure virtuals); 2.12+ adds attachOomRejectionObserver.
+//
+// ---- Public API (native C++ programs; Python uses the stweaver package instead)
+//
+//   #include "stweaver_allocator.h"
+//   stweaver::install("auto", "", "");   // first thing: before any CUDA work
+//   ... train with libtorch ...
+//   stweaver::installed()->runtime().step();   // once per iteration (auto / trace / plan)
+//
+// - stweaver::install(mode, plan, trace): makes stweaver THE CUDA allocator of the
+//   process. Settings:
+//     mode   "online" (best-fit arenas over CUDA virtual memory, no plan),
+//            "trace"  (online, recording every request into the trace file),
+//            "plan"   (serves the plan file `plan`, made by `stweaver plan TRACE -o PLAN`;
+//                      what the plan did not foresee is served online),
+//            "auto"   (records the first iterations, plans them in a background thread and
+//                      switches to the plan: needs step() at iteration boundaries);
+//     plan   path of the .stwp plan file served in "plan" mode ("" for none);
+//     trace  path of the .stwt trace file recorded in "trace" mode ("" for none; call
+//            runtime().flush_trace() to write it: the Python package does so at exit).
+//   The runtime also reads STWEAVER_AUTO_ITERATIONS, STWEAVER_RELEASE_AT_PEAK,
+//   STWEAVER_PLAN_WAIT and STWEAVER_SHARE_STREAMS (see README.md). Throws c10::Error if CUDA
+//   is already initialised, on bad settings (unknown mode, unreadable plan), or when
+//   called again with different settings (the same settings again: a no-op).
+// - stweaver::installed(): the installed allocator, or nullptr.
+// - Stats: every torch API keeps working, e.g.
+//     c10::cuda::CUDACachingAllocator::getDeviceStats(device).reserved_bytes[0].peak
+//   (index 0: StatType::AGGREGATE), torch.cuda.memory_stats() from Python, memory
+//   snapshots and history. stweaver's own view: installed()->runtime().info_json() (mode,
+//   iterations, and per device allocated/reserved bytes and their peaks, as JSON) and
+//   installed()->failed_frees().
+// - installed()->runtime(): the Rust runtime (crates/torch-bridge/src/ffi.rs, cxx):
+//   step() marks an iteration boundary, mark(label, begin) opens/closes a named phase,
+//   mode() is the serving mode now, flush_trace() writes the trace (trace mode). Its
+//   errors are rust::Error exceptions.
+//
+// Building and linking: README.md ("Native C++") and cmake/stweaverConfig.cmake; the
+// example examples/cpp/train.cpp.
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -130,7 +167,10 @@ class StweaverAllocator final : public CCA::CUDAAllocator {
   // The DataPtr deleter's target. Never throws (it runs in destructors); a failed free is
   // reported on stderr and counted.
   void free_noexcept(void* ptr) noexcept;
+  // The Rust runtime behind this allocator: step(), mark(), mode(), info_json(),
+  // flush_trace() (see the API notes at the top of this file).
   ffi::Runtime& runtime() { return *runtime_; }
+  // Frees that failed (unknown pointer, double free): reported on stderr and counted.
   int64_t failed_frees() const { return failed_frees_.load(); }
 
  private:
@@ -181,12 +221,13 @@ class StweaverAllocator final : public CCA::CUDAAllocator {
 #endif
 };
 
-// The installed allocator, or nullptr.
+// The installed allocator, or nullptr (stweaver not installed).
 StweaverAllocator* installed();
 
 // Installs stweaver as THE CUDA allocator: refuses if CUDA is already initialised, stores it
 // in CUDACachingAllocator::allocator and calls c10::SetAllocator(kCUDA). A second call with
-// the same settings is a no-op; with different settings it is an error.
+// the same settings is a no-op; with different settings it is an error. `mode`, `plan` and
+// `trace`: see the API notes at the top of this file.
 void install(const std::string& mode, const std::string& plan, const std::string& trace);
 
 }  // namespace stweaver

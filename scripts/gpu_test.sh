@@ -8,7 +8,9 @@
 # 2. builds the torch extension ahead of time against this machine's torch from the carried
 #    staticlib + cxx headers (TORCH_CUDA_ARCH_LIST set, so CUDA is not initialised);
 # 3. runs the GPU pytest suite (python/tests/gpu) under stweaver;
-# 4. prints the summary table last.
+# 4. builds and runs the native C++ example (examples/cpp/train.cpp, scripts/cpp_example.sh):
+#    native vs stweaver peak reserved;
+# 5. prints the summary table last.
 # Logs and artefacts go to $OUT (or /tmp/stweaver-gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,12 @@ echo "== GPU pytest"
   2>&1 | tee "$OUT/pytest.log" | grep -vE '^\s*$' | tail -n 150
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+echo "== native C++ example (libtorch, scripts/cpp_example.sh)"
+if ! bash scripts/cpp_example.sh "$CARRY" "$OUT/cpp-example" 2>&1 | tee "$OUT/cpp_example.log"; then
+  status=1
+fi
+
 echo "== summary"
 cat "$OUT/summary.txt" 2>/dev/null || echo "(no summary written)"
+grep -E '^cpp-example: (peak|same|FAIL)' "$OUT/cpp_example.log" 2>/dev/null || true
 exit $status

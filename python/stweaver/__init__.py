@@ -22,13 +22,19 @@ import warnings
 import weakref
 from typing import Iterator, List, Optional
 
+from ._abi import TorchVersionMismatch, check_installed
 from ._settings import DEFAULT_MODE, MODES, Settings, SettingsError, resolve
+
+# An installed stweaver refuses to import under another torch than the one it was built
+# against (a clear error now rather than an undefined symbol later); see _abi.py.
+check_installed()
 
 __all__ = [
     "DEFAULT_MODE",
     "MODES",
     "Settings",
     "SettingsError",
+    "TorchVersionMismatch",
     "flush_trace",
     "install",
     "is_installed",

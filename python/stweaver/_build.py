@@ -1,9 +1,13 @@
 """Building stweaver's torch extension: the C++ allocator (cpp/) linked with the Rust
 staticlib of crates/torch-bridge.
 
-Two ways, same flags:
+Three ways, same flags:
 
-- ahead of time: ``cargo xtask build-torch-ext`` (or ``python -m stweaver build``) writes
+- installed: ``pip install --no-build-isolation .`` (setup.py at the repository root, which
+  uses :func:`native_parts` and :func:`_build_flags` from here) puts ``stweaver/_C*.so`` and
+  ``stweaver/_build_info.py`` (the torch it was built against, see :func:`build_info_source`
+  and ``_abi.py``) into site-packages; :func:`load_extension` then loads that module only;
+- ahead of time, in a source checkout: ``cargo xtask build-torch-ext`` (or ``python -m stweaver build``) writes
   ``stweaver/_C*.so`` next to this file, plus ``_C.build.json`` naming the torch it was
   built against;
 - just in time: :func:`load_extension` builds with ``torch.utils.cpp_extension.load`` into
@@ -190,12 +194,37 @@ def prebuilt_matches(pkg_dir: pathlib.Path = PKG_DIR) -> bool:
     return all(stamp.get(k) == now[k] for k in ("torch", "python", "cxx11_abi"))
 
 
+def build_info_source() -> str:
+    """The text of ``_build_info.py``, written by setup.py next to the installed module."""
+    stamp = _stamp()
+    lines = [
+        '"""Written by setup.py at build time: the torch this stweaver was built against."""',
+        "",
+        f"TORCH_VERSION = {stamp['torch']!r}",
+        f"TORCH_CUDA = {stamp['cuda']!r}",
+        f"PYTHON = {stamp['python']!r}",
+        f"CXX11_ABI = {stamp['cxx11_abi']!r}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def load_extension(verbose: bool = False):
-    """The extension module: the prebuilt one if it matches this torch, else a JIT build
-    (cached under ``$STWEAVER_BUILD_DIR`` or ``~/.cache/stweaver/ext``)."""
+    """The extension module: an installed stweaver's own (checked against this torch), else
+    in a source checkout the prebuilt one if it matches this torch, else a JIT build (cached
+    under ``$STWEAVER_BUILD_DIR`` or ``~/.cache/stweaver/ext``)."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     import torch  # noqa: F401  (the extension links against it)
 
+    from . import _abi
+
+    built = _abi.built_torch_version()
+    if built is not None:
+        # Installed with pip: no sources to rebuild from; the guard names the fix.
+        _abi.check(built, torch.__version__)
+        from . import _C  # type: ignore[attr-defined]
+
+        return _C
     if prebuilt_matches():
         from . import _C  # type: ignore[attr-defined]
 

@@ -1,10 +1,12 @@
 //! Project automation: `cargo xtask <task>`.
 //!
-//! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, codegen --check,
-//!   python tests, cpp-check).
+//! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, rustdoc -D warnings,
+//!   codegen --check, python tests, cpp-check, wheel-check).
 //! - `codegen [--check]`: regenerate the committed generated code (see `codegen.rs`).
 //! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
 //!   extension (see `torch_ext.rs`).
+//! - `wheel-check`: builds the pip wheel against torch 2.11 and installs it into a fresh
+//!   virtual environment (see `wheel.rs`).
 //! - `gpu-bench [--dry-run | --report RESULT.json]`: the GPU benchmark (see `gpu_bench.rs`).
 //! - `gpu-test --gpus N`, `gpu-bench --gpus N` (N > 1): the distributed (torchrun, DDP and
 //!   FSDP2) tests and benchmark (see `gpu_dist.rs`).
@@ -20,8 +22,9 @@ mod gpu_bench;
 mod gpu_dist;
 mod planner_bench;
 mod torch_ext;
+mod wheel;
 
-const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
+const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|wheel-check|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,6 +41,7 @@ fn main() -> Result<()> {
             _ => torch_ext::gpu_test(&args[1..]),
         },
         Some("cpp-check") => torch_ext::cpp_check(&args[1..]),
+        Some("wheel-check") => wheel::wheel_check(),
         Some("gpu-bench") => match gpu_dist::gpus_arg(&args[1..])? {
             Some(n) if n > 1 => gpu_dist::gpu_bench(n),
             _ => gpu_bench::gpu_bench(&args[1..]),
@@ -81,9 +85,18 @@ fn ci() -> Result<()> {
     let mut test = cargo();
     test.args(["test", "--workspace"]);
     run(test)?;
+    // The API docs build without a warning (broken or private links); their examples ran
+    // as doctests above.
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(doc)?;
     codegen::run(&["--check".to_owned()])?;
     torch_ext::python_tests()?;
     // The C++ allocator compiles and links against the real torch 2.11 and the newest
     // torch wheels from PyPI (no GPU needed).
-    torch_ext::cpp_check(&[])
+    torch_ext::cpp_check(&[])?;
+    // `pip wheel --no-build-isolation .` against torch 2.11, installed into a fresh venv:
+    // import, extension load, `stweaver --help` from PATH.
+    wheel::wheel_check()
 }

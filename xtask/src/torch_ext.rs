@@ -8,7 +8,8 @@
 //! - `cpp-check [VERSION...]` — compiles `cpp/` against real torch wheels' headers
 //!   (default: 2.11.0 and the newest on PyPI, fetched by `scripts/fetch_torch_headers.sh`)
 //!   and links the extension, then checks that every undefined symbol is provided by torch,
-//!   CUDA's runtime, the C/C++ runtimes or Python, and that no Rust/cxx symbol is exported.
+//!   CUDA's runtime, the C/C++ runtimes or Python, and that no Rust/cxx symbol is exported;
+//!   also compiles and links (does not run) the native example `examples/cpp/train.cpp`.
 //!   No GPU and no CUDA toolkit needed.
 
 use std::collections::HashSet;
@@ -443,11 +444,84 @@ fn check_one(version: &str, lib: &Path) -> Result<String> {
             &leaked[..leaked.len().min(5)]
         );
     }
+    let example = example_build(&work, std, &includes, &objects[0], lib, &env)
+        .with_context(|| format!("the native C++ example against torch {tv}"))?;
     Ok(format!(
-        "torch {tv} (C++{}, {cudart}): compiled, linked, {} undefined symbols all provided, {} exported, in {:.1} s",
+        "torch {tv} (C++{}, {cudart}): compiled, linked, {} undefined symbols all provided, {} exported; {example}; in {:.1} s",
         &std[3..],
         dynamic_symbols(&so, false)?.len(),
         exported.len(),
+        t0.elapsed().as_secs_f64()
+    ))
+}
+
+/// Compiles examples/cpp/train.cpp (libtorch's C++ API) and links it into an executable
+/// with the allocator object and the staticlib: the link line of README.md's "Native C++"
+/// section. Not run (no GPU). torch's own dependencies (cuDNN, NCCL...) are not fetched,
+/// so undefined symbols inside torch's shared libraries are allowed; ours must resolve.
+fn example_build(
+    work: &Path,
+    std: &str,
+    includes: &[String],
+    allocator_obj: &Path,
+    lib: &Path,
+    env: &[(String, String)],
+) -> Result<String> {
+    let t0 = Instant::now();
+    let obj = work.join("train.o");
+    let mut c = Command::new("g++");
+    c.arg(format!("-std={std}"))
+        .args([
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Wno-unused-parameter",
+            "-Werror",
+        ])
+        .arg("-c")
+        .arg(root().join("examples/cpp/train.cpp"))
+        .arg("-o")
+        .arg(&obj);
+    for i in &includes[..2] {
+        c.arg(format!("-I{i}"));
+    }
+    for i in &includes[2..] {
+        c.arg(format!("-isystem{i}"));
+    }
+    run(c).context("compiling examples/cpp/train.cpp")?;
+    let exe = work.join("train");
+    let mut c = Command::new("g++");
+    c.arg(&obj)
+        .arg(allocator_obj)
+        .arg(lib)
+        .arg(format!("-L{}", get(env, "TORCH_LIB")?))
+        .args([
+            "-Wl,--no-as-needed",
+            "-ltorch",
+            "-ltorch_cpu",
+            "-ltorch_cuda",
+            "-lc10_cuda",
+            "-lc10",
+            "-Wl,--as-needed",
+        ])
+        .arg(format!("-L{}", get(env, "CUDA_LIB")?))
+        .arg(format!("-l:{}", get(env, "CUDART_SONAME")?))
+        .args(["-ldl", "-lpthread", "-lm"])
+        .args([
+            "-Wl,--allow-shlib-undefined",
+            "-Wl,--unresolved-symbols=ignore-in-shared-libs",
+        ])
+        .arg("-o")
+        .arg(&exe);
+    let out = c.output().with_context(|| format!("running {c:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "linking examples/cpp/train.cpp failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(format!(
+        "examples/cpp/train.cpp compiled and linked in {:.1} s",
         t0.elapsed().as_secs_f64()
     ))
 }

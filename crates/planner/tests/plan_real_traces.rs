@@ -31,7 +31,7 @@ fn trace(name: &str) -> Trace {
 /// greedy strategy always completes (the budget only stops the rest of its portfolio),
 /// and on these traces it already reaches the bounds asserted below (measured in
 /// release: pool/LB 1.0000002 llama1b, 1.000025 gpt2xl, 1.0000001 qwenmoe planned part
-/// with `--time-budget 0.001`). `stweaver plan` uses no budget by default.
+/// with `--time-budget 0.001`). `stweaver plan` uses a 10 s budget by default.
 fn options() -> PlanOptions {
     let mut o = PlanOptions::default();
     o.solve.time_budget = Some(Duration::from_secs(1));

@@ -80,7 +80,7 @@ pub enum CoverageProblem {
     Shape { classes: usize, allocations: usize },
 }
 
-/// The problems found (at most [`MAX_REPORTED`]).
+/// The problems found (at most `MAX_REPORTED`, 32).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CoverageError(pub Vec<CoverageProblem>);
 

@@ -68,6 +68,8 @@ pub(crate) struct Limits<'a> {
     pub nodes: u64,
     pub deadline: Option<Instant>,
     pub cancel: Option<&'a AtomicBool>,
+    /// The whole solve's cancellation ([`super::SolveOptions::cancel`]).
+    pub interrupt: Option<&'a AtomicBool>,
 }
 
 /// Compressed sparse rows.
@@ -532,6 +534,10 @@ impl State<'_, '_> {
                 || self
                     .limits
                     .cancel
+                    .is_some_and(|c| c.load(Ordering::Relaxed))
+                || self
+                    .limits
+                    .interrupt
                     .is_some_and(|c| c.load(Ordering::Relaxed)));
         self.stopped = self.nodes > self.limits.nodes || timed;
         self.stopped
@@ -780,6 +786,7 @@ mod tests {
             nodes: 1_000_000,
             deadline: None,
             cancel: None,
+            interrupt: None,
         }
     }
 

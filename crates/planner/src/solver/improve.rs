@@ -120,6 +120,7 @@ pub(crate) fn probe(
                 nodes: limit,
                 deadline,
                 cancel: Some(&cancel[k]),
+                interrupt: ctx.opts.cancel.as_deref(),
             };
             let out = ex.decide(capacity, heuristics[k], limits);
             if matches!(out, Outcome::Found(_)) {

@@ -8,16 +8,14 @@
 //!
 //! [`solve`] runs, per independent component of the instance (connected in time):
 //!
-//! 1. **Normalise** ([`problem`]): compress time to slots, split circular lifetimes
+//! 1. **Normalise** (`problem.rs`): compress time to slots, split circular lifetimes
 //!    that cross the period boundary into two spans sharing an offset, put buffers that
 //!    are live whenever anything is at the bottom (free when alignment is 1).
-//! 2. **Greedy portfolio** ([`bestfit`], [`order`]): best-fit and first-fit placement
+//! 2. **Greedy portfolio** (`bestfit.rs`, `order.rs`): best-fit and first-fit placement
 //!    under many static orderings (size, length, area, start, minimalloc's WAT/TAW/TWA
 //!    contention keys) plus seeded perturbed restarts, in parallel; O(n log T + P log P)
-//!    each for P conflicting pairs. On instances whose conflict count makes that too
-//!    expensive, a time sweep ([`sweep`]) places buffers in allocation order against
-//!    the live set only: O(n log n).
-//! 3. **Exact improvement** ([`exact`]): a minimalloc-style branch and bound (canonical
+//!    each for P conflicting pairs (no conflict graph is built: `bestfit.rs`).
+//! 3. **Exact improvement** (`exact.rs`): a minimalloc-style branch and bound (canonical
 //!    placements in offset order, section inference, dominance, dynamic decomposition,
 //!    symmetry breaking of identical buffers) proves or finds packings at the lower
 //!    bound, and tightens the capacity below the incumbent when it cannot; on large
@@ -43,6 +41,7 @@ pub use check::{MAX_REPORTED_ERRORS, SolutionError, check_solution};
 pub use instance::{Buffer, Instance, InstanceError, Solution};
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use stweaver_core::Bytes;
@@ -76,6 +75,10 @@ pub struct SolveOptions {
     pub improve: bool,
     /// Called on progress; `None` for silence.
     pub progress: Option<ProgressFn>,
+    /// Cancellation: once it reads `true` (e.g. set by a Ctrl-C handler), every stage
+    /// stops as if the time budget had expired and the best plan found so far is
+    /// returned. Polled, never reset by the solver.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for SolveOptions {
@@ -86,6 +89,7 @@ impl Default for SolveOptions {
             time_budget: None,
             improve: true,
             progress: None,
+            cancel: None,
         }
     }
 }
@@ -98,6 +102,7 @@ impl std::fmt::Debug for SolveOptions {
             .field("time_budget", &self.time_budget)
             .field("improve", &self.improve)
             .field("progress", &self.progress.as_ref().map(|_| "callback"))
+            .field("cancel", &self.cancel)
             .finish()
     }
 }

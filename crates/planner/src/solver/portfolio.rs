@@ -44,9 +44,17 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// True once the time budget is spent.
+    /// True once the time budget is spent or the run was cancelled.
     pub fn expired(&self) -> bool {
-        self.deadline.is_some_and(|d| Instant::now() >= d)
+        self.deadline.is_some_and(|d| Instant::now() >= d) || self.cancelled()
+    }
+
+    /// True once [`SolveOptions::cancel`] is set.
+    pub fn cancelled(&self) -> bool {
+        self.opts
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Relaxed))
     }
 
     /// Records component `comp`'s best peak and reports progress if the pool's improved.

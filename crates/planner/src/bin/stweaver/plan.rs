@@ -36,9 +36,11 @@ pub struct PlanArgs {
     /// Worker threads (0 = all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Stop searching after this many seconds and keep the best plan found.
-    #[arg(long, value_name = "SECS")]
-    pub time_budget: Option<f64>,
+    /// Stop searching after this many seconds and keep the best plan found
+    /// (0 = no time limit: the search stops on its own effort limits, deterministic).
+    /// Ctrl-C also stops the search early and keeps the best plan found so far.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULT_TIME_BUDGET_S)]
+    pub time_budget: f64,
     /// Treat the input as one iteration of a loop with this period: lifetimes are taken
     /// modulo it and may cross the boundary.
     #[arg(long, value_name = "L")]
@@ -65,7 +67,13 @@ pub struct PlanArgs {
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// No progress lines on stderr.
+    #[arg(short, long)]
+    pub quiet: bool,
 }
+
+/// `--time-budget`'s default, in seconds.
+pub const DEFAULT_TIME_BUDGET_S: f64 = 10.0;
 
 /// What an input file is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,12 +124,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
 }
 
-/// The options every input kind shares.
+/// The options every input kind shares. The cancellation flag is set by Ctrl-C (see
+/// [`Spinner::start`]).
 fn solve_options(args: &PlanArgs) -> Result<SolveOptions> {
     let time_budget = match args.time_budget {
-        None => None,
-        Some(s) if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s)),
-        Some(s) => bail!("--time-budget must be a positive number of seconds, not {s}"),
+        0.0 => None,
+        s if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s)),
+        s => bail!("--time-budget must be a positive number of seconds (0: no limit), not {s}"),
     };
     Ok(SolveOptions {
         seed: args.seed,
@@ -129,7 +138,15 @@ fn solve_options(args: &PlanArgs) -> Result<SolveOptions> {
         time_budget,
         improve: !args.no_improve,
         progress: None,
+        cancel: Some(Arc::new(AtomicBool::new(false))),
     })
+}
+
+/// Whether Ctrl-C stopped the search (the plan is the best found until then).
+fn interrupted(opts: &SolveOptions) -> bool {
+    opts.cancel
+        .as_ref()
+        .is_some_and(|c| c.load(Ordering::Relaxed))
 }
 
 fn plan_csv(args: &PlanArgs) -> Result<()> {
@@ -148,10 +165,11 @@ fn plan_csv(args: &PlanArgs) -> Result<()> {
     let lb = solver::lower_bound(inst);
     let mut opts = solve_options(args)?;
     let started = Instant::now();
-    let spinner = Spinner::start(&mut opts, !args.json);
+    let spinner = Spinner::start(&mut opts, !args.quiet);
     let result = solver::solve(inst, &opts);
     spinner.stop();
     let elapsed = started.elapsed();
+    let stopped_early = interrupted(&opts);
     let solution = result.with_context(|| format!("{}: planning failed", args.input.display()))?;
     if let Some(out) = &args.csv_out {
         csv::write_solution_file(out, &csv.ids, inst, &solution)?;
@@ -165,6 +183,7 @@ fn plan_csv(args: &PlanArgs) -> Result<()> {
             "peak": solution.peak.get(),
             "peak_over_lb": ratio,
             "seconds": elapsed.as_secs_f64(),
+            "interrupted": stopped_early,
         });
         println!("{v}");
     } else {
@@ -173,7 +192,15 @@ fn plan_csv(args: &PlanArgs) -> Result<()> {
         println!("  lower bound  {} ({})", lb.get(), lb);
         println!("  peak         {} ({})", solution.peak.get(), solution.peak);
         println!("  peak/LB      {ratio:.5}");
-        println!("  time         {:.3} s", elapsed.as_secs_f64());
+        println!(
+            "  time         {:.3} s{}",
+            elapsed.as_secs_f64(),
+            if stopped_early {
+                " (interrupted: the best plan found until Ctrl-C)"
+            } else {
+                ""
+            }
+        );
         if let Some(out) = &args.csv_out {
             println!("  written      {}", out.display());
         }
@@ -196,16 +223,70 @@ fn located(e: &solver::InstanceError, lines: &[usize]) -> String {
     }
 }
 
-/// Progress on stderr for runs longer than a second (terminals only).
-struct Spinner {
+/// Progress on stderr for runs longer than a second, and Ctrl-C handling.
+///
+/// On a terminal an in-place spinner; otherwise (logs, pipes) one line per second:
+/// elapsed time, stage, best pool so far and its ratio to the lower bound. The first
+/// Ctrl-C sets [`SolveOptions::cancel`]: the solver stops at its next poll and the best
+/// plan found so far is written as usual; a second Ctrl-C exits at once (status 130).
+pub(crate) struct Spinner {
     done: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// One progress line's text.
+fn progress_text(p: Option<&Progress>, elapsed: Duration) -> String {
+    match p {
+        Some(p) => match p.best_peak {
+            Some(best) => format!(
+                "{:.0} s, {}: best pool {} = {:.5} x lower bound {}",
+                elapsed.as_secs_f64(),
+                p.stage,
+                best,
+                best.ratio(p.lower_bound),
+                p.lower_bound
+            ),
+            None => format!(
+                "{:.0} s, {}: no plan yet, lower bound {}",
+                elapsed.as_secs_f64(),
+                p.stage,
+                p.lower_bound
+            ),
+        },
+        None => format!("{:.0} s, preparing", elapsed.as_secs_f64()),
+    }
+}
+
+/// Installs the Ctrl-C handler once per process; it sets the current solve's flag.
+fn watch_ctrl_c(cancel: Arc<AtomicBool>) {
+    static CURRENT: Mutex<Option<Arc<AtomicBool>>> = Mutex::new(None);
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    if let Ok(mut c) = CURRENT.lock() {
+        *c = Some(cancel);
+    }
+    INSTALLED.call_once(|| {
+        let result = ctrlc::set_handler(|| {
+            let flag = CURRENT.lock().ok().and_then(|c| c.clone());
+            match flag {
+                Some(f) if !f.swap(true, Ordering::SeqCst) => eprintln!(
+                    "\nstweaver plan: interrupted; keeping the best plan found so far (Ctrl-C again to abort)"
+                ),
+                _ => std::process::exit(130),
+            }
+        });
+        if let Err(e) = result {
+            eprintln!("stweaver plan: Ctrl-C will abort rather than keep the best plan ({e})");
+        }
+    });
+}
+
 impl Spinner {
-    fn start(opts: &mut SolveOptions, enabled: bool) -> Spinner {
+    pub(crate) fn start(opts: &mut SolveOptions, enabled: bool) -> Spinner {
         let done = Arc::new(AtomicBool::new(false));
-        if !enabled || !std::io::stderr().is_terminal() {
+        if let Some(cancel) = &opts.cancel {
+            watch_ctrl_c(cancel.clone());
+        }
+        if !enabled {
             return Spinner { done, thread: None };
         }
         let latest: Arc<Mutex<Option<Progress>>> = Arc::new(Mutex::new(None));
@@ -216,31 +297,33 @@ impl Spinner {
             }
         }));
         let flag = done.clone();
+        let terminal = std::io::stderr().is_terminal();
         let thread = std::thread::spawn(move || {
             let begun = Instant::now();
-            while begun.elapsed() < Duration::from_secs(1) {
+            let current = || latest.lock().ok().and_then(|l| l.clone());
+            // Nothing for runs shorter than a second.
+            let mut next_line = Duration::from_secs(1);
+            while begun.elapsed() < next_line {
                 if flag.load(Ordering::Relaxed) {
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
+            if !terminal {
+                while !flag.load(Ordering::Relaxed) {
+                    if begun.elapsed() >= next_line {
+                        let text = progress_text(current().as_ref(), begun.elapsed());
+                        eprintln!("stweaver plan: {text}");
+                        next_line += Duration::from_secs(1);
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                return;
+            }
             let bar = indicatif::ProgressBar::new_spinner();
             bar.enable_steady_tick(Duration::from_millis(120));
             while !flag.load(Ordering::Relaxed) {
-                let msg = match latest.lock().ok().and_then(|l| l.clone()) {
-                    Some(p) => match p.best_peak {
-                        Some(best) => format!(
-                            "{}: best {} = {:.5}×LB ({:.1} s)",
-                            p.stage,
-                            best,
-                            best.ratio(p.lower_bound),
-                            p.elapsed.as_secs_f64()
-                        ),
-                        None => format!("{} ({:.1} s)", p.stage, p.elapsed.as_secs_f64()),
-                    },
-                    None => "planning".to_string(),
-                };
-                bar.set_message(msg);
+                bar.set_message(progress_text(current().as_ref(), begun.elapsed()));
                 std::thread::sleep(Duration::from_millis(100));
             }
             bar.finish_and_clear();
@@ -251,7 +334,7 @@ impl Spinner {
         }
     }
 
-    fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         self.done.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

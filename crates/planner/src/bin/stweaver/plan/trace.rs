@@ -13,7 +13,7 @@ use stweaver_planner::input::load_traces;
 use stweaver_planner::offload::{OffloadOptions, OffloadReport, parse_budget, plan_with_budget};
 use stweaver_planner::planning::{PlanOptions, PlanOutcome, plan_trace};
 
-use super::{PlanArgs, Spinner, solve_options};
+use super::{PlanArgs, Spinner, interrupted, solve_options};
 
 /// The trace of `device` (or the only one) among those of `path`.
 pub fn pick_trace(path: &Path, traces: Vec<Trace>, device: Option<i32>) -> Result<Trace> {
@@ -69,11 +69,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         Some(b) => Some(parse_budget(b).context("--budget")?),
         None => None,
     };
-    let spinner = Spinner::start(&mut opts.solve, !args.json);
+    let spinner = Spinner::start(&mut opts.solve, !args.quiet);
     let (outcome, offload) = match budget {
         None => {
             let result = plan_trace(&trace, &opts);
             spinner.stop();
+            if interrupted(&opts.solve) {
+                eprintln!("stweaver plan: interrupted: writing the best plan found until Ctrl-C");
+            }
             let outcome =
                 result.with_context(|| format!("{}: planning failed", args.input.display()))?;
             (outcome, None)
