@@ -101,7 +101,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("ptr"),
       py::arg("pack"),
       "Record that autograd saved (pack=True) or unpacked the tensor whose storage starts at "
-      "ptr (trace mode and auto's recording). False when nothing was recorded.");
+      "ptr (trace mode and auto's recording). The allocation's trace id (>= 0), -1 when "
+      "nothing was recorded.");
+
+  m.def(
+      "record_restore",
+      [](int64_t ptr, int64_t from) {
+        auto& a = need_installed("record_restore");
+        return call("record_restore", [&] {
+          return a.runtime().record_restore(static_cast<size_t>(ptr), from);
+        });
+      },
+      py::arg("ptr"),
+      py::arg("from_id"),
+      "Record that the allocation starting at ptr is the copy back of the offloaded "
+      "allocation from_id (an id record_saved returned for its pack). False when nothing "
+      "was recorded.");
 
   m.def(
       "offload_schedule",

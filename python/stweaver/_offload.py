@@ -31,7 +31,13 @@ way; a handle always is), and ``prefetch_after_unpack`` p the unpack ordinal rig
 its copy back starts (-1: at the iteration's first unpack). While stweaver records a trace,
 every counted call also calls ``ext.record_saved(ptr, pack)``, so the trace carries a
 SavedPack / SavedUnpack event at the allocation, in call order, and the planner's ordinals
-(the events of one iteration, in order) are the hook's. A counted call that recorded nothing
+(the events of one iteration, in order) are the hook's. ``record_saved`` returns the
+allocation's trace id (-1: nothing recorded); the handle of a tensor offloaded while recording
+keeps the id of its pack, and when its copy back is allocated the offloader calls
+``ext.record_restore(copy_back.data_ptr(), id)``: a *restore link* in the trace, saying that
+the copy back is the offloaded allocation again. A trace recorded with offload on (threshold
+mode, so that recording fits a budget) is thereby the run without offload to the planner,
+which chooses afresh what to offload (``stweaver_planner::unoffload``). A counted call that recorded nothing
 while others did (an allocation of a CUDA graph's private pool, say) is counted in
 ``stats()["marker_misses"]``: the ordinals after it no longer match the plan's, which makes
 schedule entries mismatch (``schedule_mismatch``) rather than anything unsafe.
@@ -416,7 +422,7 @@ class _Handle:
 
     __slots__ = ("k", "j_expected", "host", "size", "stride", "dtype", "device", "nbytes",
                  "ev_out", "ev_out0", "dev", "ev_in", "unpacked", "stalled", "owner", "iteration", "src",
-                 "__weakref__")
+                 "rec_id", "__weakref__")
 
     def __del__(self):
         # Dropped unpacked (graph freed) or after: give the slice back once copies are done.
@@ -458,8 +464,12 @@ class Offloader:
         if first_min_bytes is not None and (isinstance(first_min_bytes, bool) or first_min_bytes < 0):
             raise ValueError(f"first_min_bytes must be an int >= 0, got {first_min_bytes!r}")
         self.first_min_bytes = first_min_bytes
+        # Plan mode: auto mode still records or plans (no plan served yet), read from
+        # ext.mode() at each boundary; first_min_bytes applies meanwhile.
+        self._before_plan = False
         self.ext = ext
         self._record = getattr(ext, "record_saved", None) if ext is not None else None
+        self._restore = getattr(ext, "record_restore", None) if ext is not None else None
         self.backend = backend if backend is not None else CudaBackend()
         self.pool = pool if pool is not None else PinnedPool()
         self.prefetch = prefetch
@@ -489,13 +499,15 @@ class Offloader:
     def _zero() -> dict:
         return {"packs": 0, "unpacks": 0, "packs_device": 0, "markers": 0, "marker_misses": 0,
                 "tensors_out": 0, "bytes_out": 0, "tensors_in": 0, "bytes_in": 0, "stalls": 0,
-                "prefetched": 0, "shared": 0, "schedule_skipped": 0, "schedule_mismatch": 0,
+                "prefetched": 0, "shared": 0, "restore_links": 0, "schedule_skipped": 0, "schedule_mismatch": 0,
                 "schedule_unreached": 0, "unpack_drift": 0, "not_unpacked": 0, "pin_failures": 0}
 
     def _threshold_now(self) -> bool:
         """Threshold rules apply now: threshold mode, or the first iteration with
         ``first_min_bytes``."""
-        return self.mode == "threshold" or (self.first_min_bytes is not None and self.iterations == 0)
+        return self.mode == "threshold" or (
+            self.first_min_bytes is not None and (self.iterations == 0 or self._before_plan)
+        )
 
     def _reset_ordinals(self) -> None:
         self._misses = 0  # record_saved calls with a device pointer that recorded nothing
@@ -532,6 +544,16 @@ class Offloader:
             self._raw_plan = sched
             self.set_schedule(sched)
 
+    def _runtime_before_plan(self) -> bool:
+        """Whether stweaver's auto mode is still recording or planning (no plan served or
+        refused yet): until then the run has no schedule and, with ``first_min_bytes``,
+        offloads by threshold to fit its budget."""
+        try:
+            m = str(self.ext.mode())
+        except Exception:  # an extension without mode(): no auto stage to wait for
+            return False
+        return m.startswith("auto (recording") or m.startswith("auto (planning")
+
     def _turn_off(self, err: PinnedMemoryError) -> None:
         self._it["pin_failures"] += 1
         if self.off_reason is None:
@@ -539,19 +561,28 @@ class Offloader:
             warnings.warn(str(err), RuntimeWarning, stacklevel=3)
 
     # -- helpers
-    def _mark(self, t, dev: bool, pack: bool) -> None:
+    def _mark(self, t, dev: bool, pack: bool) -> Optional[int]:
+        """Records the saved-tensor event; the allocation's trace id, None when nothing was
+        recorded (or the extension gives no id)."""
         if self._record is None:
-            return
+            return None
         ptr = 0
         if dev:
             try:
                 ptr = t.data_ptr()
             except RuntimeError:  # a tensor without storage (fake / functional): no marker
                 ptr = 0
-        if self._record(ptr, pack):
+        r = self._record(ptr, pack)
+        if isinstance(r, bool):  # an extension that only says whether it recorded
+            ok, rid = r, None
+        else:
+            ok = r is not None and r >= 0
+            rid = int(r) if ok else None
+        if ok:
             self._it["markers"] += 1
         elif ptr:
             self._misses += 1
+        return rid
 
     def _reap(self) -> None:
         """Frees host slices whose last copy has passed (never waits)."""
@@ -605,7 +636,7 @@ class Offloader:
                 return t
             k = self.k
             self.k += 1
-            self._mark(t, dev, True)
+            rid = self._mark(t, dev, True)
             self._reap()
             if self.off_reason is not None:
                 return t
@@ -631,7 +662,7 @@ class Offloader:
                     return t
                 j_expected = e[1]
             try:
-                return self._offload(t, k, j_expected, nbytes)
+                return self._offload(t, k, j_expected, nbytes, rid)
             except PinnedMemoryError as err:
                 self._turn_off(err)
                 return t
@@ -651,11 +682,12 @@ class Offloader:
         self._it["shared"] += 1
         return h
 
-    def _offload(self, t, k: int, j_expected: int, nbytes: int):
+    def _offload(self, t, k: int, j_expected: int, nbytes: int, rid: Optional[int] = None):
         b = self.backend
         sl = self.pool.alloc(nbytes)  # raises before anything is queued
         h = _Handle()
         h.k, h.j_expected, h.host, h.nbytes = k, j_expected, sl, nbytes
+        h.rec_id = rid  # t's trace id when its pack was recorded
         h.size, h.stride, h.dtype, h.device = tuple(t.size()), tuple(t.stride()), t.dtype, t.device
         h.dev = h.ev_in = None
         h.unpacked = h.stalled = False
@@ -686,6 +718,10 @@ class Offloader:
         """Starts h's copy back (see the module doc, unpack step 2)."""
         b = self.backend
         dev = b.empty_device(h.size, h.stride, h.dtype, h.device)  # on the current stream
+        if h.rec_id is not None and self._restore is not None:
+            # The copy back is the packed allocation again (a restore link in the trace).
+            if self._restore(dev.data_ptr(), h.rec_id):
+                self._it["restore_links"] += 1
         cur = b.current_stream(h.device)
         h2d = b.side_stream(h.device, "h2d")
         b.wait_stream(h2d, cur)      # the block's earlier users (current stream) are done
@@ -808,6 +844,7 @@ class Offloader:
             self._reset_ordinals()
             if self.mode == "plan":
                 self._read_plan()
+                self._before_plan = self._runtime_before_plan()
             if it.get("not_unpacked"):
                 warnings.warn(
                     f"stweaver offload: {it['not_unpacked']} offloaded tensor(s) of the iteration "

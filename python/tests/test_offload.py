@@ -120,16 +120,26 @@ class FakeBackend:
 
 
 class FakeExt:
-    """record_saved / offload_schedule as the C++ extension exposes them."""
+    """record_saved / record_restore / offload_schedule as the C++ extension exposes them:
+    record_saved returns the allocation's trace id (one per pointer here), -1 when nothing
+    was recorded."""
 
     def __init__(self, recording=True, schedule=()):
         self.recording = recording
         self.calls = []
+        self.restores = []
+        self.ids = {}
         self.schedule = list(schedule)
 
     def record_saved(self, ptr, pack):
         self.calls.append((ptr, pack))
-        return self.recording and ptr != 0
+        if not (self.recording and ptr != 0):
+            return -1
+        return self.ids.setdefault(ptr, len(self.ids))
+
+    def record_restore(self, ptr, from_id):
+        self.restores.append((ptr, from_id))
+        return self.recording
 
     def offload_schedule(self):
         return list(self.schedule)
@@ -518,6 +528,56 @@ def test_recording_calls_record_saved_in_order_and_counts_misses():
     assert st["markers"] == 0 and st["marker_misses"] == 0
 
 
+def test_threshold_recording_links_each_copy_back_to_its_pack():
+    ext = FakeExt(recording=True)
+    o, be = offloader(min_bytes=100, ext=ext)
+    a, small, b = torch.randn(50), torch.randn(5), torch.randn(60)
+    ha, hs, hb = o.pack(a), o.pack(small), o.pack(b)
+    assert isinstance(ha, off._Handle) and isinstance(hb, off._Handle) and hs is small
+    id_a, id_b = ext.ids[a.data_ptr()], ext.ids[b.data_ptr()]
+    out_b = o.unpack(hb)  # starts a's copy back too (prefetch of the next lower ordinal)
+    o.unpack(hs)
+    out_a = o.unpack(ha)
+    assert torch.equal(out_a, a) and torch.equal(out_b, b)
+    # One link per copy back, made when it was allocated, naming the pack's id.
+    assert ext.restores == [(out_b.data_ptr(), id_b), (out_a.data_ptr(), id_a)]
+    empties = [e[1] for e in be.ops("empty")]
+    assert empties == [out_b.data_ptr(), out_a.data_ptr()]
+    st = o.iteration_end()
+    assert st["restore_links"] == 2 and st["markers"] == 6
+
+
+def test_no_link_without_a_recorded_pack_and_minus_one_is_not_recorded():
+    # Not recording: record_saved answers -1 (truthy in Python: it must not count).
+    ext = FakeExt(recording=False)
+    o, be = offloader(min_bytes=0, ext=ext)
+    a = torch.randn(50)
+    h = o.pack(a)
+    assert torch.equal(o.unpack(h), a)
+    st = o.iteration_end()
+    assert ext.restores == [] and st["restore_links"] == 0
+    assert st["markers"] == 0 and st["marker_misses"] == 0
+    # An extension that answers bools (no ids) records markers but no links.
+
+    class BoolExt(FakeExt):
+        def record_saved(self, ptr, pack):
+            return super().record_saved(ptr, pack) >= 0
+
+    ext = BoolExt(recording=True)
+    o, be = offloader(min_bytes=0, ext=ext)
+    h = o.pack(a)
+    assert torch.equal(o.unpack(h), a)
+    st = o.iteration_end()
+    assert st["markers"] == 2 and ext.restores == [] and st["restore_links"] == 0
+    # A link the recorder refuses is not counted.
+    ext = FakeExt(recording=True)
+    ext.record_restore = lambda ptr, from_id: False
+    o, be = offloader(min_bytes=0, ext=ext)
+    h = o.pack(a)
+    o.unpack(h)
+    assert o.iteration_end()["restore_links"] == 0
+
+
 def test_plan_mode_reads_the_schedule_at_each_boundary():
     ext = FakeExt(recording=False, schedule=[])
     o, be = offloader(schedule="plan", ext=ext)
@@ -694,3 +754,29 @@ def test_first_iteration_offloads_by_threshold_then_follows_the_schedule():
     assert torch.equal(o.unpack(hb), b) and o.unpack(a) is a
     st = o.iteration_end()
     assert st["tensors_out"] == 1 and st["stalls"] == 0
+
+
+def test_auto_mode_offloads_by_threshold_until_a_plan_is_served():
+    # plan mode with first_min_bytes: while auto mode records or plans (ext.mode()), every
+    # iteration offloads by threshold; once a plan is served only its schedule counts.
+    ext = FakeExt(recording=True, schedule=[])
+    ext.stage = "auto (recording)"
+    ext.mode = lambda: ext.stage
+    o, be = offloader(schedule="plan", ext=ext, first_min_bytes=1024)
+    for stage in ("auto (recording)", "auto (planning)"):
+        t = torch.randn(300)
+        h = o.pack(t)
+        assert isinstance(h, off._Handle), stage
+        assert torch.equal(o.unpack(h), t)
+        ext.stage = stage
+        assert o.iteration_end()["tensors_out"] == 1
+    ext.stage = "auto (plan)"  # switched, with no schedule
+    t = torch.randn(300)
+    h = o.pack(t)  # the last boundary still saw the planning stage: threshold
+    assert isinstance(h, off._Handle)
+    assert torch.equal(o.unpack(h), t)
+    o.iteration_end()  # sees the plan served: nothing moves any more
+    t = torch.randn(300)
+    assert o.pack(t) is t
+    o.unpack(t)
+    assert o.iteration_end()["tensors_out"] == 0

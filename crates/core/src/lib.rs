@@ -178,6 +178,6 @@ pub mod verify;
 
 pub use plan::{DynamicSummary, NEVER_FREED, OffloadEntry, Plan, PlannedRequest};
 pub use trace::{
-    Allocation, Event, EventKind, Lifetime, LowerBound, MarkerKind, Trace, TraceError,
+    Allocation, Event, EventKind, Lifetime, LowerBound, MarkerKind, Restore, Trace, TraceError,
 };
 pub use units::{AllocId, Bytes, DeviceId, EventIdx, Offset, StreamId};

@@ -17,6 +17,13 @@
 //! again, which is what planned offload to host memory works from
 //! (`stweaver_planner::offload`).
 //!
+//! A run recorded with activation offload also carries **restore links**
+//! ([`Trace::restores`]): a [`Restore`] says that allocation `into` is the copy back
+//! (from pinned host memory, made in backward) of the offloaded allocation `from`,
+//! which was packed and freed after its copy out. The links change nothing about the
+//! recorded run itself; they let the planner rewrite it into the run without offload
+//! (`stweaver_planner::unoffload`) and choose again what to offload.
+//!
 //! [`Trace::validate`] checks the structural rules once (O(events + allocations));
 //! everything downstream may then rely on them.
 
@@ -77,6 +84,14 @@ impl EventKind {
     }
 }
 
+/// A restore link: allocation `into` is the copy back of the offloaded allocation
+/// `from` (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Restore {
+    pub from: AllocId,
+    pub into: AllocId,
+}
+
 /// An event and when it happened (µs since the Unix epoch, 0 when unknown).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Event {
@@ -92,6 +107,9 @@ pub struct Trace {
     pub events: Vec<Event>,
     /// Marker labels (e.g. `Optimizer.step#AdamW.step`).
     pub labels: Vec<String>,
+    /// Restore links of a run recorded with offload (empty otherwise), in recording
+    /// order.
+    pub restores: Vec<Restore>,
 }
 
 /// The live interval of one allocation, in event indices.
@@ -156,6 +174,45 @@ pub enum TraceError {
     },
     #[error("the trace has {0} events, more than the 2^32-1 an event index holds")]
     TooManyEvents(usize),
+    #[error(
+        "restore link {link} ({from} -> {into}) names allocation {alloc}, but the trace has only {count} allocations"
+    )]
+    RestoreUnknownAlloc {
+        link: usize,
+        from: AllocId,
+        into: AllocId,
+        alloc: AllocId,
+        count: usize,
+    },
+    #[error(
+        "restore link {link} ({from} -> {into}): allocation {alloc} is already in link {other} (an allocation is in at most one link)"
+    )]
+    RestoreTwice {
+        link: usize,
+        from: AllocId,
+        into: AllocId,
+        alloc: AllocId,
+        other: usize,
+    },
+    #[error(
+        "restore link {link} ({from} -> {into}): the copy back {into} is preexisting (it must be allocated in the trace)"
+    )]
+    RestorePreexisting {
+        link: usize,
+        from: AllocId,
+        into: AllocId,
+    },
+    #[error(
+        "restore link {link} ({from} -> {into}): the offloaded allocation {from} {problem} before the copy back {into} is allocated (event {into_alloc})"
+    )]
+    RestoreOrder {
+        link: usize,
+        from: AllocId,
+        into: AllocId,
+        into_alloc: EventIdx,
+        /// `"is not packed"` or `"is not freed"`.
+        problem: &'static str,
+    },
 }
 
 impl Trace {
@@ -164,7 +221,9 @@ impl Trace {
     /// (then none), and at most one `FreeRequested` and one `FreeCompleted`, each after
     /// its `Alloc`, `FreeCompleted` after `FreeRequested`; marker labels exist; a
     /// `SavedPack` / `SavedUnpack` names an allocation that is live (allocated or
-    /// preexisting, no free requested yet) at the event.
+    /// preexisting, no free requested yet) at the event. Restore links name existing
+    /// allocations, each allocation is in at most one link, `into` is not preexisting,
+    /// and `from` is packed and freed (requested) before `into`'s `Alloc`.
     pub fn validate(&self) -> Result<(), TraceError> {
         if self.events.is_empty() {
             return Err(TraceError::Empty);
@@ -265,6 +324,77 @@ impl Trace {
                 return Err(TraceError::NeverAllocated {
                     alloc: AllocId(i as u32),
                 });
+            }
+        }
+        if !self.restores.is_empty() {
+            self.validate_restores(&alloc_at)?;
+        }
+        Ok(())
+    }
+
+    /// The restore-link rules (see [`Trace::validate`]); `alloc_at` is every
+    /// allocation's `Alloc` event. O(events + allocations + links).
+    fn validate_restores(&self, alloc_at: &[Option<EventIdx>]) -> Result<(), TraceError> {
+        let count = self.allocations.len();
+        let mut link_of: Vec<u32> = vec![u32::MAX; count];
+        for (link, r) in self.restores.iter().enumerate() {
+            let (from, into) = (r.from, r.into);
+            for alloc in [from, into] {
+                if alloc.index() >= count {
+                    return Err(TraceError::RestoreUnknownAlloc {
+                        link,
+                        from,
+                        into,
+                        alloc,
+                        count,
+                    });
+                }
+                let other = link_of[alloc.index()];
+                if other != u32::MAX {
+                    return Err(TraceError::RestoreTwice {
+                        link,
+                        from,
+                        into,
+                        alloc,
+                        other: other as usize,
+                    });
+                }
+                link_of[alloc.index()] = link as u32;
+            }
+        }
+        // The first pack and the requested free of every `from`.
+        let mut packed: Vec<Option<EventIdx>> = vec![None; count];
+        let mut freed: Vec<Option<EventIdx>> = vec![None; count];
+        for (i, e) in self.events.iter().enumerate() {
+            match e.kind {
+                EventKind::SavedPack(id) if packed[id.index()].is_none() => {
+                    packed[id.index()] = Some(EventIdx(i as u32));
+                }
+                EventKind::FreeRequested(id) => freed[id.index()] = Some(EventIdx(i as u32)),
+                // A completed free without a requested one frees there too.
+                EventKind::FreeCompleted(id) if freed[id.index()].is_none() => {
+                    freed[id.index()] = Some(EventIdx(i as u32));
+                }
+                _ => {}
+            }
+        }
+        for (link, r) in self.restores.iter().enumerate() {
+            let (from, into) = (r.from, r.into);
+            let Some(into_alloc) = alloc_at[into.index()] else {
+                return Err(TraceError::RestorePreexisting { link, from, into });
+            };
+            let order = |problem| TraceError::RestoreOrder {
+                link,
+                from,
+                into,
+                into_alloc,
+                problem,
+            };
+            if packed[from.index()].is_none_or(|p| p >= into_alloc) {
+                return Err(order("is not packed"));
+            }
+            if freed[from.index()].is_none_or(|f| f >= into_alloc) {
+                return Err(order("is not freed"));
             }
         }
         Ok(())
@@ -371,6 +501,7 @@ mod tests {
                 ev(EventKind::Alloc(AllocId(3))),
             ],
             labels: vec![],
+            restores: Vec::new(),
         };
         t.validate().unwrap();
         let lb = t.lower_bound();
@@ -389,6 +520,7 @@ mod tests {
                 ev(EventKind::FreeCompleted(AllocId(0))),
             ],
             labels: vec![],
+            restores: Vec::new(),
         };
         assert_eq!(
             t.validate(),
@@ -402,6 +534,7 @@ mod tests {
             allocations: vec![],
             events: vec![ev(EventKind::Alloc(AllocId(3)))],
             labels: vec![],
+            restores: Vec::new(),
         };
         assert!(matches!(t.validate(), Err(TraceError::UnknownAlloc { .. })));
         assert_eq!(Trace::default().validate(), Err(TraceError::Empty));
@@ -414,6 +547,7 @@ mod tests {
             allocations: vec![alloc(10)],
             events: kinds.into_iter().map(ev).collect(),
             labels: vec![],
+            restores: Vec::new(),
         };
         let ok = base(vec![
             EventKind::Alloc(AllocId(0)),

@@ -180,6 +180,7 @@ fn a_trace_file_is_not_a_plan_file() {
             time_us: 0,
         }],
         labels: vec![],
+        restores: Vec::new(),
     };
     let bytes = stweaver_core::trace_file::trace_to_bytes(&trace).unwrap();
     let e = format_error(plan_from_bytes(&bytes));

@@ -78,6 +78,7 @@ fn rich() -> Trace {
             ),
         ],
         labels: vec!["backward".into(), "Optimizer.step#AdamW.step".into()],
+        restores: Vec::new(),
     }
 }
 

@@ -360,6 +360,7 @@ pub fn trace_prefix(trace: &Trace, end: usize) -> Trace {
         allocations,
         events,
         labels: trace.labels.clone(),
+        restores: Vec::new(),
     }
 }
 

@@ -17,4 +17,5 @@ pub mod report;
 pub mod snapshot;
 pub mod solver;
 pub mod summary;
+pub mod unoffload;
 pub mod viz;

@@ -31,7 +31,9 @@
 //!
 //! # The transform
 //!
-//! Build: choose the set (below) → rewrite the trace (every complete steady iteration
+//! A trace recorded with offload (restore links) is first rewritten into the run
+//! without offload ([`crate::unoffload`]), so every tensor the recording offloaded is
+//! a candidate again. Build: choose the set (below) → rewrite the trace (every complete steady iteration
 //! alike, at the same plan-clock positions: a `FreeRequested` of the out request right
 //! after the pack, its `FreeCompleted` before the first request at or after the
 //! estimated copy-out completion (no later than the unpack), a new `Alloc` of the back
@@ -83,6 +85,7 @@ use stweaver_core::{
 
 use crate::classify::{AllocClass, Classification, Steady, plan_clock};
 use crate::planning::{ALIGNMENT, PlanBuildError, PlanOptions, PlanOutcome, plan_trace};
+use crate::unoffload::un_offload;
 
 /// Link bandwidth per direction assumed by default, in GB/s (10^9 bytes per second):
 /// half of the 55 GB/s pinned host ↔ device measured on an H100.
@@ -261,16 +264,29 @@ pub enum OffloadError {
 
 /// Plans `trace` so that the pool fits `opts.budget`, offloading saved activations if
 /// it must (module docs).
+///
+/// A trace recorded with offload (restore links, [`Trace::restores`]) is planned as
+/// the run without offload ([`crate::unoffload::un_offload`]), so the tensors it
+/// offloaded are chosen again; the plan's `trace_digest` is that of `input`, links
+/// included, and [`BudgetOutcome::rewritten`] is made from the run without offload.
 pub fn plan_with_budget(
-    trace: &Trace,
+    input: &Trace,
     opts: &OffloadOptions,
 ) -> Result<BudgetOutcome, OffloadError> {
     if !(opts.link_gbps.is_finite() && opts.link_gbps > 0.0) {
         return Err(OffloadError::BadBandwidth(opts.link_gbps));
     }
-    trace.validate()?;
+    let normalised;
+    let trace = if input.restores.is_empty() {
+        input.validate()?;
+        input
+    } else {
+        normalised = un_offload(input)?;
+        &normalised
+    };
     let budget = opts.budget;
     let mut base = plan_trace(trace, &opts.plan)?;
+    base.plan.trace_digest = trace_digest(input);
     let pool_without_offload = base.plan.pool_size;
     let mut report = OffloadReport {
         budget,
@@ -378,7 +394,7 @@ pub fn plan_with_budget(
         out.plan.offload = entries;
         out.plan.saved_packs = a.saved_packs;
         out.plan.saved_unpacks = a.saved_unpacks;
-        out.plan.trace_digest = trace_digest(trace);
+        out.plan.trace_digest = trace_digest(input);
         verify_plan(&out.plan).map_err(OffloadError::Invalid)?;
         report.planned_peak = out.plan.pool_size;
         report.tensors = chosen.len();
@@ -975,6 +991,7 @@ impl<'a> Analysis<'a> {
                 allocations,
                 events,
                 labels: self.trace.labels.clone(),
+                restores: Vec::new(),
             },
             back,
         )

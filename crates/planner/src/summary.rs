@@ -203,6 +203,7 @@ mod tests {
                 ev(EventKind::Alloc(AllocId(3)), 1005),
             ],
             labels: vec![],
+            restores: Vec::new(),
         };
         t.validate().unwrap();
         let s = summarize(&t);

@@ -106,6 +106,7 @@ fn perturb(trace: &Trace, seed: u64, rate_per_10k: u64) -> Perturbed {
         allocations: Vec::new(),
         events: Vec::new(),
         labels: trace.labels.clone(),
+        restores: Vec::new(),
     };
     let mut origin: Vec<Option<AllocId>> = Vec::new();
     let mut new_id: Vec<Option<AllocId>> = vec![None; n];

@@ -281,8 +281,13 @@ pub mod bridge {
         /// A JSON object with the runtime's state and counters (for `stweaver.stats()`).
         fn info_json(self: &Runtime) -> Result<String>;
         /// Records that autograd saved (`pack`) or unpacked the tensor whose storage starts
-        /// at `ptr` (trace and auto's recording); false when nothing was recorded.
-        fn record_saved(self: &Runtime, ptr: usize, pack: bool) -> Result<bool>;
+        /// at `ptr` (trace and auto's recording); the allocation's trace id, -1 when
+        /// nothing was recorded.
+        fn record_saved(self: &Runtime, ptr: usize, pack: bool) -> Result<i64>;
+        /// Records that the allocation starting at `ptr` is the copy back of the
+        /// offloaded allocation `from` (an id `record_saved` returned for its pack);
+        /// false when nothing was recorded.
+        fn record_restore(self: &Runtime, ptr: usize, from: i64) -> Result<bool>;
         /// The offload schedule of the plan `device` serves (empty when none).
         fn offload_schedule(self: &Runtime, device: i32) -> Result<Vec<OffloadItem>>;
     }
@@ -525,8 +530,17 @@ impl Runtime {
         guard("info_json", || self.core.info_json())
     }
 
-    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<bool, BridgeError> {
-        guard("record_saved", || self.core.record_saved(ptr, pack))
+    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<i64, BridgeError> {
+        guard("record_saved", || {
+            Ok(self
+                .core
+                .record_saved(ptr, pack)?
+                .map_or(-1, |id| i64::from(id.0)))
+        })
+    }
+
+    pub fn record_restore(&self, ptr: usize, from: i64) -> Result<bool, BridgeError> {
+        guard("record_restore", || self.core.record_restore(ptr, from))
     }
 
     pub fn offload_schedule(&self, device: i32) -> Result<Vec<bridge::OffloadItem>, BridgeError> {

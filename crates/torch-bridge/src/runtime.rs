@@ -42,9 +42,10 @@ use stweaver_core::engine::{
 };
 use stweaver_core::plan::OffloadEntry;
 use stweaver_core::plan_file::{read_plan_file, write_plan_file};
-use stweaver_core::trace::MarkerKind;
+use stweaver_core::trace::{EventKind, MarkerKind, Trace};
 use stweaver_core::trace_file::write_trace_file;
-use stweaver_core::units::{Bytes, DeviceId, StreamId};
+use stweaver_core::units::{AllocId, Bytes, DeviceId, StreamId};
+use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
 use stweaver_planner::planning::{PlanOptions as PlannerOptions, plan_trace};
 use stweaver_planner::solver::SolveOptions;
 
@@ -273,9 +274,58 @@ pub enum PlanStage {
 }
 
 /// A background planning job of auto mode, per device.
+/// What auto mode's planning under a budget decided for a device (`info_json`'s
+/// `offload`).
+#[derive(Debug, Clone)]
+enum OffloadOutcome {
+    /// The plan fits the budget, offloading these tensors per iteration (none when
+    /// the run fits without offload).
+    Planned {
+        budget: u64,
+        tensors: usize,
+        bytes_per_iteration: u64,
+        planned_peak: u64,
+        pool_without_offload: u64,
+        stalls: usize,
+    },
+    /// Planned without offload, and why.
+    NotPlanned { budget: u64, reason: String },
+}
+
+impl OffloadOutcome {
+    fn json(&self) -> serde_json::Value {
+        match self {
+            OffloadOutcome::Planned {
+                budget,
+                tensors,
+                bytes_per_iteration,
+                planned_peak,
+                pool_without_offload,
+                stalls,
+            } => serde_json::json!({
+                "planned": true,
+                "budget_bytes": budget,
+                "tensors": tensors,
+                "bytes_per_iteration": bytes_per_iteration,
+                "planned_peak": planned_peak,
+                "pool_without_offload": pool_without_offload,
+                "stalls": stalls,
+            }),
+            OffloadOutcome::NotPlanned { budget, reason } => serde_json::json!({
+                "planned": false,
+                "budget_bytes": budget,
+                "reason": reason,
+            }),
+        }
+    }
+}
+
+/// A background plan: the plan, and under a budget what offload it carries.
+type PlanResult = std::result::Result<(Plan, Option<OffloadOutcome>), String>;
+
 struct PlanJob {
     device: i32,
-    handle: std::thread::JoinHandle<std::result::Result<Plan, String>>,
+    handle: std::thread::JoinHandle<PlanResult>,
 }
 
 struct PlanControl {
@@ -315,7 +365,62 @@ struct DeviceSlot {
     budget: Arc<DeviceBudget>,
     /// The offload schedule of the plan the default engine serves (empty: none).
     offload: Mutex<Vec<OffloadEntry>>,
+    /// Auto mode under a budget: what planning decided about offload.
+    offload_outcome: Mutex<Option<OffloadOutcome>>,
     agg: Mutex<Agg>,
+}
+
+/// Auto mode's background planning of one device's recorded trace. Without a budget
+/// (`budget` `None`): the ordinary plan. Under one, when the trace has saved packs:
+/// [`plan_with_budget`] (which plans the run without the recording's own offload);
+/// a refusal (a budget below the minimum, ...) falls back to the ordinary plan, the
+/// outcome saying why.
+fn plan_in_background(
+    trace: &Trace,
+    opts: &PlannerOptions,
+    budget: Option<u64>,
+    has_packs: bool,
+) -> PlanResult {
+    let plain = |trace: &Trace| plan_trace(trace, opts).map(|o| o.plan);
+    let Some(budget) = budget else {
+        return plain(trace).map(|p| (p, None)).map_err(|e| e.to_string());
+    };
+    if !has_packs {
+        let plan = plain(trace).map_err(|e| e.to_string())?;
+        let outcome = (plan.pool_size.get() > budget).then(|| OffloadOutcome::NotPlanned {
+            budget,
+            reason: format!(
+                "no offload planned: the plan needs {} over the budget {}, and the recording has no saved tensors (enable stweaver._offload while recording)",
+                plan.pool_size,
+                Bytes(budget)
+            ),
+        });
+        return Ok((plan, outcome));
+    }
+    let mut o = OffloadOptions::new(Bytes(budget));
+    o.plan = opts.clone();
+    match plan_with_budget(trace, &o) {
+        Ok(b) => {
+            let r = &b.offload;
+            let outcome = OffloadOutcome::Planned {
+                budget,
+                tensors: r.tensors,
+                bytes_per_iteration: r.bytes_per_iteration.get(),
+                planned_peak: r.planned_peak.get(),
+                pool_without_offload: r.pool_without_offload.get(),
+                stalls: r.stalls,
+            };
+            Ok((b.outcome.plan, Some(outcome)))
+        }
+        Err(err) => {
+            let reason = format!(
+                "no offload planned under the budget {}: {err}; planning without offload",
+                Bytes(budget)
+            );
+            let plan = plain(trace).map_err(|e| format!("{reason}, which failed too: {e}"))?;
+            Ok((plan, Some(OffloadOutcome::NotPlanned { budget, reason })))
+        }
+    }
 }
 
 /// A free whose completion has not been reported to the history yet.
@@ -597,6 +702,7 @@ impl Core {
                 fraction: Mutex::new(1.0),
                 budget: Arc::new(DeviceBudget::default()),
                 offload: Mutex::new(Vec::new()),
+                offload_outcome: Mutex::new(None),
                 agg: Mutex::new(Agg::default()),
             })
             .collect();
@@ -1429,6 +1535,15 @@ impl Core {
                     {
                         lock(&self.notes).push(err.to_string());
                     }
+                    // Under a budget, with saved tensors recorded: plan the fewest
+                    // bytes of offload that fit the device's limit (budget and memory
+                    // fraction), from the run without the recording's own offload
+                    // (restore links, `un_offload`).
+                    let budget = self.settings.budget.map(|_| slot.budget.limit());
+                    let has_packs = trace
+                        .events
+                        .iter()
+                        .any(|e| matches!(e.kind, EventKind::SavedPack(_)));
                     let handle = std::thread::Builder::new()
                         .name(format!("stweaver-plan-cuda{}", slot.ordinal))
                         .spawn(move || {
@@ -1446,9 +1561,7 @@ impl Core {
                                 },
                                 ..PlannerOptions::default()
                             };
-                            plan_trace(&trace, &opts)
-                                .map(|o| o.plan)
-                                .map_err(|e| e.to_string())
+                            plan_in_background(&trace, &opts, budget, has_packs)
                         })
                         .map_err(|e| {
                             BridgeError::Settings(format!("cannot start the planner: {e}"))
@@ -1471,7 +1584,13 @@ impl Core {
                 for job in std::mem::take(&mut pc.jobs) {
                     let d = job.device;
                     let plan = match job.handle.join() {
-                        Ok(Ok(plan)) => plan,
+                        Ok(Ok((plan, outcome))) => {
+                            if let Some(OffloadOutcome::NotPlanned { reason, .. }) = &outcome {
+                                lock(&self.notes).push(format!("cuda:{d}: {reason}"));
+                            }
+                            *lock(&self.slot(d)?.offload_outcome) = outcome;
+                            plan
+                        }
                         Ok(Err(e)) => {
                             errors.push(format!("cuda:{d}: planning failed: {e}"));
                             continue;
@@ -1514,21 +1633,28 @@ impl Core {
         Ok(())
     }
 
-    /// Records a saved-tensor pack or unpack for the allocation starting at `ptr` (the
-    /// default pool's recorder; private pools record nothing). False when nothing was
-    /// recorded: not recording, `ptr` 0, or no live allocation starts there.
-    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<bool> {
+    /// The default engine of the allocation starting at `ptr`, if any (private pools
+    /// record nothing).
+    fn recording_engine(&self, ptr: usize) -> Result<Option<&Engine<Tracked>>> {
         if ptr == 0 {
-            return Ok(false);
+            return Ok(None);
         }
         let Some(owner) = self.shared.owner_of(ptr as u64) else {
-            return Ok(false);
+            return Ok(None);
         };
         if !is_default(owner.pool) {
-            return Ok(false);
+            return Ok(None);
         }
-        let Some(e) = self.slot(owner.device)?.default.get() else {
-            return Ok(false);
+        Ok(self.slot(owner.device)?.default.get())
+    }
+
+    /// Records a saved-tensor pack or unpack for the allocation starting at `ptr` (the
+    /// default pool's recorder; private pools record nothing). The allocation's trace
+    /// id, `None` when nothing was recorded: not recording, `ptr` 0, or no live
+    /// allocation starts there.
+    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<Option<AllocId>> {
+        let Some(e) = self.recording_engine(ptr)? else {
+            return Ok(None);
         };
         let kind = if pack {
             SavedKind::Pack
@@ -1536,6 +1662,21 @@ impl Core {
             SavedKind::Unpack
         };
         Ok(e.record_saved(DevicePtr(ptr as u64), kind)?)
+    }
+
+    /// Records a restore link: the allocation starting at `ptr` is the copy back of the
+    /// offloaded allocation `from` (the id [`Core::record_saved`] returned for its
+    /// pack, on the same device). False when nothing was recorded: `from` negative or
+    /// too large, `ptr` 0 or not a live default-pool allocation, not recording, or a
+    /// link the trace would refuse ([`Engine::record_restore`]).
+    pub fn record_restore(&self, ptr: usize, from: i64) -> Result<bool> {
+        let Ok(from) = u32::try_from(from) else {
+            return Ok(false);
+        };
+        let Some(e) = self.recording_engine(ptr)? else {
+            return Ok(false);
+        };
+        Ok(e.record_restore(DevicePtr(ptr as u64), AllocId(from))?)
     }
 
     /// The offload schedule of the plan `device` serves (empty when none).
@@ -1680,6 +1821,8 @@ impl Core {
                     "limit_bytes": slot.mem.get().map(|_| slot.budget.limit()),
                     "mapped_bytes": slot.budget.mapped(),
                     "tracing": tracing,
+                    // Auto mode under a budget: the offload the plan carries, or why none.
+                    "offload": lock(&slot.offload_outcome).as_ref().map(OffloadOutcome::json),
                     "allocated_bytes": s.map_or(0, |s| s.allocated_bytes[0].current),
                     "reserved_bytes": s.map_or(0, |s| s.reserved_bytes[0].current),
                     "reserved_small_bytes": s.map_or(0, |s| s.reserved_bytes[1].current),

@@ -169,7 +169,7 @@ use rustc_hash::FxHashMap;
 
 use crate::plan::Plan;
 use crate::trace::{MarkerKind, Trace};
-use crate::units::{Bytes, DeviceId, StreamId};
+use crate::units::{AllocId, Bytes, DeviceId, StreamId};
 
 pub use self::arena::BlockState;
 use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, NIL, Placeable, SlabFull};
@@ -2199,24 +2199,51 @@ impl<D: DeviceMemory> Engine<D> {
 
     /// Records a `SavedPack` / `SavedUnpack` event for the allocation handed out at
     /// `ptr` (autograd's saved-tensor hooks, whose tensor's storage is that whole
-    /// allocation). Returns whether an event was recorded: `false` when no trace is
-    /// being recorded, when no allocation that the caller has not freed starts at
-    /// `ptr` (an interior pointer, a freed or unknown block), or when the allocation is
-    /// not in the trace (the trace is full). O(1).
-    pub fn record_saved(&self, ptr: DevicePtr, kind: SavedKind) -> Result<bool, EngineError> {
+    /// allocation). Returns the allocation's trace id when an event was recorded,
+    /// `None` when no trace is being recorded, when no allocation that the caller has
+    /// not freed starts at `ptr` (an interior pointer, a freed or unknown block), or
+    /// when the allocation is not in the trace (the trace is full). O(1).
+    pub fn record_saved(
+        &self,
+        ptr: DevicePtr,
+        kind: SavedKind,
+    ) -> Result<Option<AllocId>, EngineError> {
+        let mut st = self.lock()?;
+        let st = &mut *st;
+        let Some(rec) = st.recorder.as_mut() else {
+            return Ok(None);
+        };
+        let Some(i) = st.live.get(ptr.get()) else {
+            return Ok(None);
+        };
+        let b = st.heap.block(i);
+        if b.state != BlockState::Allocated {
+            return Ok(None);
+        }
+        Ok(rec.saved(b.trace_id, kind))
+    }
+
+    /// Records a restore link ([`crate::Restore`]): the allocation handed out at
+    /// `into_ptr` is the copy back of the offloaded allocation `from` (an id that
+    /// [`Engine::record_saved`] returned for its pack in this trace). Returns whether a
+    /// link was recorded: `false` when not tracing, when no allocation the caller has
+    /// not freed starts at `into_ptr`, or when the link would not validate (`from`
+    /// unknown, not packed or not freed before `into_ptr`'s allocation, either already
+    /// linked, the copy back preexisting or not in the trace). O(1).
+    pub fn record_restore(&self, into_ptr: DevicePtr, from: AllocId) -> Result<bool, EngineError> {
         let mut st = self.lock()?;
         let st = &mut *st;
         let Some(rec) = st.recorder.as_mut() else {
             return Ok(false);
         };
-        let Some(i) = st.live.get(ptr.get()) else {
+        let Some(i) = st.live.get(into_ptr.get()) else {
             return Ok(false);
         };
         let b = st.heap.block(i);
         if b.state != BlockState::Allocated {
             return Ok(false);
         }
-        Ok(rec.saved(b.trace_id, kind))
+        Ok(rec.restore(b.trace_id, from))
     }
 
     /// Records a marker in the trace (a no-op when not tracing).
@@ -2275,7 +2302,6 @@ impl<D: DeviceMemory> Drop for Engine<D> {
 mod tests {
     use super::*;
     use crate::trace::EventKind;
-    use crate::units::AllocId;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -2577,20 +2603,34 @@ mod tests {
         let dev = flaky(1 << 30);
         let e = engine(dev.clone(), MemoryLimit::Fraction(1.0));
         let a = e.malloc(Bytes(1000), S0).unwrap();
-        assert!(!e.record_saved(a, SavedKind::Pack).unwrap(), "not tracing");
+        assert_eq!(
+            e.record_saved(a, SavedKind::Pack).unwrap(),
+            None,
+            "not tracing"
+        );
         e.start_trace().unwrap();
         let b = e.malloc(Bytes(2048), S0).unwrap();
-        assert!(e.record_saved(b, SavedKind::Pack).unwrap());
-        assert!(e.record_saved(a, SavedKind::Pack).unwrap());
-        assert!(
-            !e.record_saved(DevicePtr(b.get() + 512), SavedKind::Pack)
+        assert_eq!(
+            e.record_saved(b, SavedKind::Pack).unwrap(),
+            Some(AllocId(1))
+        );
+        assert_eq!(
+            e.record_saved(a, SavedKind::Pack).unwrap(),
+            Some(AllocId(0))
+        );
+        assert_eq!(
+            e.record_saved(DevicePtr(b.get() + 512), SavedKind::Pack)
                 .unwrap(),
+            None,
             "an interior pointer"
         );
-        assert!(e.record_saved(b, SavedKind::Unpack).unwrap());
+        assert_eq!(
+            e.record_saved(b, SavedKind::Unpack).unwrap(),
+            Some(AllocId(1))
+        );
         e.record_stream(b, S1).unwrap();
         e.free(b).unwrap(); // pending on S1
-        assert!(!e.record_saved(b, SavedKind::Unpack).unwrap(), "freed");
+        assert_eq!(e.record_saved(b, SavedKind::Unpack).unwrap(), None, "freed");
         let t = e.take_trace().unwrap().unwrap();
         t.validate().unwrap();
         let kinds: Vec<EventKind> = t.events.iter().map(|e| e.kind).collect();

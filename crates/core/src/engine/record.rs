@@ -8,6 +8,13 @@
 //! (`SavedPack` / `SavedUnpack`, from `Engine::record_saved`). Blocks live when recording starts become
 //! *preexisting* allocations, so the trace is valid on its own ([`Trace::validate`]).
 //!
+//! Restore links (`Engine::record_restore`, [`crate::Restore`]): the offloader allocates
+//! the copy back of an offloaded tensor and names the allocation it was packed from.
+//! The recorder keeps, per allocation, its `Alloc` event, its first free and whether it
+//! was packed or linked, and records a link only when the trace will validate with it
+//! (`from` packed and freed before `into` was allocated, `into` not preexisting, neither
+//! in a link yet); otherwise it records nothing and says so.
+//!
 //! Each call is O(1) amortised (a push onto the trace's vectors; labels are interned in
 //! a hash map). Time stamps are microseconds since the Unix epoch.
 //!
@@ -17,7 +24,7 @@
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::trace::{Allocation, Event, EventKind, MarkerKind, Trace};
+use crate::trace::{Allocation, Event, EventKind, MarkerKind, Restore, Trace};
 use crate::units::{AllocId, Bytes, DeviceId, StreamId};
 
 /// Trace id of a block not in the trace.
@@ -35,11 +42,27 @@ pub enum SavedKind {
     Unpack,
 }
 
+/// An event index not recorded (yet).
+const NONE: u32 = u32::MAX;
+
+/// What the recorder remembers of one allocation, for [`Recorder::restore`].
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// Its `Alloc` event (`NONE`: preexisting).
+    alloc_at: u32,
+    /// Its first free event, requested or completed (`NONE`: live).
+    freed_at: u32,
+    packed: bool,
+    linked: bool,
+}
+
 /// Builds a trace; see the module documentation.
 #[derive(Debug)]
 pub(crate) struct Recorder {
     trace: Trace,
     labels: HashMap<String, u32>,
+    /// Per allocation (indexed by trace id).
+    seen: Vec<Seen>,
     overflowed: bool,
 }
 
@@ -57,6 +80,7 @@ impl Recorder {
                 ..Trace::default()
             },
             labels: HashMap::new(),
+            seen: Vec::new(),
             overflowed: false,
         }
     }
@@ -68,12 +92,22 @@ impl Recorder {
         self.overflowed
     }
 
-    fn event(&mut self, kind: EventKind) {
-        if !self.full() {
-            self.trace.events.push(Event {
-                kind,
-                time_us: now_us(),
-            });
+    /// Records an event; its index, or `NONE` when the trace is full.
+    fn event(&mut self, kind: EventKind) -> u32 {
+        if self.full() {
+            return NONE;
+        }
+        self.trace.events.push(Event {
+            kind,
+            time_us: now_us(),
+        });
+        (self.trace.events.len() - 1) as u32
+    }
+
+    fn freed(&mut self, id: u32, at: u32) {
+        let s = &mut self.seen[id as usize];
+        if s.freed_at == NONE {
+            s.freed_at = at;
         }
     }
 
@@ -87,6 +121,12 @@ impl Recorder {
             stream,
             addr,
             preexisting,
+        });
+        self.seen.push(Seen {
+            alloc_at: NONE,
+            freed_at: NONE,
+            packed: false,
+            linked: false,
         });
         id
     }
@@ -106,34 +146,69 @@ impl Recorder {
         }
         let id = self.allocation(size, stream, addr, false);
         if id != UNTRACED {
-            self.event(EventKind::Alloc(AllocId(id)));
+            let at = self.event(EventKind::Alloc(AllocId(id)));
+            self.seen[id as usize].alloc_at = at;
         }
         id
     }
 
     pub fn free_requested(&mut self, id: u32) {
         if id != UNTRACED {
-            self.event(EventKind::FreeRequested(AllocId(id)));
+            let at = self.event(EventKind::FreeRequested(AllocId(id)));
+            self.freed(id, at);
         }
     }
 
     pub fn free_completed(&mut self, id: u32) {
         if id != UNTRACED {
-            self.event(EventKind::FreeCompleted(AllocId(id)));
+            let at = self.event(EventKind::FreeCompleted(AllocId(id)));
+            self.freed(id, at);
         }
     }
 
     /// A saved-tensor event of allocation `id` (which the caller knows is live).
-    /// False when `id` is not in the trace or the trace is full.
-    pub fn saved(&mut self, id: u32, kind: SavedKind) -> bool {
+    /// The allocation's id, or `None` when `id` is not in the trace or the trace is
+    /// full.
+    pub fn saved(&mut self, id: u32, kind: SavedKind) -> Option<AllocId> {
         if id == UNTRACED || self.full() {
-            return false;
+            return None;
         }
         self.event(match kind {
             SavedKind::Pack => EventKind::SavedPack(AllocId(id)),
             SavedKind::Unpack => EventKind::SavedUnpack(AllocId(id)),
         });
-        true
+        if kind == SavedKind::Pack {
+            self.seen[id as usize].packed = true;
+        }
+        Some(AllocId(id))
+    }
+
+    /// A restore link: allocation `into` (live, which the caller knows) is the copy
+    /// back of `from`. Recorded only when the trace stays valid with it (module docs);
+    /// returns whether it was.
+    pub fn restore(&mut self, into: u32, from: AllocId) -> bool {
+        if into == UNTRACED || self.overflowed || from.0 == into {
+            return false;
+        }
+        let (Some(&f), Some(&t)) = (self.seen.get(from.index()), self.seen.get(into as usize))
+        else {
+            return false;
+        };
+        let ok = f.packed
+            && !f.linked
+            && !t.linked
+            && t.alloc_at != NONE
+            && f.freed_at != NONE
+            && f.freed_at < t.alloc_at;
+        if ok {
+            self.seen[from.index()].linked = true;
+            self.seen[into as usize].linked = true;
+            self.trace.restores.push(Restore {
+                from,
+                into: AllocId(into),
+            });
+        }
+        ok
     }
 
     pub fn marker(&mut self, kind: MarkerKind, label: Option<&str>) {
@@ -182,5 +257,42 @@ mod tests {
         assert_eq!(t.allocations[1].stream, StreamId(7));
         assert_eq!(t.events.len(), 6);
         assert_eq!(t.labels, vec!["step".to_owned()]);
+    }
+
+    #[test]
+    fn records_only_restore_links_that_validate() {
+        let mut r = Recorder::new(DeviceId(0));
+        let pre = r.preexisting(Bytes(64), StreamId(0), 0x100);
+        let a = r.alloc(Bytes(64), StreamId(0), 0x200);
+        let kept = r.alloc(Bytes(64), StreamId(0), 0x300);
+        assert_eq!(r.saved(a, SavedKind::Pack), Some(AllocId(a)));
+        assert_eq!(r.saved(kept, SavedKind::Pack), Some(AllocId(kept)));
+        let early = r.alloc(Bytes(64), StreamId(0), 0x400);
+        assert!(!r.restore(early, AllocId(a)), "a is not freed yet");
+        r.free_requested(a);
+        assert!(
+            !r.restore(early, AllocId(a)),
+            "early was allocated before a's free"
+        );
+        let b = r.alloc(Bytes(64), StreamId(0), 0x500);
+        assert!(!r.restore(b, AllocId(kept)), "kept is still live");
+        assert!(!r.restore(b, AllocId(early)), "early was never packed");
+        assert!(!r.restore(b, AllocId(99)), "no such allocation");
+        assert!(!r.restore(UNTRACED, AllocId(a)));
+        assert!(!r.restore(pre, AllocId(a)), "a preexisting copy back");
+        assert!(r.restore(b, AllocId(a)));
+        assert!(!r.restore(b, AllocId(a)), "linked once");
+        r.free_completed(a);
+        assert_eq!(r.saved(b, SavedKind::Unpack), Some(AllocId(b)));
+        assert_eq!(r.saved(UNTRACED, SavedKind::Unpack), None);
+        let t = r.finish().unwrap();
+        t.validate().unwrap();
+        assert_eq!(
+            t.restores,
+            vec![Restore {
+                from: AllocId(a),
+                into: AllocId(b)
+            }]
+        );
     }
 }

@@ -10,7 +10,12 @@
 //! and the marker labels. Version 2 (written since the saved-tensor events) adds the
 //! event kinds `SavedPack = 4` and `SavedUnpack = 5`; version-1 files still load (a
 //! saved-tensor event in one is a bad record), other versions are refused naming the
-//! version found and the versions read ([`READ_VERSIONS`]).
+//! version found and the versions read ([`READ_VERSIONS`]). The optional `restores`
+//! vector (8-byte structs `{from_alloc, into_alloc}`, [`Trace::restores`]) was appended
+//! within version 2: it changes the meaning of no existing field, and a reader that
+//! ignores it still reads the recorded run, a valid trace (the schema's compatibility
+//! rule). It is written only when the trace has links, so a trace without them encodes
+//! to the same bytes as before.
 //!
 //! Reading ([`read_trace_file`], [`trace_from_bytes`]) maps the file, checks the
 //! envelope, runs the FlatBuffers verifier once (O(tables): each struct vector is one
@@ -44,7 +49,7 @@ use trace_generated::stweaver::trace_fb as fb;
 use crate::file_format::{
     self, FileKind, FormatError, IN_MEMORY, MAX_BUFFER, PRODUCER_NAME, PRODUCER_VERSION,
 };
-use crate::trace::{Allocation, Event, EventKind, MarkerKind, Trace, TraceError};
+use crate::trace::{Allocation, Event, EventKind, MarkerKind, Restore, Trace, TraceError};
 use crate::units::{AllocId, Bytes, DeviceId, StreamId};
 
 /// The trace format version this build writes.
@@ -151,10 +156,14 @@ pub fn trace_from_bytes(bytes: &[u8]) -> Result<Trace, TraceFileError> {
 ///     Marker: u8 3, u8 marker kind (0 IterationBegin, 1 IterationEnd, 2 PhaseBegin,
 ///             3 PhaseEnd), then u8 0 (no label) | u8 1, u64 length, label bytes
 ///             (| u8 2, u32 index for a label index out of range: invalid traces only)
+/// only when the trace has restore links (so a trace without them hashes as before):
+///   "restores\0", u64 number of links, per link in order: u32 from, u32 into
 /// ```
 ///
 /// Included: what the planner plans from (sizes, streams, the event sequence,
-/// markers with their label text). Excluded: the device (checked separately, see
+/// markers with their label text, the restore links: under a budget the planner
+/// plans the run they un-offload, so two traces differing only in links plan
+/// differently). Excluded: the device (checked separately, see
 /// `plan_file::check_plan_matches`), recorded addresses and time stamps (they differ
 /// between otherwise identical runs), the order of the label table and anything
 /// about the file encoding. Cost: O(allocations + events + label bytes).
@@ -206,6 +215,14 @@ pub fn trace_digest(trace: &Trace) -> u64 {
                     }
                 }
             }
+        }
+    }
+    if !trace.restores.is_empty() {
+        h.bytes(b"restores\0");
+        h.u64(trace.restores.len() as u64);
+        for r in &trace.restores {
+            h.u32(r.from.0);
+            h.u32(r.into.0);
         }
     }
     h.finish()
@@ -298,6 +315,7 @@ fn encode(trace: &Trace) -> Result<Vec<u8>, Failure> {
         + 32 * trace.allocations.len() as u64
         + 16 * trace.events.len() as u64
         + 4 * trace.labels.len() as u64
+        + 8 * trace.restores.len() as u64
         + labels_bytes;
     if estimated >= MAX_BUFFER {
         return Err(FormatError::TooLarge { estimated }.into());
@@ -306,6 +324,14 @@ fn encode(trace: &Trace) -> Result<Vec<u8>, Failure> {
     let mut fbb = FlatBufferBuilder::with_capacity(estimated as usize);
     let labels: Vec<_> = trace.labels.iter().map(|l| fbb.create_string(l)).collect();
     let labels = fbb.create_vector(&labels);
+    let restores = (!trace.restores.is_empty()).then(|| {
+        fbb.create_vector_from_iter(
+            trace
+                .restores
+                .iter()
+                .map(|r| fb::RestoreRec::new(r.from.0, r.into.0)),
+        )
+    });
     let events = fbb.create_vector_from_iter(trace.events.iter().map(|e| {
         let (kind, marker, arg) = match e.kind {
             EventKind::Alloc(id) => (fb::EventKind::Alloc, fb::MarkerKind(0), id.0),
@@ -343,6 +369,7 @@ fn encode(trace: &Trace) -> Result<Vec<u8>, Failure> {
             allocations: Some(allocations),
             events: Some(events),
             labels: Some(labels),
+            restores,
         },
     );
     fb::finish_size_prefixed_trace_file_buffer(&mut fbb, root);
@@ -454,6 +481,17 @@ fn decode(buf: &[u8]) -> Result<Trace, Failure> {
         allocations,
         events,
         labels,
+        restores: tf
+            .restores()
+            .map(|v| {
+                v.iter()
+                    .map(|r| Restore {
+                        from: AllocId(r.from_alloc()),
+                        into: AllocId(r.into_alloc()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
     };
     trace.validate().map_err(Failure::Invalid)?;
     Ok(trace)
@@ -501,6 +539,7 @@ mod tests {
                 },
             ],
             labels: vec!["step".into()],
+            restores: Vec::new(),
         }
     }
 
@@ -654,6 +693,121 @@ mod tests {
             fb::EventRec::new(6, 0, fb::EventKind::SavedPack, fb::MarkerKind(0)),
             fb::EventRec::new(7, 0, fb::EventKind::SavedUnpack, fb::MarkerKind(0)),
         ]
+    }
+
+    /// `small()` plus an offloaded allocation and its copy back, linked.
+    fn with_link() -> Trace {
+        let mut t = small();
+        t.allocations.push(t.allocations[1]);
+        t.allocations.push(t.allocations[1]);
+        for kind in [
+            EventKind::Alloc(AllocId(2)),
+            EventKind::SavedPack(AllocId(2)),
+            EventKind::FreeRequested(AllocId(2)),
+            EventKind::Alloc(AllocId(3)),
+            EventKind::SavedUnpack(AllocId(3)),
+        ] {
+            t.events.push(Event { kind, time_us: 9 });
+        }
+        t.restores.push(Restore {
+            from: AllocId(2),
+            into: AllocId(3),
+        });
+        t
+    }
+
+    #[test]
+    fn restore_links_round_trip_and_files_without_them_load() {
+        let t = with_link();
+        let b = trace_to_bytes(&t).unwrap();
+        assert_eq!(trace_from_bytes(&b).unwrap(), t);
+        let tf = fb::size_prefixed_root_as_trace_file(&b).unwrap();
+        assert_eq!(tf.format_version(), 2);
+        assert_eq!(tf.restores().map(|r| r.len()), Some(1));
+        // Without links no vector is written; files of version 1 and 2 without one load
+        // with no links.
+        let mut plain = t.clone();
+        plain.restores.clear();
+        let pb = trace_to_bytes(&plain).unwrap();
+        assert!(
+            fb::size_prefixed_root_as_trace_file(&pb)
+                .unwrap()
+                .restores()
+                .is_none()
+        );
+        for version in [1, 2] {
+            let raw = Raw {
+                version,
+                ..Raw::valid()
+            };
+            assert!(trace_from_bytes(&raw.bytes()).unwrap().restores.is_empty());
+        }
+        // A bad link is refused when written and when read.
+        let mut bad = t.clone();
+        bad.restores[0] = Restore {
+            from: AllocId(3),
+            into: AllocId(2),
+        };
+        assert!(matches!(
+            trace_to_bytes(&bad),
+            Err(TraceFileError::Invalid {
+                error: TraceError::RestoreOrder { .. },
+                ..
+            })
+        ));
+        let mut fbb = FlatBufferBuilder::new();
+        let allocations = fbb.create_vector_from_iter(bad.allocations.iter().map(|a| {
+            fb::AllocationRec::new(a.size.get(), a.stream.0, a.addr, u8::from(a.preexisting))
+        }));
+        let events = fbb.create_vector_from_iter(bad.events.iter().map(|e| {
+            let (kind, arg) = match e.kind {
+                EventKind::Alloc(id) => (fb::EventKind::Alloc, id.0),
+                EventKind::FreeRequested(id) => (fb::EventKind::FreeRequested, id.0),
+                EventKind::SavedPack(id) => (fb::EventKind::SavedPack, id.0),
+                EventKind::SavedUnpack(id) => (fb::EventKind::SavedUnpack, id.0),
+                EventKind::Marker { .. } => (fb::EventKind::Marker, NO_LABEL),
+                EventKind::FreeCompleted(_) => unreachable!("none in this trace"),
+            };
+            let marker = match e.kind {
+                EventKind::Marker { kind, .. } => marker_code(kind),
+                _ => fb::MarkerKind(0),
+            };
+            fb::EventRec::new(e.time_us, arg, kind, marker)
+        }));
+        let restores = fbb.create_vector(&[fb::RestoreRec::new(3, 2)]);
+        let root = fb::TraceFile::create(
+            &mut fbb,
+            &fb::TraceFileArgs {
+                format_version: 2,
+                producer: None,
+                device: 0,
+                allocations: Some(allocations),
+                events: Some(events),
+                labels: None,
+                restores: Some(restores),
+            },
+        );
+        fb::finish_size_prefixed_trace_file_buffer(&mut fbb, root);
+        let e = trace_from_bytes(fbb.finished_data()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TraceFileError::Invalid {
+                    error: TraceError::RestoreOrder { .. },
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn links_enter_the_digest_only_when_present() {
+        let t = with_link();
+        let mut plain = t.clone();
+        plain.restores.clear();
+        assert_ne!(trace_digest(&t), trace_digest(&plain));
+        assert_eq!(trace_digest(&small()), DIGEST_OF_SMALL);
     }
 
     #[test]

@@ -633,6 +633,132 @@ pub mod stweaver {
             }
         }
 
+        /// A restore link (8 bytes): allocation `into_alloc` is the copy back from host
+        /// memory of the offloaded allocation `from_alloc` (both indices in `allocations`).
+        // struct RestoreRec, aligned to 4
+        #[repr(transparent)]
+        #[derive(Clone, Copy, PartialEq)]
+        pub struct RestoreRec(pub [u8; 8]);
+        impl Default for RestoreRec {
+            fn default() -> Self {
+                Self([0; 8])
+            }
+        }
+        impl core::fmt::Debug for RestoreRec {
+            fn fmt(&self, f: &mut core::fmt::Formatter) -> core::fmt::Result {
+                f.debug_struct("RestoreRec")
+                    .field("from_alloc", &self.from_alloc())
+                    .field("into_alloc", &self.into_alloc())
+                    .finish()
+            }
+        }
+
+        impl flatbuffers::SimpleToVerifyInSlice for RestoreRec {}
+        impl<'a> flatbuffers::Follow<'a> for RestoreRec {
+            type Inner = &'a RestoreRec;
+            #[inline]
+            unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+                <&'a RestoreRec>::follow(buf, loc)
+            }
+        }
+        impl<'a> flatbuffers::Follow<'a> for &'a RestoreRec {
+            type Inner = &'a RestoreRec;
+            #[inline]
+            unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+                flatbuffers::follow_cast_ref::<RestoreRec>(buf, loc)
+            }
+        }
+        impl<'b> flatbuffers::Push for RestoreRec {
+            type Output = RestoreRec;
+            #[inline]
+            unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+                let src = ::core::slice::from_raw_parts(
+                    self as *const RestoreRec as *const u8,
+                    Self::size(),
+                );
+                dst.copy_from_slice(src);
+            }
+        }
+
+        impl<'a> flatbuffers::Verifiable for RestoreRec {
+            #[inline]
+            fn run_verifier(
+                v: &mut flatbuffers::Verifier,
+                pos: usize,
+            ) -> Result<(), flatbuffers::InvalidFlatbuffer> {
+                use self::flatbuffers::Verifiable;
+                v.in_buffer::<Self>(pos)
+            }
+        }
+
+        impl<'a> RestoreRec {
+            #[allow(clippy::too_many_arguments)]
+            pub fn new(from_alloc: u32, into_alloc: u32) -> Self {
+                let mut s = Self([0; 8]);
+                s.set_from_alloc(from_alloc);
+                s.set_into_alloc(into_alloc);
+                s
+            }
+
+            pub fn from_alloc(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[0..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_from_alloc(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[0..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+
+            pub fn into_alloc(&self) -> u32 {
+                let mut mem = core::mem::MaybeUninit::<<u32 as EndianScalar>::Scalar>::uninit();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                EndianScalar::from_little_endian(unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        self.0[4..].as_ptr(),
+                        mem.as_mut_ptr() as *mut u8,
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                    mem.assume_init()
+                })
+            }
+
+            pub fn set_into_alloc(&mut self, x: u32) {
+                let x_le = x.to_little_endian();
+                // Safety:
+                // Created from a valid Table for this object
+                // Which contains a valid value in this slot
+                unsafe {
+                    core::ptr::copy_nonoverlapping(
+                        &x_le as *const _ as *const u8,
+                        self.0[4..].as_mut_ptr(),
+                        core::mem::size_of::<<u32 as EndianScalar>::Scalar>(),
+                    );
+                }
+            }
+        }
+
         pub enum ProducerOffset {}
         #[derive(Copy, Clone, PartialEq)]
 
@@ -798,6 +924,7 @@ pub mod stweaver {
             pub const VT_ALLOCATIONS: flatbuffers::VOffsetT = 10;
             pub const VT_EVENTS: flatbuffers::VOffsetT = 12;
             pub const VT_LABELS: flatbuffers::VOffsetT = 14;
+            pub const VT_RESTORES: flatbuffers::VOffsetT = 16;
 
             #[inline]
             pub unsafe fn init_from_table(table: flatbuffers::Table<'a>) -> Self {
@@ -809,6 +936,9 @@ pub mod stweaver {
                 args: &'args TraceFileArgs<'args>,
             ) -> flatbuffers::WIPOffset<TraceFile<'bldr>> {
                 let mut builder = TraceFileBuilder::new(_fbb);
+                if let Some(x) = args.restores {
+                    builder.add_restores(x);
+                }
                 if let Some(x) = args.labels {
                     builder.add_labels(x);
                 }
@@ -895,6 +1025,23 @@ pub mod stweaver {
                     >>(TraceFile::VT_LABELS, None)
                 }
             }
+            /// Restore links of a run recorded with offload (absent: none). Appended within
+            /// version 2: no existing field changes meaning, and a reader that ignores it reads
+            /// the recorded run as it happened, still a valid trace (it only loses what makes
+            /// the offloaded tensors plannable again).
+            #[inline]
+            pub fn restores(&self) -> Option<flatbuffers::Vector<'a, RestoreRec>> {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe {
+                    self._tab
+                        .get::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'a, RestoreRec>>>(
+                            TraceFile::VT_RESTORES,
+                            None,
+                        )
+                }
+            }
         }
 
         impl flatbuffers::Verifiable for TraceFile<'_> {
@@ -911,6 +1058,7 @@ pub mod stweaver {
      .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, AllocationRec>>>("allocations", Self::VT_ALLOCATIONS, true)?
      .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, EventRec>>>("events", Self::VT_EVENTS, true)?
      .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, flatbuffers::ForwardsUOffset<&'_ str>>>>("labels", Self::VT_LABELS, false)?
+     .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, RestoreRec>>>("restores", Self::VT_RESTORES, false)?
      .finish();
                 Ok(())
             }
@@ -926,6 +1074,7 @@ pub mod stweaver {
                     flatbuffers::Vector<'a, flatbuffers::ForwardsUOffset<&'a str>>,
                 >,
             >,
+            pub restores: Option<flatbuffers::WIPOffset<flatbuffers::Vector<'a, RestoreRec>>>,
         }
         impl<'a> Default for TraceFileArgs<'a> {
             #[inline]
@@ -937,6 +1086,7 @@ pub mod stweaver {
                     allocations: None, // required field
                     events: None,      // required field
                     labels: None,
+                    restores: None,
                 }
             }
         }
@@ -992,6 +1142,16 @@ pub mod stweaver {
                     .push_slot_always::<flatbuffers::WIPOffset<_>>(TraceFile::VT_LABELS, labels);
             }
             #[inline]
+            pub fn add_restores(
+                &mut self,
+                restores: flatbuffers::WIPOffset<flatbuffers::Vector<'b, RestoreRec>>,
+            ) {
+                self.fbb_.push_slot_always::<flatbuffers::WIPOffset<_>>(
+                    TraceFile::VT_RESTORES,
+                    restores,
+                );
+            }
+            #[inline]
             pub fn new(
                 _fbb: &'b mut flatbuffers::FlatBufferBuilder<'a>,
             ) -> TraceFileBuilder<'a, 'b> {
@@ -1020,6 +1180,7 @@ pub mod stweaver {
                 ds.field("allocations", &self.allocations());
                 ds.field("events", &self.events());
                 ds.field("labels", &self.labels());
+                ds.field("restores", &self.restores());
                 ds.finish()
             }
         }

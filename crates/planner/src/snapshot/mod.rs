@@ -1001,6 +1001,7 @@ fn build_device<'a>(
             allocations,
             events,
             labels,
+            restores: Vec::new(),
         }),
         counts,
     ))

@@ -1,0 +1,226 @@
+//! Un-offload: the run a trace recorded *with* activation offload would have been
+//! without it ([`un_offload`]).
+//!
+//! # Why
+//!
+//! Under a memory budget below a run's peak, auto mode records its trace with
+//! threshold offload on (recording without offload would run out of memory). In
+//! such a trace an offloaded tensor is two allocations: `from`, packed
+//! (`SavedPack(from)`) and freed once its copy to host is done, and `into`, the copy
+//! back allocated in backward and unpacked (`SavedUnpack(into)`). The offload planner
+//! ([`crate::offload`]) only takes allocations with exactly one pack and one unpack as
+//! candidates, so it cannot decide again about those tensors. The recorder writes a
+//! restore link ([`stweaver_core::Restore`]) for each copy back; this module rewrites
+//! every link back into one allocation, so the planner sees the run without offload
+//! and chooses the fewest bytes to move.
+//!
+//! # The rewrite
+//!
+//! For every link `from -> into`:
+//! - `from` lives until `into`'s free: `from`'s own frees (requested and completed,
+//!   the copy out) are dropped;
+//! - `into`'s `Alloc` is dropped, and so is `into` from the allocation table (the
+//!   remaining allocations keep their order and are numbered again densely);
+//! - `into`'s frees and saved-tensor events (`SavedUnpack(into)`, and a pack of it if
+//!   any) become `from`'s.
+//!
+//! Every other event, and every event's time stamp, stays. The result has no links.
+//! It is valid whenever the input is: `from`'s events come before its free, `into`'s
+//! after its `Alloc`, and `Trace::validate` puts `from`'s free before `into`'s
+//! `Alloc`; an allocation is in at most one link, so links do not chain.
+//!
+//! # When
+//!
+//! [`crate::offload::plan_with_budget`] normalises a trace with links before
+//! anything else (the plan's `trace_digest` stays that of the trace it was given).
+//! The ordinary [`crate::planning::plan_trace`] plans the trace as recorded, links
+//! ignored: without a budget there is nothing to decide about offload, and the run
+//! goes on making the requests it recorded.
+//!
+//! # Cost
+//!
+//! O(events + allocations + links) time and one copy of the trace.
+
+use stweaver_core::{AllocId, Event, EventKind, Trace, TraceError};
+
+/// Slot of an allocation not in a link.
+const NONE: u32 = u32::MAX;
+
+/// The trace without offload (module docs). Validates `trace` first: an invalid trace
+/// (its links included) is an error. A trace without links comes back unchanged.
+pub fn un_offload(trace: &Trace) -> Result<Trace, TraceError> {
+    trace.validate()?;
+    if trace.restores.is_empty() {
+        return Ok(trace.clone());
+    }
+    let n = trace.allocations.len();
+    // For `into`: its `from`. For `from`: marked in `is_from`.
+    let mut from_of: Vec<u32> = vec![NONE; n];
+    let mut is_from: Vec<bool> = vec![false; n];
+    for r in &trace.restores {
+        from_of[r.into.index()] = r.from.0;
+        is_from[r.from.index()] = true;
+    }
+    // Dense new ids of the kept allocations; an `into` takes its `from`'s.
+    let mut new_id: Vec<u32> = vec![NONE; n];
+    let mut allocations = Vec::with_capacity(n - trace.restores.len());
+    for (i, a) in trace.allocations.iter().enumerate() {
+        if from_of[i] == NONE {
+            new_id[i] = allocations.len() as u32;
+            allocations.push(*a);
+        }
+    }
+    for (i, &f) in from_of.iter().enumerate() {
+        if f != NONE {
+            new_id[i] = new_id[f as usize];
+        }
+    }
+    let id = |a: AllocId| AllocId(new_id[a.index()]);
+    let linked_into = |a: AllocId| from_of[a.index()] != NONE;
+    let mut events = Vec::with_capacity(trace.events.len());
+    for e in &trace.events {
+        let kind = match e.kind {
+            EventKind::Alloc(a) if linked_into(a) => continue,
+            EventKind::FreeRequested(a) | EventKind::FreeCompleted(a) if is_from[a.index()] => {
+                continue;
+            }
+            EventKind::Alloc(a) => EventKind::Alloc(id(a)),
+            EventKind::FreeRequested(a) => EventKind::FreeRequested(id(a)),
+            EventKind::FreeCompleted(a) => EventKind::FreeCompleted(id(a)),
+            EventKind::SavedPack(a) => EventKind::SavedPack(id(a)),
+            EventKind::SavedUnpack(a) => EventKind::SavedUnpack(id(a)),
+            m @ EventKind::Marker { .. } => m,
+        };
+        events.push(Event {
+            kind,
+            time_us: e.time_us,
+        });
+    }
+    let out = Trace {
+        device: trace.device,
+        allocations,
+        events,
+        labels: trace.labels.clone(),
+        restores: Vec::new(),
+    };
+    debug_assert_eq!(out.validate(), Ok(()));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stweaver_core::{Allocation, Bytes, DeviceId, Restore, StreamId};
+
+    fn alloc(size: u64, preexisting: bool) -> Allocation {
+        Allocation {
+            size: Bytes(size),
+            stream: StreamId(0),
+            addr: 0,
+            preexisting,
+        }
+    }
+
+    fn trace(allocs: Vec<Allocation>, kinds: &[EventKind], restores: &[(u32, u32)]) -> Trace {
+        Trace {
+            device: DeviceId(0),
+            allocations: allocs,
+            events: kinds
+                .iter()
+                .enumerate()
+                .map(|(i, &kind)| Event {
+                    kind,
+                    time_us: 10 * i as u64 + 1,
+                })
+                .collect(),
+            labels: vec![],
+            restores: restores
+                .iter()
+                .map(|&(f, t)| Restore {
+                    from: AllocId(f),
+                    into: AllocId(t),
+                })
+                .collect(),
+        }
+    }
+
+    use EventKind::SavedUnpack as Unpack;
+    use EventKind::{Alloc, FreeCompleted as Done, FreeRequested as Free, SavedPack as Pack};
+
+    #[test]
+    fn a_link_becomes_one_allocation_with_the_times_kept() {
+        let (a, x, b) = (AllocId(0), AllocId(1), AllocId(2));
+        let t = trace(
+            vec![alloc(64, false), alloc(8, false), alloc(64, false)],
+            &[
+                Alloc(a),
+                Pack(a),
+                Free(a),
+                Done(a),
+                Alloc(x),
+                Free(x),
+                Alloc(b),
+                Unpack(b),
+                Free(b),
+                Done(b),
+            ],
+            &[(0, 2)],
+        );
+        let u = un_offload(&t).unwrap();
+        u.validate().unwrap();
+        assert_eq!(u.allocations, vec![alloc(64, false), alloc(8, false)]);
+        assert!(u.restores.is_empty());
+        let (a, x) = (AllocId(0), AllocId(1));
+        let kinds: Vec<_> = u.events.iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                Alloc(a),
+                Pack(a),
+                Alloc(x),
+                Free(x),
+                Unpack(a),
+                Free(a),
+                Done(a)
+            ]
+        );
+        let times: Vec<_> = u.events.iter().map(|e| e.time_us).collect();
+        assert_eq!(times, vec![1, 11, 41, 51, 71, 81, 91]);
+        // The peak without offload: both live at once; with it, one at a time.
+        assert_eq!(u.lower_bound().bytes, Bytes(72));
+        assert_eq!(t.lower_bound().bytes, Bytes(64));
+    }
+
+    #[test]
+    fn a_preexisting_offloaded_allocation_and_no_links() {
+        let (p, b) = (AllocId(0), AllocId(1));
+        let t = trace(
+            vec![alloc(32, true), alloc(32, false)],
+            &[Pack(p), Done(p), Alloc(b), Unpack(b)],
+            &[(0, 1)],
+        );
+        let u = un_offload(&t).unwrap();
+        assert_eq!(u.allocations, vec![alloc(32, true)]);
+        let kinds: Vec<_> = u.events.iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, vec![Pack(p), Unpack(p)]);
+        let plain = trace(vec![alloc(32, false)], &[Alloc(p), Free(p)], &[]);
+        assert_eq!(un_offload(&plain).unwrap(), plain);
+    }
+
+    #[test]
+    fn a_bad_link_is_an_error() {
+        let (a, b) = (AllocId(0), AllocId(1));
+        let t = trace(
+            vec![alloc(64, false), alloc(64, false)],
+            &[Alloc(a), Pack(a), Alloc(b), Free(a), Unpack(b)],
+            &[(0, 1)],
+        );
+        assert!(matches!(
+            un_offload(&t),
+            Err(TraceError::RestoreOrder {
+                problem: "is not freed",
+                ..
+            })
+        ));
+    }
+}

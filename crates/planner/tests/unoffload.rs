@@ -1,0 +1,250 @@
+//! A trace recorded with threshold offload (restore links, `stweaver_planner::unoffload`)
+//! plans under a budget exactly like the same run recorded without offload: it
+//! normalises to that run, the budget plan of both is identical, and it moves fewer
+//! bytes than the threshold did. Links survive the trace file.
+
+use stweaver_core::trace_file::{trace_digest, trace_from_bytes, trace_to_bytes};
+use stweaver_core::{
+    AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, Restore, StreamId, Trace,
+    TraceError,
+};
+use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
+use stweaver_planner::planning::plan_trace;
+use stweaver_planner::unoffload::un_offload;
+
+const MIB: u64 = 1 << 20;
+
+/// A trace builder with a clock that also ticks for the events one variant skips, so
+/// both variants stamp the events they share alike.
+struct B {
+    t: Trace,
+    now: u64,
+}
+
+impl B {
+    fn new() -> Self {
+        B {
+            t: Trace {
+                device: DeviceId(0),
+                ..Trace::default()
+            },
+            now: 1_700_000_000_000_000,
+        }
+    }
+    fn ev(&mut self, kind: EventKind) {
+        self.now += 1000;
+        self.t.events.push(Event {
+            kind,
+            time_us: self.now,
+        });
+    }
+    fn skip(&mut self) {
+        self.now += 1000;
+    }
+    fn alloc(&mut self, size: u64) -> AllocId {
+        let id = AllocId(self.t.allocations.len() as u32);
+        self.t.allocations.push(Allocation {
+            size: Bytes(size),
+            stream: StreamId(0),
+            addr: 0,
+            preexisting: false,
+        });
+        self.ev(EventKind::Alloc(id));
+        id
+    }
+    fn free(&mut self, id: AllocId) {
+        self.ev(EventKind::FreeRequested(id));
+        self.ev(EventKind::FreeCompleted(id));
+    }
+}
+
+/// Activations saved in forward (64 MiB, and a 1 MiB one per layer under the
+/// threshold), unpacked in reverse in backward, over 288 MiB persistent; with
+/// `threshold`, every saved activation of at least `threshold` bytes is offloaded as
+/// the run-time offloader does it: freed after its copy out, a new allocation for the
+/// copy back before its unpack, and a restore link.
+fn run(threshold: Option<u64>) -> Trace {
+    let layers = 12;
+    let mut b = B::new();
+    for _ in 0..36 {
+        b.alloc(8 * MIB);
+    }
+    for _ in 0..4 {
+        b.ev(EventKind::Marker {
+            kind: MarkerKind::IterationBegin,
+            label: None,
+        });
+        let mut saved = Vec::new();
+        for _ in 0..layers {
+            for size in [64 * MIB, MIB] {
+                let id = b.alloc(size);
+                b.ev(EventKind::SavedPack(id));
+                let out = threshold.is_some_and(|m| size >= m);
+                if out {
+                    b.free(id); // the copy out is done
+                } else {
+                    b.skip();
+                    b.skip();
+                }
+                saved.push((id, size, out));
+            }
+            let t = b.alloc(16 * MIB);
+            b.free(t);
+        }
+        let mut grads = Vec::new();
+        for &(id, size, out) in saved.iter().rev() {
+            let cur = if out {
+                let back = b.alloc(size);
+                b.t.restores.push(Restore {
+                    from: id,
+                    into: back,
+                });
+                back
+            } else {
+                b.skip();
+                id
+            };
+            b.ev(EventKind::SavedUnpack(cur));
+            grads.push(b.alloc(4 * MIB));
+            let t = b.alloc(16 * MIB);
+            b.free(t);
+            b.free(cur);
+        }
+        for g in grads {
+            b.free(g);
+        }
+    }
+    b.t.validate().expect("valid test trace");
+    b.t
+}
+
+#[test]
+fn a_threshold_recording_normalises_to_the_run_without_offload() {
+    let recorded = run(Some(64 * MIB));
+    let direct = run(None);
+    assert_eq!(recorded.restores.len(), 4 * 12);
+    assert!(direct.restores.is_empty());
+    let normalised = un_offload(&recorded).unwrap();
+    assert_eq!(normalised, direct);
+    assert!(recorded.lower_bound().bytes < direct.lower_bound().bytes);
+    // Links enter the digest; a trace without them hashes as before.
+    let mut unlinked = recorded.clone();
+    unlinked.restores.clear();
+    assert_ne!(trace_digest(&unlinked), trace_digest(&recorded));
+}
+
+#[test]
+fn the_budget_plan_of_a_threshold_recording_is_that_of_the_run_without_offload() {
+    let recorded = run(Some(64 * MIB));
+    let direct = run(None);
+    let pool = plan_trace(&direct, &Default::default())
+        .unwrap()
+        .plan
+        .pool_size;
+    let budget = Bytes(pool.get() * 8 / 10);
+    let opts = OffloadOptions::new(budget);
+    let from_recorded = plan_with_budget(&recorded, &opts).expect("fits");
+    let from_direct = plan_with_budget(&direct, &opts).expect("fits");
+    let (mut a, b) = (
+        from_recorded.outcome.plan.clone(),
+        from_direct.outcome.plan.clone(),
+    );
+    assert_eq!(a.trace_digest, trace_digest(&recorded));
+    assert_eq!(b.trace_digest, trace_digest(&direct));
+    a.trace_digest = b.trace_digest;
+    assert_eq!(a, b);
+    assert_eq!(from_recorded.offload, from_direct.offload);
+    assert_eq!(from_recorded.rewritten, from_direct.rewritten);
+    let r = &from_recorded.offload;
+    assert!(a.pool_size <= budget);
+    assert_eq!(r.pool_without_offload, pool);
+    // Every saved activation is a candidate again (24 per iteration), and fewer bytes
+    // move than the threshold moved (12 × 64 MiB).
+    assert_eq!(r.candidates, 24);
+    assert!(r.tensors > 0 && !a.offload.is_empty(), "{r:?}");
+    assert!(r.bytes_per_iteration < Bytes(12 * 64 * MIB), "{r:?}");
+
+    // Without the links the recording's tensors are no candidates: its own peak is
+    // already under the budget, so it plans no offload at all — and the run, no longer
+    // offloading, would exceed it.
+    let mut unlinked = recorded.clone();
+    unlinked.restores.clear();
+    let blind = plan_with_budget(&unlinked, &opts).expect("fits as recorded");
+    assert!(blind.outcome.plan.offload.is_empty());
+    // Planned without a budget, a trace with links is planned as recorded.
+    let plain = plan_trace(&recorded, &Default::default()).unwrap().plan;
+    let plain_unlinked = plan_trace(&unlinked, &Default::default()).unwrap().plan;
+    assert_eq!(plain.pool_size, plain_unlinked.pool_size);
+    assert!(plain.pool_size < pool);
+}
+
+#[test]
+fn links_survive_the_trace_file() {
+    let recorded = run(Some(64 * MIB));
+    let bytes = trace_to_bytes(&recorded).unwrap();
+    assert_eq!(trace_from_bytes(&bytes).unwrap(), recorded);
+    // Without links nothing is written for them.
+    let mut unlinked = recorded.clone();
+    unlinked.restores.clear();
+    let plain = trace_to_bytes(&unlinked).unwrap();
+    assert!(plain.len() + 8 * recorded.restores.len() <= bytes.len());
+    assert_eq!(trace_from_bytes(&plain).unwrap(), unlinked);
+}
+
+#[test]
+fn bad_links_are_refused() {
+    let recorded = run(Some(64 * MIB));
+    let link = recorded.restores[0];
+    let with = |f: &dyn Fn(&mut Trace)| {
+        let mut t = recorded.clone();
+        f(&mut t);
+        t.validate().unwrap_err()
+    };
+    let n = recorded.allocations.len() as u32;
+    assert!(matches!(
+        with(&|t| t.restores[0].into = AllocId(n)),
+        TraceError::RestoreUnknownAlloc { link: 0, .. }
+    ));
+    assert!(matches!(
+        with(&|t| t.restores.push(link)),
+        TraceError::RestoreTwice { other: 0, .. }
+    ));
+    // Backwards: the copy back is allocated before the offloaded one is even packed.
+    assert!(matches!(
+        with(&|t| t.restores[0] = Restore {
+            from: link.into,
+            into: link.from
+        }),
+        TraceError::RestoreOrder {
+            problem: "is not packed",
+            ..
+        }
+    ));
+    // The first layer's 1 MiB activation (after the 36 persistent tensors and that
+    // layer's 64 MiB one) is packed, but freed only at the end of backward.
+    assert_eq!(recorded.allocations[37].size, Bytes(MIB));
+    assert!(matches!(
+        with(&|t| t.restores[0].from = AllocId(37)),
+        TraceError::RestoreOrder {
+            problem: "is not freed",
+            ..
+        }
+    ));
+    // A persistent tensor as the copy back: preexisting.
+    assert!(matches!(
+        with(&|t| {
+            t.allocations[0].preexisting = true;
+            t.events.remove(0);
+            t.restores[0].into = AllocId(0);
+        }),
+        TraceError::RestorePreexisting { link: 0, .. }
+    ));
+    assert!(
+        un_offload(&{
+            let mut t = recorded.clone();
+            t.restores.push(link);
+            t
+        })
+        .is_err()
+    );
+}
