@@ -481,3 +481,47 @@ proptest! {
         }
     }
 }
+
+/// A GPU run's trace: the host enqueues each iteration's forward and backward in a
+/// fraction of the device's time (10 µs between events here) and then waits for the
+/// device at the iteration's end (100 ms). In host time every copy back would have to
+/// start in forward (its 2.7 ms at 25 GB/s is longer than the whole backward's 1 ms
+/// of host time), so nothing offloaded is free at the peak at the start of backward;
+/// the default timing spreads the iteration's period over its requests, the device's
+/// pace, and finds a schedule without stalls.
+#[test]
+fn a_host_that_runs_ahead_is_timed_by_the_iteration_period() {
+    let mut trace = build(&transformer(), 10, true);
+    let mut shift = 0;
+    let mut seen = 0;
+    for e in trace.events.iter_mut() {
+        if let EventKind::Marker {
+            kind: MarkerKind::IterationBegin,
+            ..
+        } = e.kind
+        {
+            seen += 1;
+            if seen > 1 {
+                shift += 100_000;
+            }
+        }
+        e.time_us += shift;
+    }
+    trace.validate().unwrap();
+    let budget = Bytes(trace.lower_bound().bytes.get() * 8 / 10);
+    let o = plan_with_budget(&trace, &OffloadOptions::new(budget)).expect("fits");
+    assert_eq!(o.offload.timing, Timing::SpreadPeriod);
+    assert_eq!(o.offload.stalls, 0, "{:?}", o.offload);
+    assert!(o.outcome.plan.pool_size <= budget);
+    verify_plan(&o.outcome.plan).unwrap();
+    let mut host = OffloadOptions::new(budget);
+    host.host_times = true;
+    match plan_with_budget(&trace, &host) {
+        Err(_) => {}
+        Ok(h) => assert!(
+            h.offload.stalls > 0,
+            "host times should leave no time for the copies: {:?}",
+            h.offload
+        ),
+    }
+}
