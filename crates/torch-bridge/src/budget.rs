@@ -8,6 +8,8 @@
 
 use stweaver_core::units::Bytes;
 
+use stweaver_planner::offload::parse_budget;
+
 use crate::error::{BridgeError, Result};
 
 /// A memory budget as the user gave it.
@@ -30,52 +32,32 @@ impl std::fmt::Display for Budget {
 
 impl Budget {
     /// Parses `16GiB`, `16G`, `512 MiB`, `1.5GB`, `17179869184` (bytes) or `0.8` (a
-    /// fraction: a plain number no larger than 1). Binary units (`K`, `M`, `G`, `T`
-    /// with or without `iB`) are powers of 1024; `KB`, `MB`, `GB`, `TB` are powers of
-    /// 1000.
+    /// fraction: a plain number no larger than 1). Sizes are the planner's
+    /// ([`stweaver_planner::offload::parse_budget`], the CLI's `--budget`): binary units
+    /// (`K`, `M`, `G`, `T` with or without `iB`) are powers of 1024; `KB`, `MB`, `GB`,
+    /// `TB` are powers of 1000.
     pub fn parse(text: &str) -> Result<Budget> {
-        let bad = |why: &str| {
+        let bad = |why: String| {
             Err(BridgeError::Settings(format!(
                 "memory budget {text:?}: {why} (examples: 16GiB, 512MiB, 17179869184, 0.8)"
             )))
         };
         let t = text.trim();
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (num, unit) = (t[..split].trim(), t[split..].trim());
-        let Ok(value) = num.parse::<f64>() else {
-            return bad("not a number");
-        };
-        if !value.is_finite() || value <= 0.0 {
-            return bad("it must be positive");
-        }
-        let scale: f64 = match unit.to_ascii_lowercase().as_str() {
-            "" => {
-                if value <= 1.0 {
-                    return Ok(Budget::Fraction(value));
-                }
-                if num.contains('.') {
-                    return bad("a fraction must be in (0, 1]; bytes are a whole number");
-                }
-                1.0
+        if let Ok(v) = t.parse::<f64>() {
+            if !(v > 0.0 && v.is_finite()) {
+                return bad("it must be positive".into());
             }
-            "b" => 1.0,
-            "k" | "kib" => 1024.0,
-            "m" | "mib" => 1024.0 * 1024.0,
-            "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
-            "t" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-            "kb" => 1e3,
-            "mb" => 1e6,
-            "gb" => 1e9,
-            "tb" => 1e12,
-            _ => return bad("unknown unit"),
-        };
-        let bytes = value * scale;
-        if bytes >= u64::MAX as f64 {
-            return bad("too large");
+            if v <= 1.0 {
+                return Ok(Budget::Fraction(v));
+            }
+            if t.contains('.') {
+                return bad("a fraction must be in (0, 1]; bytes are a whole number".into());
+            }
         }
-        Ok(Budget::Bytes(Bytes(bytes as u64)))
+        match parse_budget(t) {
+            Ok(b) => Ok(Budget::Bytes(b)),
+            Err(e) => bad(e.to_string()),
+        }
     }
 
     /// The budget in bytes on a device of `total` bytes.
@@ -129,11 +111,11 @@ mod tests {
     #[test]
     fn bad_budgets_say_what_is_wrong() {
         for (text, why) in [
-            ("", "not a number"),
-            ("lots", "not a number"),
+            ("", "not a size"),
+            ("lots", "not a size"),
             ("0", "positive"),
-            ("-1GiB", "not a number"),
-            ("16 parsecs", "unknown unit"),
+            ("-1GiB", "not a size"),
+            ("16 parsecs", "not a size"),
             ("1.5", "fraction must be in (0, 1]"),
         ] {
             let e = Budget::parse(text).unwrap_err().to_string();
