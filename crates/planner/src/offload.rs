@@ -80,7 +80,7 @@ use rustc_hash::FxHashMap;
 use stweaver_core::trace_file::trace_digest;
 use stweaver_core::verify::{PlanViolations, verify_plan};
 use stweaver_core::{
-    AllocId, Allocation, Bytes, Event, EventKind, OffloadEntry, Trace, TraceError,
+    AllocId, Allocation, Bytes, Event, EventKind, MarkerKind, OffloadEntry, Trace, TraceError,
 };
 
 use crate::classify::{AllocClass, Classification, Steady, plan_clock};
@@ -262,6 +262,35 @@ pub enum OffloadError {
     Internal(String),
 }
 
+/// `trace` without the restore links of the tensors packed before its first iteration
+/// marker: the first iteration (before the first `stweaver.step()`) is the plan's
+/// prologue, which carries no schedule and offloads at run time as it did when recorded
+/// (by threshold, under a budget), so it stays as recorded; the later iterations'
+/// offloads are undone and chosen again. A trace without iteration markers keeps every
+/// link (all undone).
+fn keep_first_iteration_offloaded(trace: &Trace) -> Trace {
+    let Some(first) = trace.events.iter().position(|e| {
+        matches!(
+            e.kind,
+            EventKind::Marker {
+                kind: MarkerKind::IterationBegin | MarkerKind::IterationEnd,
+                ..
+            }
+        )
+    }) else {
+        return trace.clone();
+    };
+    let mut packed_early = vec![false; trace.allocations.len()];
+    for e in &trace.events[..first] {
+        if let EventKind::SavedPack(a) = e.kind {
+            packed_early[a.index()] = true;
+        }
+    }
+    let mut t = trace.clone();
+    t.restores.retain(|r| !packed_early[r.from.index()]);
+    t
+}
+
 /// Plans `trace` so that the pool fits `opts.budget`, offloading saved activations if
 /// it must (module docs).
 ///
@@ -281,7 +310,8 @@ pub fn plan_with_budget(
         input.validate()?;
         input
     } else {
-        normalised = un_offload(input)?;
+        input.validate()?;
+        normalised = un_offload(&keep_first_iteration_offloaded(input))?;
         &normalised
     };
     let budget = opts.budget;

@@ -248,3 +248,36 @@ fn bad_links_are_refused() {
         .is_err()
     );
 }
+
+/// As recorded at run time, the first iteration marker comes at the end of the first
+/// iteration (`stweaver.step()`): that iteration is the plan's prologue, which offloads
+/// at run time as recorded, so its links stay; the later iterations' are undone.
+#[test]
+fn the_first_iterations_offloads_stay_as_recorded() {
+    let mut recorded = run(Some(64 * MIB));
+    let first = recorded
+        .events
+        .iter()
+        .position(|e| matches!(e.kind, EventKind::Marker { .. }))
+        .unwrap();
+    recorded.events.remove(first);
+    recorded.validate().unwrap();
+    let direct = run(None);
+    let pool = plan_trace(&direct, &Default::default())
+        .unwrap()
+        .plan
+        .pool_size;
+    let budget = Bytes(pool.get() * 8 / 10);
+    let o = plan_with_budget(&recorded, &OffloadOptions::new(budget)).expect("fits");
+    assert!(o.outcome.plan.pool_size <= budget);
+    assert!(!o.outcome.plan.offload.is_empty());
+    // The rewritten run still has the first iteration's 12 copies back as their own
+    // allocations: 48 links recorded, 36 undone.
+    let rewritten = o.rewritten.expect("offload planned");
+    assert_eq!(
+        rewritten.allocations.len(),
+        direct.allocations.len() + 12 + o.outcome.plan.offload.len() * 3,
+        "{} allocations",
+        rewritten.allocations.len()
+    );
+}
