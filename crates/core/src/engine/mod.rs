@@ -48,18 +48,13 @@
 //!   best-fit arena's holes are what makes its peak exceed the live peak; this keeps
 //!   them from adding up. The gaps a release leaves are re-mapped by a later growth
 //!   when they are the cheapest place for it (growth takes the run needing the fewest
-//!   granules mapped, [`arena`]); with growth always at the lowest run and free blocks
-//!   before gaps never released, a trace whose shapes change every iteration (Llama 1B,
-//!   random sequence lengths) ended up with gigabytes of free blocks parked before
-//!   released gaps while the tail kept growing, and release made it worse (11.79 GiB
-//!   against 11.44 without). Replayed on the CPU, online utilization (peak live over
-//!   peak reserved) with release: the shared H200 snapshots 98.4 / 95.2 / 99.1 % → 99.6 /
-//!   99.0 / 99.4 % (Llama 1B / GPT-2 XL / Qwen2-MoE), the varlen Llama 1B trace 89.9 →
-//!   99.4 %, 1F1B 97.3 → 99.5 %, FSDP2's rank 0 78.6 → 80.8 %; without release 94.0 /
-//!   92.3 / 97.5 / 92.7 / 97.3 / 77.0 %. The cost is a synchronisation per release
-//!   (most in the first iterations: 30 to 120 over these traces) and re-mapping what was
-//!   given back. Off by default in the engine; the torch bridge turns it on
-//!   (`STWEAVER_RELEASE_AT_PEAK`, default 1).
+//!   granules mapped, [`arena`]; growth always at the lowest run, with free blocks
+//!   before gaps never released, parked gigabytes on a trace whose shapes change every
+//!   iteration). The cost is a synchronisation per release and re-mapping what was
+//!   given back. Measured (peak reserved and utilization with and without release, per
+//!   trace, and the synchronisations): BENCHMARKS.md, "Session 6: release before a new
+//!   peak, fixed for changing shapes". Off by default in the engine; the torch bridge
+//!   turns it on (`STWEAVER_RELEASE_AT_PEAK`, default 1).
 //! - **Bad input is an error**: zero-size or overflowing requests, unknown pointers,
 //!   double frees, `record_stream` after free — every case returns an [`EngineError`],
 //!   none panics or corrupts state.
@@ -153,9 +148,12 @@
 
 pub mod arena;
 mod checkpoint;
+mod config;
 mod cursor;
 pub mod device;
+mod error;
 pub mod host;
+mod introspect;
 mod live;
 mod plan_pool;
 mod record;
@@ -174,10 +172,14 @@ use crate::units::{AllocId, Bytes, DeviceId, StreamId};
 pub use self::arena::BlockState;
 use self::arena::{ALIGNMENT, ArenaId, GrowthFailure, Heap, Idx, NIL, Placeable, SlabFull};
 pub use self::checkpoint::{Checkpoint, CheckpointBlock, Restored};
+pub use self::config::{EngineConfig, GIVE_UP_ITERATIONS, MemoryLimit, PlanOptions};
+use self::config::{GIVE_UP_MIN_REQUESTS, limit_bytes};
 use self::cursor::Cursor;
 pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+pub use self::error::EngineError;
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
+pub use self::introspect::{BlockInfo, SegmentInfo};
 use self::live::LiveMap;
 use self::plan_pool::stream_ranges;
 pub use self::plan_pool::{servable_from_start, steady_slice};
@@ -186,172 +188,6 @@ pub use self::record::SavedKind;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
 use self::streams::{EventQueue, PendingEvent, add_use};
 pub use self::virtual_memory::VirtualMemory;
-
-/// How much memory the engine may map.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum MemoryLimit {
-    /// A fraction of the device's total memory, in `(0, 1]`
-    /// (`torch.cuda.set_per_process_memory_fraction`).
-    Fraction(f64),
-    /// An absolute number of bytes.
-    Bytes(Bytes),
-}
-
-/// How an engine is set up.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EngineConfig {
-    /// The device served (recorded in traces).
-    pub device: DeviceId,
-    /// The memory limit; `Fraction(1.0)` by default.
-    pub limit: MemoryLimit,
-    /// Virtual size of each arena (rounded up to the granularity); by default 9/8 of
-    /// the device's memory.
-    pub arena_size: Option<Bytes>,
-    /// Record a trace from the start ([`Engine::start_trace`]).
-    pub record_trace: bool,
-    /// Before an online arena grows past the peak of reserved memory, give back free
-    /// whole granules of its holes (after a device synchronisation) so that the peak
-    /// does not rise: less memory, at the cost of synchronisations and re-mapping (module
-    /// docs). Off by default.
-    pub release_before_new_peak: bool,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            device: DeviceId(0),
-            limit: MemoryLimit::Fraction(1.0),
-            arena_size: None,
-            record_trace: false,
-            release_before_new_peak: false,
-        }
-    }
-}
-
-/// Everything the engine can fail with.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum EngineError {
-    #[error("allocation of 0 bytes")]
-    ZeroSize,
-    #[error("allocation of {0} cannot be rounded to a multiple of 512 B")]
-    TooLarge(Bytes),
-    #[error(
-        "out of memory: tried to allocate {rounded} ({requested} requested) on {stream}; \
-         {allocated} allocated, {reserved} reserved ({free_reserved} of it free), \
-         memory limit {limit}, {device_free} free on the device"
-    )]
-    OutOfMemory {
-        requested: Bytes,
-        rounded: Bytes,
-        stream: StreamId,
-        allocated: Bytes,
-        reserved: Bytes,
-        free_reserved: Bytes,
-        limit: Bytes,
-        device_free: Bytes,
-    },
-    #[error("{0} is not the start of a live allocation of this engine")]
-    UnknownPointer(DevicePtr),
-    #[error("{0} was already freed (waiting for other streams)")]
-    AlreadyFreed(DevicePtr),
-    #[error("invalid memory limit {0}: a fraction must be in (0, 1]")]
-    InvalidLimit(f64),
-    #[error("the device's granularity {0} is not a power of two of at least 512 B")]
-    BadGranularity(Bytes),
-    #[error("trace overflowed at {0} events (a trace holds fewer than 2^32)")]
-    TraceOverflow(usize),
-    #[error("the engine holds 2^32 blocks, its index limit")]
-    TooManyBlocks,
-    #[error("plan rejected: {0}")]
-    PlanRejected(String),
-    #[error("checkpoint cannot be restored: {0}")]
-    CheckpointMismatch(String),
-    #[error("engine state poisoned by an earlier panic")]
-    Poisoned,
-    #[error("engine state inconsistent: {0}")]
-    Inconsistent(String),
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-}
-
-impl From<SlabFull> for EngineError {
-    fn from(_: SlabFull) -> Self {
-        EngineError::TooManyBlocks
-    }
-}
-
-/// A block as reported by [`Engine::snapshot`] and [`Engine::block_info`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockInfo {
-    pub addr: DevicePtr,
-    /// Rounded size (what `allocated_bytes` counts).
-    pub size: Bytes,
-    /// The caller's size (0 unless allocated or pending).
-    pub requested: Bytes,
-    pub stream: StreamId,
-    pub pool: PoolKind,
-    pub state: BlockState,
-}
-
-/// An arena as reported by [`Engine::snapshot`] (PyTorch's `SegmentInfo`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SegmentInfo {
-    pub stream: StreamId,
-    pub pool: PoolKind,
-    pub base: DevicePtr,
-    /// Reserved virtual size.
-    pub len: Bytes,
-    /// Mapped bytes.
-    pub mapped: Bytes,
-    /// Every block, in address order.
-    pub blocks: Vec<BlockInfo>,
-}
-
-/// How a plan is served ([`Engine::load_plan`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlanOptions {
-    /// How many expected requests a request is matched against (see
-    /// [`PlanStats`] and the cursor's resynchronisation rules).
-    pub window: usize,
-    /// Place requests the plan does not serve at their planned offset (unplanned ones
-    /// and conflicts) in free holes of the plan's pool before the online arenas.
-    pub holes: bool,
-    /// A hole is taken only if none of the next `hole_horizon` expected requests is
-    /// planned on it.
-    pub hole_horizon: usize,
-    /// The plan is given up ([`Engine::plan_abandoned`]) when, in each of
-    /// [`GIVE_UP_ITERATIONS`] iterations in a row, more than this percentage of the
-    /// requests that the plan placed or meant to place found their planned range busy
-    /// (conflicts): the run does not follow the plan's timing (streams running behind
-    /// the host, as FSDP's prefetching collectives do), and conflicts served outside
-    /// their place cost more memory than serving online. 0 never gives up.
-    pub give_up_conflict_percent: u32,
-    /// A request whose planned range is held only by frees still waiting for other
-    /// streams' events (a stream running behind the host: FSDP's and DDP's collective
-    /// streams) makes its own stream wait for those events
-    /// ([`DeviceMemory::wait_event`], no host blocking) and takes its planned offset,
-    /// instead of a conflict served elsewhere.
-    pub wait_for_pending_frees: bool,
-}
-
-/// Iterations in a row with too many conflicts before a plan is given up
-/// ([`PlanOptions::give_up_conflict_percent`]).
-pub const GIVE_UP_ITERATIONS: u32 = 2;
-
-/// Requests an iteration must have had for its conflict share to count.
-const GIVE_UP_MIN_REQUESTS: u64 = 64;
-
-impl Default for PlanOptions {
-    fn default() -> Self {
-        PlanOptions {
-            window: 64,
-            holes: true,
-            hole_horizon: 128,
-            give_up_conflict_percent: 25,
-            wait_for_pending_frees: true,
-        }
-    }
-}
 
 /// Iteration boundaries after a switch to a plan during which online memory freed by
 /// the online phase's leftovers is given back (see [`Engine::switch_to_plan`]).
@@ -612,14 +448,6 @@ enum Growth {
     Retry,
     /// The limit, the arena or the device refused.
     Refused,
-}
-
-fn limit_bytes(limit: MemoryLimit, total: u64) -> Result<u64, EngineError> {
-    match limit {
-        MemoryLimit::Bytes(b) => Ok(b.get()),
-        MemoryLimit::Fraction(f) if f > 0.0 && f <= 1.0 => Ok((f * total as f64) as u64),
-        MemoryLimit::Fraction(f) => Err(EngineError::InvalidLimit(f)),
-    }
 }
 
 impl State {
@@ -1764,7 +1592,7 @@ impl<D: DeviceMemory> Engine<D> {
         }
     }
 
-    // ------------------------------------------------------------------ limits, stats
+    // ------------------------------------------------------------------ limits (stats: introspect.rs)
 
     /// Sets the memory limit. Memory already mapped beyond it stays mapped; growth
     /// beyond it fails (after one release of cached memory).
@@ -1780,164 +1608,6 @@ impl<D: DeviceMemory> Engine<D> {
     /// The memory limit in bytes.
     pub fn memory_limit(&self) -> Result<Bytes, EngineError> {
         Ok(Bytes(self.lock()?.limit))
-    }
-
-    /// A copy of the stats.
-    pub fn stats(&self) -> Result<DeviceStats, EngineError> {
-        Ok(self.lock()?.stats)
-    }
-
-    /// Every peak back to its current value.
-    pub fn reset_peak_stats(&self) -> Result<(), EngineError> {
-        self.lock()?.stats.reset_peak();
-        Ok(())
-    }
-
-    /// Every accumulated counter back to zero.
-    pub fn reset_accumulated_stats(&self) -> Result<(), EngineError> {
-        self.lock()?.stats.reset_accumulated();
-        Ok(())
-    }
-
-    fn info(st: &State, i: Idx) -> BlockInfo {
-        let b = st.heap.block(i);
-        BlockInfo {
-            addr: DevicePtr(b.addr),
-            size: Bytes(b.size),
-            requested: Bytes(b.requested),
-            stream: st.stream_of(i),
-            pool: st.kind_of(i),
-            state: b.state,
-        }
-    }
-
-    /// The live (allocated or pending) block at `ptr`.
-    pub fn block_info(&self, ptr: DevicePtr) -> Result<BlockInfo, EngineError> {
-        let st = self.lock()?;
-        match st.live.get(ptr.get()) {
-            Some(i) => Ok(Self::info(&st, i)),
-            None => Err(EngineError::UnknownPointer(ptr)),
-        }
-    }
-
-    /// Every arena and its blocks (for `torch.cuda.memory_snapshot`). O(blocks).
-    pub fn snapshot(&self) -> Result<Vec<SegmentInfo>, EngineError> {
-        let st = self.lock()?;
-        let mut out = Vec::new();
-        for a in st.heap.arena_ids() {
-            let Some(arena) = st.heap.arena(a) else {
-                continue;
-            };
-            let blocks: Vec<BlockInfo> = st
-                .heap
-                .arena_blocks(a)
-                .map(|(i, _)| Self::info(&st, i))
-                .collect();
-            let mapped = blocks
-                .iter()
-                .filter(|b| b.state.is_mapped())
-                .map(|b| b.size.get())
-                .sum();
-            out.push(SegmentInfo {
-                stream: arena.stream,
-                pool: arena.kind,
-                base: DevicePtr(arena.base),
-                len: Bytes(arena.len),
-                mapped: Bytes(mapped),
-                blocks,
-            });
-        }
-        out.sort_by_key(|s| s.base);
-        Ok(out)
-    }
-
-    /// Recomputes everything from the blocks and checks it against the bookkeeping:
-    /// the arena invariants ([`arena`]), every stat's current value, the
-    /// pointer map and the event queue. O(blocks). For tests and fuzzing.
-    pub fn check_invariants(&self) -> Result<(), EngineError> {
-        let st = self.lock()?;
-        let fail = |m: String| Err(EngineError::Inconsistent(m));
-        let totals = match st.heap.check() {
-            Ok(t) => t,
-            Err(m) => return fail(m),
-        };
-        let s = &st.stats;
-        for (kind, t) in [PoolKind::Small, PoolKind::Large].into_iter().zip(totals) {
-            let k = kind.stat_type() as usize;
-            let pairs: [(&str, i64, u64); 9] = [
-                ("segment", s.segment[k].current, t.arenas),
-                ("reserved_bytes", s.reserved_bytes[k].current, t.mapped),
-                ("allocation", s.allocation[k].current, t.allocated_count),
-                ("allocated_bytes", s.allocated_bytes[k].current, t.allocated),
-                ("active", s.active[k].current, t.active_count),
-                ("active_bytes", s.active_bytes[k].current, t.active),
-                ("requested_bytes", s.requested_bytes[k].current, t.requested),
-                (
-                    "inactive_split",
-                    s.inactive_split[k].current,
-                    t.inactive_count,
-                ),
-                (
-                    "inactive_split_bytes",
-                    s.inactive_split_bytes[k].current,
-                    t.inactive,
-                ),
-            ];
-            for (name, stat, real) in pairs {
-                if stat != real as i64 {
-                    return fail(format!(
-                        "{name} of {kind:?} pool is {stat}, blocks say {real}"
-                    ));
-                }
-            }
-        }
-        for arr in [
-            &s.allocation,
-            &s.segment,
-            &s.active,
-            &s.inactive_split,
-            &s.allocated_bytes,
-            &s.reserved_bytes,
-            &s.active_bytes,
-            &s.inactive_split_bytes,
-            &s.requested_bytes,
-        ] {
-            if arr[0].current != arr[1].current + arr[2].current {
-                return fail(format!("aggregate {:?} is not small + large", arr[0]));
-            }
-        }
-        let active: u64 = totals.iter().map(|t| t.active_count).sum();
-        if st.live.len() as u64 != active {
-            return fail(format!(
-                "{} live pointers, {active} active blocks",
-                st.live.len()
-            ));
-        }
-        for (addr, i) in st.live.iter() {
-            let b = st.heap.block(i);
-            if b.addr != addr || !matches!(b.state, BlockState::Allocated | BlockState::PendingFree)
-            {
-                return fail(format!(
-                    "live pointer {addr:#x} maps to block {i} {:?} at {:#x}",
-                    b.state, b.addr
-                ));
-            }
-        }
-        for e in st.events.iter() {
-            if st.heap.block(e.block).state != BlockState::PendingFree {
-                return fail(format!(
-                    "event {} queued for a block that is not pending",
-                    e.event
-                ));
-            }
-        }
-        for (&(stream, kind), &a) in &st.arena_of {
-            match st.heap.arena(a) {
-                Some(x) if x.stream == stream && x.kind == kind => {}
-                _ => return fail(format!("arena map entry ({stream}, {kind:?}) is stale")),
-            }
-        }
-        Ok(())
     }
 
     // ------------------------------------------------------------------ plan mode
@@ -2083,30 +1753,6 @@ impl<D: DeviceMemory> Engine<D> {
         drop(st);
         self.release_cached()?;
         Ok(true)
-    }
-
-    /// Why the plan was given up mid-run (its pool hit the memory limit), if it was.
-    pub fn plan_abandoned(&self) -> Result<Option<String>, EngineError> {
-        Ok(self.lock()?.abandoned.clone())
-    }
-
-    /// The plan pool's base address and mapped length (`None` when no plan is served).
-    pub fn plan_pool(&self) -> Result<Option<(DevicePtr, Bytes)>, EngineError> {
-        Ok(self
-            .lock()?
-            .plan
-            .as_ref()
-            .map(|p| (DevicePtr(p.base), Bytes(p.len))))
-    }
-
-    /// What plan serving has done so far (`None` when no plan is served).
-    pub fn plan_stats(&self) -> Result<Option<PlanStats>, EngineError> {
-        Ok(self.lock()?.plan.as_ref().map(|p| p.cursor.stats))
-    }
-
-    /// Where the plan's cursor is: section and index of the next expected request.
-    pub fn plan_position(&self) -> Result<Option<(PlanSection, usize)>, EngineError> {
-        Ok(self.lock()?.plan.as_ref().map(|p| p.cursor.position()))
     }
 
     // ------------------------------------------------------------------ trace mode

@@ -1,0 +1,460 @@
+//! Plan serving in plan and auto modes: [`PlanStage`], plan mode's install-time plan
+//! (read and checked in [`PlanControl::new`], loaded when its device opens), auto mode's
+//! background planning thread per device ([`plan_in_background`], with offload under a
+//! budget), the switch to the plan at an iteration boundary ([`Core::step`]), the
+//! saved-tensor and restore records auto mode plans offload from, and the offload
+//! schedule of the plan served. Returns the bridge's `ffi::OffloadItem` (a cxx type).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use stweaver_core::Plan;
+use stweaver_core::engine::PlanOptions as EnginePlanOptions;
+use stweaver_core::engine::servable_from_start;
+use stweaver_core::engine::{DevicePtr, Engine, SavedKind};
+use stweaver_core::plan_file::{read_plan_file, write_plan_file};
+use stweaver_core::trace::{EventKind, Trace};
+use stweaver_core::trace_file::write_trace_file;
+use stweaver_core::units::{AllocId, Bytes, DeviceId};
+use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
+use stweaver_planner::planning::{PlanOptions as PlannerOptions, plan_trace};
+use stweaver_planner::solver::SolveOptions;
+
+use super::{Core, Mode, Settings, is_default, lock};
+use crate::dist::PlanSource;
+use crate::error::{BridgeError, Result};
+use crate::ffi::bridge as ffi;
+use crate::tracked::Tracked;
+
+/// Where plan serving stands (plan and auto modes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanStage {
+    /// Online mode, or trace mode.
+    NotPlanning,
+    /// Auto: recording iterations.
+    Recording,
+    /// Auto: the background planner runs.
+    Planning,
+    /// A plan is served (on the devices listed).
+    Serving(Vec<i32>),
+    /// No plan could be served: serving online. The reason, for the user.
+    Fallback(String),
+}
+
+/// What auto mode's planning under a budget decided for a device (`info_json`'s
+/// `offload`).
+#[derive(Debug, Clone)]
+pub(super) enum OffloadOutcome {
+    /// The plan fits the budget, offloading these tensors per iteration (none when
+    /// the run fits without offload).
+    Planned {
+        budget: u64,
+        tensors: usize,
+        bytes_per_iteration: u64,
+        planned_peak: u64,
+        pool_without_offload: u64,
+        stalls: usize,
+    },
+    /// Planned without offload, and why.
+    NotPlanned { budget: u64, reason: String },
+}
+
+impl OffloadOutcome {
+    pub(super) fn json(&self) -> serde_json::Value {
+        match self {
+            OffloadOutcome::Planned {
+                budget,
+                tensors,
+                bytes_per_iteration,
+                planned_peak,
+                pool_without_offload,
+                stalls,
+            } => serde_json::json!({
+                "planned": true,
+                "budget_bytes": budget,
+                "tensors": tensors,
+                "bytes_per_iteration": bytes_per_iteration,
+                "planned_peak": planned_peak,
+                "pool_without_offload": pool_without_offload,
+                "stalls": stalls,
+            }),
+            OffloadOutcome::NotPlanned { budget, reason } => serde_json::json!({
+                "planned": false,
+                "budget_bytes": budget,
+                "reason": reason,
+            }),
+        }
+    }
+}
+
+/// A background plan: the plan, and under a budget what offload it carries.
+type PlanResult = std::result::Result<(Plan, Option<OffloadOutcome>), String>;
+
+/// A background planning job of auto mode, per device.
+struct PlanJob {
+    device: i32,
+    handle: std::thread::JoinHandle<PlanResult>,
+}
+
+pub(super) struct PlanControl {
+    stage: PlanStage,
+    /// Plan mode: the plan read at install (verified on read).
+    file_plan: Option<Arc<Plan>>,
+    /// Plan mode: where it came from (per-rank, shared by all ranks).
+    pub(super) source: Option<PlanSource>,
+    jobs: Vec<PlanJob>,
+    /// Engines to empty once, one iteration after they switched to a plan.
+    settle: Vec<i32>,
+}
+
+impl PlanControl {
+    /// Where plan serving starts for `settings`: auto mode records; plan mode reads
+    /// and checks its plan file now (a bad one means online serving).
+    pub(super) fn new(settings: &Settings) -> PlanControl {
+        let mut control = PlanControl {
+            stage: PlanStage::NotPlanning,
+            file_plan: None,
+            source: None,
+            jobs: Vec::new(),
+            settle: Vec::new(),
+        };
+        match settings.mode {
+            Mode::Auto => control.stage = PlanStage::Recording,
+            Mode::Plan => {
+                // A bad plan never stops training: it is reported and serving is online
+                // (invariant 3). The file is verified once, here.
+                // Under torchrun, a plan named for another rank is refused (crate::dist).
+                let source = settings
+                    .plan_source()
+                    .unwrap_or_else(|| PlanSource::Own(PathBuf::new()));
+                if let Some(why) = source.refusal() {
+                    control.stage = PlanStage::Fallback(why);
+                } else {
+                    match read_plan_file(source.path()) {
+                        // A one-shot plan of shapes that do not repeat would reserve more
+                        // than online serving (plan_pool::servable_from_start).
+                        Ok(plan) => match servable_from_start(&plan) {
+                            Ok(()) => control.file_plan = Some(Arc::new(plan)),
+                            Err(why) => {
+                                let why = format!("{}: {why}", source.path().display());
+                                eprintln!("stweaver: warning: plan refused, serving online: {why}");
+                                control.stage = PlanStage::Fallback(why);
+                            }
+                        },
+                        Err(e) => control.stage = PlanStage::Fallback(e.to_string()),
+                    }
+                }
+                control.source = Some(source);
+            }
+            Mode::Online | Mode::Trace => {}
+        }
+        control
+    }
+}
+
+/// Auto mode's background planning of one device's recorded trace. Without a budget
+/// (`budget` `None`): the ordinary plan. Under one, when the trace has saved packs:
+/// [`plan_with_budget`] (which plans the run without the recording's own offload);
+/// a refusal (a budget below the minimum, ...) falls back to the ordinary plan, the
+/// outcome saying why.
+fn plan_in_background(
+    trace: &Trace,
+    opts: &PlannerOptions,
+    budget: Option<u64>,
+    has_packs: bool,
+) -> PlanResult {
+    let plain = |trace: &Trace| plan_trace(trace, opts).map(|o| o.plan);
+    let Some(budget) = budget else {
+        return plain(trace).map(|p| (p, None)).map_err(|e| e.to_string());
+    };
+    if !has_packs {
+        let plan = plain(trace).map_err(|e| e.to_string())?;
+        let outcome = (plan.pool_size.get() > budget).then(|| OffloadOutcome::NotPlanned {
+            budget,
+            reason: format!(
+                "no offload planned: the plan needs {} over the budget {}, and the recording has no saved tensors (enable stweaver._offload while recording)",
+                plan.pool_size,
+                Bytes(budget)
+            ),
+        });
+        return Ok((plan, outcome));
+    }
+    let mut o = OffloadOptions::new(Bytes(budget));
+    o.plan = opts.clone();
+    match plan_with_budget(trace, &o) {
+        Ok(b) => {
+            let r = &b.offload;
+            let outcome = OffloadOutcome::Planned {
+                budget,
+                tensors: r.tensors,
+                bytes_per_iteration: r.bytes_per_iteration.get(),
+                planned_peak: r.planned_peak.get(),
+                pool_without_offload: r.pool_without_offload.get(),
+                stalls: r.stalls,
+            };
+            Ok((b.outcome.plan, Some(outcome)))
+        }
+        Err(err) => {
+            let reason = format!(
+                "no offload planned under the budget {}: {err}; planning without offload",
+                Bytes(budget)
+            );
+            let plan = plain(trace).map_err(|e| format!("{reason}, which failed too: {e}"))?;
+            Ok((plan, Some(OffloadOutcome::NotPlanned { budget, reason })))
+        }
+    }
+}
+
+impl Core {
+    /// Plan mode: serves the install-time plan on the device it was made for. Under
+    /// torchrun the rank's home device decides: a rank's own plan made for another
+    /// device is refused (with a warning), a shared plan is served there (crate::dist).
+    pub(super) fn serve_file_plan(&self, device: i32, e: &Engine<Tracked>) {
+        let mut pc = lock(&self.plan);
+        let Some(mut plan) = pc.file_plan.clone() else {
+            return;
+        };
+        if plan.device != DeviceId(device) {
+            let Some(rank) = self.settings.rank else {
+                return; // a single process may open its plan's device later
+            };
+            if self.home() != Some(device) || pc.stage != PlanStage::NotPlanning {
+                return;
+            }
+            let path = pc
+                .source
+                .as_ref()
+                .map(|s| s.path().display().to_string())
+                .unwrap_or_default();
+            if matches!(pc.source, Some(PlanSource::Shared(_))) {
+                lock(&self.notes).push(format!(
+                    "rank {}: serving the shared plan {path} (recorded on {}) on cuda:{device}",
+                    rank.rank, plan.device
+                ));
+                let mut p = (*plan).clone();
+                p.device = DeviceId(device);
+                plan = Arc::new(p);
+            } else {
+                let why = format!(
+                    "rank {}: {path} was made for {} but this rank allocates on cuda:{device}: \
+                     refused, this rank trains online",
+                    rank.rank, plan.device
+                );
+                eprintln!("stweaver: warning: {why}");
+                pc.stage = PlanStage::Fallback(why);
+                pc.file_plan = None;
+                return;
+            }
+        }
+        match e.load_plan(&plan, self.plan_options()) {
+            Ok(()) => {
+                if let Ok(slot) = self.slot(device) {
+                    *lock(&slot.offload) = plan.offload.clone();
+                }
+                pc.stage = PlanStage::Serving(vec![device]);
+            }
+            Err(err) => pc.stage = PlanStage::Fallback(format!("cuda:{device}: {err}")),
+        }
+    }
+
+    /// How the engines serve a plan (install settings).
+    fn plan_options(&self) -> EnginePlanOptions {
+        EnginePlanOptions {
+            wait_for_pending_frees: self.settings.plan_wait,
+            ..EnginePlanOptions::default()
+        }
+    }
+
+    /// Plan bookkeeping at an iteration boundary: releases the online cache one iteration
+    /// after a switch to a plan; in auto mode, starts planning after the recorded
+    /// iterations and switches to the plan once it is ready.
+    pub(super) fn plan_step(&self, n: u64) -> Result<()> {
+        let mut pc = lock(&self.plan);
+        for d in std::mem::take(&mut pc.settle) {
+            // The previous iteration's online blocks are gone: give their memory back.
+            if let Some(e) = self.slot(d)?.default.get() {
+                e.empty_cache()?;
+            }
+        }
+        if self.settings.mode != Mode::Auto {
+            return Ok(());
+        }
+        match pc.stage {
+            PlanStage::Recording if n > self.settings.auto_iterations => {
+                let share_streams = self.settings.share_streams;
+                let mut jobs = Vec::new();
+                for slot in self.slots()? {
+                    let Some(e) = slot.default.get() else {
+                        continue;
+                    };
+                    let Some(trace) = e.take_trace()? else {
+                        continue;
+                    };
+                    if let Some(path) = self.settings.trace_path_on(slot.ordinal, self.home())
+                        && let Err(err) = write_trace_file(&path, &trace)
+                    {
+                        lock(&self.notes).push(err.to_string());
+                    }
+                    // Under a budget, with saved tensors recorded: plan the fewest
+                    // bytes of offload that fit the device's limit (budget and memory
+                    // fraction), from the run without the recording's own offload
+                    // (restore links, `un_offload`).
+                    let budget = self.settings.budget.map(|_| slot.budget.limit());
+                    let has_packs = trace
+                        .events
+                        .iter()
+                        .any(|e| matches!(e.kind, EventKind::SavedPack(_)));
+                    let handle = std::thread::Builder::new()
+                        .name(format!("stweaver-plan-cuda{}", slot.ordinal))
+                        .spawn(move || {
+                            // The greedy stage alone: tens of milliseconds on a real
+                            // trace (37 ms for 1802 allocations, within 0.7 % of the
+                            // lower bound), so the switch comes a few iterations after
+                            // recording; the improvement stage took 0.5 s there, longer
+                            // than whole short runs.
+                            let opts = PlannerOptions {
+                                share_streams,
+                                solve: SolveOptions {
+                                    improve: false,
+                                    time_budget: Some(Duration::from_secs(5)),
+                                    ..SolveOptions::default()
+                                },
+                                ..PlannerOptions::default()
+                            };
+                            plan_in_background(&trace, &opts, budget, has_packs)
+                        })
+                        .map_err(|e| {
+                            BridgeError::Settings(format!("cannot start the planner: {e}"))
+                        })?;
+                    jobs.push(PlanJob {
+                        device: slot.ordinal,
+                        handle,
+                    });
+                }
+                pc.stage = if jobs.is_empty() {
+                    PlanStage::Fallback("no allocation was recorded to plan".into())
+                } else {
+                    PlanStage::Planning
+                };
+                pc.jobs = jobs;
+            }
+            PlanStage::Planning if pc.jobs.iter().all(|j| j.handle.is_finished()) => {
+                let mut serving = Vec::new();
+                let mut errors = Vec::new();
+                for job in std::mem::take(&mut pc.jobs) {
+                    let d = job.device;
+                    let plan = match job.handle.join() {
+                        Ok(Ok((plan, outcome))) => {
+                            if let Some(OffloadOutcome::NotPlanned { reason, .. }) = &outcome {
+                                lock(&self.notes).push(format!("cuda:{d}: {reason}"));
+                            }
+                            *lock(&self.slot(d)?.offload_outcome) = outcome;
+                            plan
+                        }
+                        Ok(Err(e)) => {
+                            errors.push(format!("cuda:{d}: planning failed: {e}"));
+                            continue;
+                        }
+                        Err(_) => {
+                            errors.push(format!("cuda:{d}: the planner panicked"));
+                            continue;
+                        }
+                    };
+                    if let Some(path) = self.settings.plan_path_on(d, self.home())
+                        && let Err(err) = write_plan_file(&path, &plan)
+                    {
+                        lock(&self.notes).push(err.to_string());
+                    }
+                    let Some(e) = self.slot(d)?.default.get() else {
+                        continue;
+                    };
+                    // The engine serves the plan's steady iteration from here on (the
+                    // prologue already ran online; the persistent tensors' room is squeezed
+                    // out of the pool) and releases the online cache first, so the pool
+                    // replaces it instead of adding to it. step() marked the iteration.
+                    match e.switch_to_plan(&plan, self.plan_options()) {
+                        Ok(()) => {
+                            *lock(&self.slot(d)?.offload) = plan.offload.clone();
+                            serving.push(d);
+                            pc.settle.push(d);
+                        }
+                        Err(err) => errors.push(format!("cuda:{d}: {err}")),
+                    }
+                }
+                if serving.is_empty() {
+                    pc.stage = PlanStage::Fallback(errors.join("; "));
+                } else {
+                    lock(&self.notes).extend(errors);
+                    pc.stage = PlanStage::Serving(serving);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The default engine of the allocation starting at `ptr`, if any (private pools
+    /// record nothing).
+    fn recording_engine(&self, ptr: usize) -> Result<Option<&Engine<Tracked>>> {
+        if ptr == 0 {
+            return Ok(None);
+        }
+        let Some(owner) = self.shared.owner_of(ptr as u64) else {
+            return Ok(None);
+        };
+        if !is_default(owner.pool) {
+            return Ok(None);
+        }
+        Ok(self.slot(owner.device)?.default.get())
+    }
+
+    /// Records a saved-tensor pack or unpack for the allocation starting at `ptr` (the
+    /// default pool's recorder; private pools record nothing). The allocation's trace
+    /// id, `None` when nothing was recorded: not recording, `ptr` 0, or no live
+    /// allocation starts there.
+    pub fn record_saved(&self, ptr: usize, pack: bool) -> Result<Option<AllocId>> {
+        let Some(e) = self.recording_engine(ptr)? else {
+            return Ok(None);
+        };
+        let kind = if pack {
+            SavedKind::Pack
+        } else {
+            SavedKind::Unpack
+        };
+        Ok(e.record_saved(DevicePtr(ptr as u64), kind)?)
+    }
+
+    /// Records a restore link: the allocation starting at `ptr` is the copy back of the
+    /// offloaded allocation `from` (the id [`Core::record_saved`] returned for its
+    /// pack, on the same device). False when nothing was recorded: `from` negative or
+    /// too large, `ptr` 0 or not a live default-pool allocation, not recording, or a
+    /// link the trace would refuse ([`Engine::record_restore`]).
+    pub fn record_restore(&self, ptr: usize, from: i64) -> Result<bool> {
+        let Ok(from) = u32::try_from(from) else {
+            return Ok(false);
+        };
+        let Some(e) = self.recording_engine(ptr)? else {
+            return Ok(false);
+        };
+        Ok(e.record_restore(DevicePtr(ptr as u64), AllocId(from))?)
+    }
+
+    /// The offload schedule of the plan `device` serves (empty when none).
+    pub fn offload_schedule(&self, device: i32) -> Result<Vec<ffi::OffloadItem>> {
+        Ok(lock(&self.slot(device)?.offload)
+            .iter()
+            .map(|o| ffi::OffloadItem {
+                pack: o.pack,
+                unpack: o.unpack,
+                prefetch_after_unpack: o.prefetch_after_unpack.map_or(-1, i64::from),
+                bytes: o.bytes.get(),
+            })
+            .collect())
+    }
+
+    /// Where plan serving stands.
+    pub fn plan_stage(&self) -> PlanStage {
+        lock(&self.plan).stage.clone()
+    }
+}

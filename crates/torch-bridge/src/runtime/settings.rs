@@ -1,0 +1,204 @@
+//! Install settings: [`Settings`] (the serving [`Mode`], trace and plan paths, the
+//! `torchrun` rank) and their parsing from `install(mode, plan, trace)` and the
+//! `STWEAVER_*` environment variables.
+
+use std::path::{Path, PathBuf};
+
+use crate::budget::Budget;
+use crate::dist::{self, PlanSource, RankInfo};
+use crate::error::{BridgeError, Result};
+
+#[cfg(doc)]
+use stweaver_core::engine::{EngineConfig, PlanOptions as EnginePlanOptions};
+#[cfg(doc)]
+use stweaver_planner::planning::PlanOptions as PlannerOptions;
+
+/// How the runtime serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Online best fit only.
+    Online,
+    /// Online, recording every request of the default pools into a trace.
+    Trace,
+    /// Serving a plan file (online for what it does not foresee).
+    Plan,
+    /// Online while recording the first iterations, then planning them in the
+    /// background and serving the plan from an iteration boundary on.
+    Auto,
+}
+
+/// Iterations `auto` records before it plans, unless `STWEAVER_AUTO_ITERATIONS` says.
+pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
+
+/// Validated install settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub mode: Mode,
+    /// Trace mode: where the trace goes; auto: where the recorded trace is kept (optional).
+    /// Device 0's path; other devices get `.cudaN` before the extension.
+    pub trace_path: Option<PathBuf>,
+    /// Plan mode: the plan to serve; auto: where the plan made is kept (optional).
+    pub plan_path: Option<PathBuf>,
+    /// Auto mode: iterations recorded before planning.
+    pub auto_iterations: u64,
+    /// Under `torchrun` (`WORLD_SIZE` > 1): this process's rank; file names carry it
+    /// (module [`crate::dist`]).
+    pub rank: Option<RankInfo>,
+    /// `STWEAVER_RELEASE_AT_PEAK` (default on; `0` turns it off):
+    /// [`EngineConfig::release_before_new_peak`]. It trades a device synchronisation
+    /// each time an online arena would set a new reserved peak for a lower peak (on the
+    /// H200, Qwen2-MoE online 97.58 -> 98.69 %, variable lengths 92.60 -> 95.12 %).
+    pub release_at_peak: bool,
+    /// `STWEAVER_PLAN_WAIT` (default on; `0` turns it off):
+    /// [`EnginePlanOptions::wait_for_pending_frees`]. A planned request whose range only
+    /// frees pending on other streams hold makes its stream wait for their events
+    /// instead of being served elsewhere (streams running behind the host: DDP, FSDP).
+    pub plan_wait: bool,
+    /// `STWEAVER_SHARE_STREAMS` (default off): auto mode plans with
+    /// [`PlannerOptions::share_streams`] (one joint solve; streams reuse each other's
+    /// ranges, waiting on the device for the earlier stream's work).
+    pub share_streams: bool,
+    /// `STWEAVER_BUDGET` (`16GiB`, `0.8`, bytes; `stweaver.install(budget=...)` sets
+    /// it): at most this much device memory, over every pool of the device. With
+    /// `set_per_process_memory_fraction` too, the smaller limit holds
+    /// ([`crate::budget::effective_limit`]).
+    pub budget: Option<Budget>,
+}
+
+/// A boolean environment setting: `default` when unset; the same words as the Python
+/// side's `parse_bool`.
+fn env_bool(name: &str, default: bool) -> Result<bool> {
+    match std::env::var(name) {
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "on" => Ok(true),
+            "0" | "false" | "no" | "off" => Ok(false),
+            _ => Err(BridgeError::Settings(format!(
+                "{name}={v:?} is not a boolean (use 1/0, true/false, yes/no, on/off)"
+            ))),
+        },
+        Err(_) => Ok(default),
+    }
+}
+
+impl Settings {
+    /// Parses `install(mode, plan, trace)` arguments ("" = not given).
+    /// `STWEAVER_AUTO_ITERATIONS` (a positive integer) sets `auto_iterations`.
+    pub fn parse(mode: &str, plan: &str, trace: &str) -> Result<Settings> {
+        let bad = |m: String| Err(BridgeError::Settings(m));
+        let path = |s: &str| (!s.is_empty()).then(|| PathBuf::from(s));
+        let auto_iterations = match std::env::var("STWEAVER_AUTO_ITERATIONS") {
+            Ok(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n > 0 => n,
+                _ => {
+                    return bad(format!(
+                        "STWEAVER_AUTO_ITERATIONS={v:?} is not a positive integer"
+                    ));
+                }
+            },
+            Err(_) => DEFAULT_AUTO_ITERATIONS,
+        };
+        let rank = RankInfo::from_env().map_err(BridgeError::Settings)?;
+        let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", true)?;
+        let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
+        let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
+        let budget = match std::env::var("STWEAVER_BUDGET") {
+            Ok(v) if !v.trim().is_empty() => Some(
+                Budget::parse(&v)
+                    .map_err(|e| BridgeError::Settings(format!("STWEAVER_BUDGET: {e}")))?,
+            ),
+            _ => None,
+        };
+        let settings = |mode| Settings {
+            mode,
+            trace_path: path(trace),
+            plan_path: path(plan),
+            auto_iterations,
+            rank,
+            release_at_peak,
+            plan_wait,
+            share_streams,
+            budget,
+        };
+        match mode {
+            "online" => {
+                if !plan.is_empty() || !trace.is_empty() {
+                    return bad(format!(
+                        "mode \"online\" takes no plan or trace file (got plan={plan:?}, \
+                         trace={trace:?}); use mode \"trace\" to record one"
+                    ));
+                }
+                Ok(settings(Mode::Online))
+            }
+            "trace" => {
+                if trace.is_empty() {
+                    return bad("mode \"trace\" needs a trace file path".into());
+                }
+                if !plan.is_empty() {
+                    return bad(format!(
+                        "mode \"trace\" records a trace and serves online; it takes no plan \
+                         (got {plan:?})"
+                    ));
+                }
+                Ok(settings(Mode::Trace))
+            }
+            "plan" => {
+                if plan.is_empty() {
+                    return bad("mode \"plan\" needs a plan file path".into());
+                }
+                if !trace.is_empty() {
+                    return bad(format!("mode \"plan\" takes no trace file (got {trace:?})"));
+                }
+                Ok(settings(Mode::Plan))
+            }
+            "auto" => Ok(settings(Mode::Auto)),
+            other => bad(format!(
+                "unknown mode {other:?}: expected \"online\", \"trace\", \"plan\" or \"auto\""
+            )),
+        }
+    }
+
+    /// These settings with `budget` (what `STWEAVER_BUDGET` sets).
+    pub fn with_budget(mut self, budget: Option<Budget>) -> Settings {
+        self.budget = budget;
+        self
+    }
+
+    /// These settings as rank `rank` of a `torchrun` job (`None`: a single process).
+    pub fn with_rank(mut self, rank: Option<RankInfo>) -> Settings {
+        self.rank = rank;
+        self
+    }
+
+    /// The trace file of device `d` (outside torchrun; see [`Settings::trace_path_on`]).
+    pub fn trace_path_for(&self, d: i32) -> Option<PathBuf> {
+        self.trace_path_on(d, None)
+    }
+
+    /// Auto mode: the plan file of device `d` (outside torchrun).
+    pub fn plan_path_for(&self, d: i32) -> Option<PathBuf> {
+        self.plan_path_on(d, None)
+    }
+
+    /// The trace file of device `d` when the rank's home device is `home`: the rank in
+    /// the name under torchrun, `.cudaN` for a device other than the home device
+    /// (device 0 outside torchrun). See [`crate::dist`].
+    pub fn trace_path_on(&self, d: i32, home: Option<i32>) -> Option<PathBuf> {
+        Some(self.output_on(self.trace_path.as_ref()?, d, home))
+    }
+
+    /// Auto mode: the plan file kept for device `d` (as [`Settings::trace_path_on`]).
+    pub fn plan_path_on(&self, d: i32, home: Option<i32>) -> Option<PathBuf> {
+        Some(self.output_on(self.plan_path.as_ref()?, d, home))
+    }
+
+    fn output_on(&self, p: &Path, d: i32, home: Option<i32>) -> PathBuf {
+        let p = dist::output_path(p, self.rank.as_ref());
+        dist::device_path(&p, d, home.filter(|_| self.rank.is_some()))
+    }
+
+    /// Plan mode: the plan file this process serves (per rank under torchrun).
+    pub fn plan_source(&self) -> Option<PlanSource> {
+        let p = self.plan_path.as_ref()?;
+        Some(dist::resolve_plan(p, self.rank.as_ref(), Path::is_file))
+    }
+}
