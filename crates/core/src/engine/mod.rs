@@ -157,6 +157,7 @@ mod cursor;
 pub mod device;
 pub mod host;
 mod live;
+mod pause;
 mod plan_pool;
 mod record;
 pub mod stats;
@@ -179,6 +180,7 @@ pub use self::cursor::{PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
 use self::live::LiveMap;
+pub use self::pause::{PauseError, PauseReport};
 use self::plan_pool::stream_ranges;
 pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::record::Recorder;
@@ -270,6 +272,10 @@ pub enum EngineError {
     Poisoned,
     #[error("engine state inconsistent: {0}")]
     Inconsistent(String),
+    #[error("{ptr} is paused (tag {tag}): resume it first")]
+    Paused { ptr: DevicePtr, tag: u32 },
+    #[error(transparent)]
+    Pause(#[from] PauseError),
     #[error(transparent)]
     Device(#[from] DeviceError),
 }
@@ -580,6 +586,8 @@ struct State {
     /// then on (their granules still are), so every checkpointed address stays
     /// restorable.
     keep_arenas: bool,
+    /// Pause / resume (module `pause`): the current tag and what is paused.
+    pauses: pause::Pauses,
 }
 
 /// The online engine. See the module documentation.
@@ -612,6 +620,15 @@ enum Growth {
     Retry,
     /// The limit, the arena or the device refused.
     Refused,
+}
+
+/// The error for a free or `record_stream` of a live block that is not `Allocated`.
+#[cold]
+fn not_allocated(ptr: DevicePtr, state: BlockState, tag: u32) -> EngineError {
+    match state {
+        BlockState::Paused => EngineError::Paused { ptr, tag },
+        _ => EngineError::AlreadyFreed(ptr),
+    }
 }
 
 fn limit_bytes(limit: MemoryLimit, total: u64) -> Result<u64, EngineError> {
@@ -665,6 +682,7 @@ impl State {
         let kind = self.kind_of(i);
         let (addr, rounded) = (self.heap.block(i).addr, self.heap.block(i).size);
         self.live.insert(addr, i);
+        self.heap.block_mut(i).tag = self.pauses.tag;
         let s = &mut self.stats;
         stats::increase(&mut s.allocation, kind, 1);
         stats::increase(&mut s.allocated_bytes, kind, rounded);
@@ -1056,6 +1074,7 @@ impl<D: DeviceMemory> Engine<D> {
             drain_pending: false,
             abandoned: None,
             keep_arenas: false,
+            pauses: pause::Pauses::default(),
         };
         state.heap.set_fine_units(limit < total);
         Ok(Engine {
@@ -1415,7 +1434,7 @@ impl<D: DeviceMemory> Engine<D> {
             let i = s.live.block_at(slot);
             let b = s.heap.block(i);
             if b.state != BlockState::Allocated {
-                return Err(EngineError::AlreadyFreed(ptr));
+                return Err(not_allocated(ptr, b.state, b.tag));
             }
             if b.uses.is_empty() {
                 s.live.remove_slot(slot);
@@ -1502,8 +1521,9 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(i) = st.live.get(ptr.get()) else {
             return Err(EngineError::UnknownPointer(ptr));
         };
-        if st.heap.block(i).state != BlockState::Allocated {
-            return Err(EngineError::AlreadyFreed(ptr));
+        let b = st.heap.block(i);
+        if b.state != BlockState::Allocated {
+            return Err(not_allocated(ptr, b.state, b.tag));
         }
         if st.stream_of(i) != stream {
             add_use(&mut st.heap.block_mut(i).uses, stream);
@@ -1915,7 +1935,11 @@ impl<D: DeviceMemory> Engine<D> {
         }
         for (addr, i) in st.live.iter() {
             let b = st.heap.block(i);
-            if b.addr != addr || !matches!(b.state, BlockState::Allocated | BlockState::PendingFree)
+            if b.addr != addr
+                || !matches!(
+                    b.state,
+                    BlockState::Allocated | BlockState::PendingFree | BlockState::Paused
+                )
             {
                 return fail(format!(
                     "live pointer {addr:#x} maps to block {i} {:?} at {:#x}",
