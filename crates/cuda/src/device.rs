@@ -235,6 +235,31 @@ impl CudaDevice {
         })
     }
 
+    /// Copies `out.len()` bytes from device address `src` (mapped memory of this device)
+    /// into `out` (`cuMemcpyDtoH`: synchronous for pageable host memory).
+    pub fn copy_to_host(&self, src: u64, out: &mut [u8]) -> Result<()> {
+        let _g = CtxGuard::push(self.ctx)?;
+        // Safety: a context is current (guard); `out` is a valid writable host buffer of
+        // `out.len()` bytes for the whole (synchronous) call; the caller guarantees the
+        // device range is mapped (a bad range is a driver error, not UB on the host).
+        call("cuMemcpyDtoH", || unsafe {
+            sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len())
+        })
+    }
+
+    /// Copies `data` to device address `dst` (mapped memory of this device)
+    /// (`cuMemcpyHtoD`: returns once the source buffer may be reused).
+    pub fn copy_from_host(&self, dst: u64, data: &[u8]) -> Result<()> {
+        let _g = CtxGuard::push(self.ctx)?;
+        // Safety: a context is current (guard); `data` is a valid readable host buffer of
+        // `data.len()` bytes for the whole call; a bad device range is a driver error.
+        call("cuMemcpyHtoD", || unsafe {
+            sys::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), data.len())
+        })?;
+        // Make the bytes visible before the engine hands the blocks back.
+        self.synchronize()
+    }
+
     /// Waits for all work queued on this device (`cuCtxSynchronize` in its primary context).
     pub fn synchronize(&self) -> Result<()> {
         let _g = CtxGuard::push(self.ctx)?;

@@ -154,6 +154,21 @@ impl CudaMemory {
         }
     }
 
+    /// Every byte of `[addr, addr + len)` lies in mappings of this device (the copies'
+    /// contract: never hand the driver an unmapped range).
+    fn check_mapped(&self, addr: u64, len: u64) -> Result<(), DeviceError> {
+        let st = lock(&self.state);
+        let end = addr.checked_add(len).ok_or(bad(addr, len, "overflows"))?;
+        let mut at = addr;
+        while at < end {
+            match st.mappings.range(..=at).next_back() {
+                Some((_, m)) if m.ptr() + m.size() > at => at = m.ptr() + m.size(),
+                _ => return Err(bad(addr, len, "touches unmapped memory")),
+            }
+        }
+        Ok(())
+    }
+
     fn event_known(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         if lock(&self.events).contains_key(&event.0) {
             Ok(())
@@ -343,6 +358,18 @@ impl DeviceMemory for CudaMemory {
             .ok_or(DeviceError::UnknownEvent(event))?;
         drop(ev); // cuEventDestroy
         Ok(())
+    }
+
+    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        let (a, n) = (addr.get(), out.len() as u64);
+        self.check_mapped(a, n)?;
+        self.device.copy_to_host(a, out).map_err(to_device_error)
+    }
+
+    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+        let (a, n) = (addr.get(), data.len() as u64);
+        self.check_mapped(a, n)?;
+        self.device.copy_from_host(a, data).map_err(to_device_error)
     }
 }
 

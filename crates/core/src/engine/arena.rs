@@ -85,6 +85,11 @@
 
 use std::collections::BTreeMap;
 
+// Pause / resume of whole mapped units (`Engine::pause`): a child module, so that it
+// reaches the slab and unit internals without widening their visibility.
+mod pause;
+pub(crate) use self::pause::{Group as UnitGroup, PausedGroup};
+
 use crate::engine::stats::PoolKind;
 use crate::engine::streams::StreamUse;
 use crate::units::StreamId;
@@ -115,13 +120,21 @@ pub enum BlockState {
     Mapping,
     /// Being unmapped by a thread that released the lock.
     Unmapping,
+    /// Reserved address space whose physical memory a pause gave back
+    /// ([`crate::engine::Engine::pause`]): a live block (still allocated, contents kept
+    /// on the host) or the free part of a paused unit. Never handed out, merged or
+    /// released until resumed.
+    Paused,
 }
 
 impl BlockState {
     /// Whether physical memory backs the block (for reserved-bytes accounting).
     #[inline]
     pub fn is_mapped(self) -> bool {
-        !matches!(self, BlockState::Unmapped | BlockState::Mapping)
+        !matches!(
+            self,
+            BlockState::Unmapped | BlockState::Mapping | BlockState::Paused
+        )
     }
 }
 
@@ -154,6 +167,9 @@ pub(crate) struct Block {
     pub events_left: u32,
     /// The block's allocation id in the trace being recorded, or `u32::MAX`.
     pub trace_id: u32,
+    /// The pause tag of the allocation (`Engine::set_tag`; 0: untagged). Meaningful
+    /// only while the block is live or paused.
+    pub tag: u32,
 }
 
 /// One arena: a reserved virtual range for one (stream, pool).
@@ -384,6 +400,7 @@ impl Heap {
                 uses: Vec::new(),
                 events_left: 0,
                 trace_id: u32::MAX,
+                tag: 0,
             });
             i
         };
@@ -408,6 +425,7 @@ impl Heap {
         b.uses.clear();
         b.events_left = 0;
         b.trace_id = u32::MAX;
+        b.tag = 0;
         Ok(i)
     }
 
@@ -1790,7 +1808,16 @@ impl Heap {
                             return Err(ctx("missing from the unmapped index"));
                         }
                     }
-                    BlockState::Mapping | BlockState::Unmapping => {}
+                    // A paused live block still counts as allocated (its tensor exists);
+                    // the free part of a paused unit counts nowhere.
+                    BlockState::Paused if blk.requested > 0 => {
+                        t.allocated += blk.size;
+                        t.allocated_count += 1;
+                        t.active += blk.size;
+                        t.active_count += 1;
+                        t.requested += blk.requested;
+                    }
+                    BlockState::Mapping | BlockState::Unmapping | BlockState::Paused => {}
                 }
                 at = blk.addr + blk.size;
                 prev = b;

@@ -87,6 +87,10 @@ pub enum DeviceError {
     /// An event handle the device did not issue (or already destroyed).
     #[error("unknown event {0}")]
     UnknownEvent(DeviceEvent),
+    /// The device does not implement the call (a pause that keeps contents on a
+    /// device that cannot copy to the host).
+    #[error("{0} is not supported by this device")]
+    Unsupported(&'static str),
     /// Any other failure of the driver, with the call that failed.
     #[error("{call} failed: {message} (code {code})")]
     Driver {
@@ -154,6 +158,21 @@ pub trait DeviceMemory: Send + Sync {
 
     /// Destroys an event.
     fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError>;
+
+    /// Copies the device bytes `[addr, addr + out.len())` (mapped memory) into `out`,
+    /// synchronously (CUDA: `cuMemcpyDtoH`). Used by [`crate::engine::Engine::pause`]
+    /// to keep contents across a pause. Not supported unless implemented.
+    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        let _ = (addr, out);
+        Err(DeviceError::Unsupported("copy_to_host"))
+    }
+
+    /// Copies `data` to the device bytes `[addr, addr + data.len())` (mapped memory),
+    /// synchronously (CUDA: `cuMemcpyHtoD`). Used by [`crate::engine::Engine::resume`].
+    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+        let _ = (addr, data);
+        Err(DeviceError::Unsupported("copy_from_host"))
+    }
 }
 
 /// A shared device (one device behind several engines or a test's own handle).
@@ -199,5 +218,11 @@ impl<T: DeviceMemory + ?Sized> DeviceMemory for std::sync::Arc<T> {
     }
     fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         (**self).destroy_event(event)
+    }
+    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        (**self).copy_to_host(addr, out)
+    }
+    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+        (**self).copy_from_host(addr, data)
     }
 }

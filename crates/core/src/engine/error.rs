@@ -3,6 +3,7 @@
 
 use super::arena::SlabFull;
 use super::device::{DeviceError, DevicePtr};
+use super::pause::PauseError;
 use crate::units::{Bytes, StreamId};
 
 /// Everything the engine can fail with.
@@ -31,6 +32,8 @@ pub enum EngineError {
     UnknownPointer(DevicePtr),
     #[error("{0} was already freed (waiting for other streams)")]
     AlreadyFreed(DevicePtr),
+    #[error("{ptr} is paused (tag {tag}): resume it first")]
+    Paused { ptr: DevicePtr, tag: u32 },
     #[error("invalid memory limit {0}: a fraction must be in (0, 1]")]
     InvalidLimit(f64),
     #[error("the device's granularity {0} is not a power of two of at least 512 B")]
@@ -49,6 +52,8 @@ pub enum EngineError {
     Inconsistent(String),
     #[error(transparent)]
     Device(#[from] DeviceError),
+    #[error(transparent)]
+    Pause(#[from] PauseError),
 }
 
 impl From<SlabFull> for EngineError {

@@ -420,6 +420,19 @@ impl DeviceMemory for HostMemory {
     fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         self.events.destroy(event)
     }
+
+    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.read(addr, out)
+    }
+
+    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+        let mut at = 0;
+        self.with_bytes(addr, Bytes(data.len() as u64), |chunk| {
+            let n = chunk.len();
+            chunk.copy_from_slice(&data[at..at + n]);
+            at += n;
+        })
+    }
 }
 
 /// Events whose completion a test controls.

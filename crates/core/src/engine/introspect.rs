@@ -172,7 +172,11 @@ impl<D: DeviceMemory> Engine<D> {
         }
         for (addr, i) in st.live.iter() {
             let b = st.heap.block(i);
-            if b.addr != addr || !matches!(b.state, BlockState::Allocated | BlockState::PendingFree)
+            if b.addr != addr
+                || !matches!(
+                    b.state,
+                    BlockState::Allocated | BlockState::PendingFree | BlockState::Paused
+                )
             {
                 return fail(format!(
                     "live pointer {addr:#x} maps to block {i} {:?} at {:#x}",

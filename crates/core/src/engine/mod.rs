@@ -155,6 +155,7 @@ mod error;
 pub mod host;
 mod introspect;
 mod live;
+mod pause;
 mod plan_pool;
 mod record;
 pub mod stats;
@@ -181,6 +182,7 @@ pub use self::error::EngineError;
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
 pub use self::introspect::{BlockInfo, SegmentInfo};
 use self::live::LiveMap;
+pub use self::pause::{PauseError, PauseReport};
 use self::plan_pool::stream_ranges;
 pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::record::Recorder;
@@ -416,6 +418,8 @@ struct State {
     /// then on (their granules still are), so every checkpointed address stays
     /// restorable.
     keep_arenas: bool,
+    /// Pause / resume (module `pause`): the current tag and what is paused.
+    pauses: pause::Pauses,
 }
 
 /// The online engine. See the module documentation.
@@ -448,6 +452,15 @@ enum Growth {
     Retry,
     /// The limit, the arena or the device refused.
     Refused,
+}
+
+/// The error for a free or `record_stream` of a live block that is not `Allocated`.
+#[cold]
+fn not_allocated(ptr: DevicePtr, state: BlockState, tag: u32) -> EngineError {
+    match state {
+        BlockState::Paused => EngineError::Paused { ptr, tag },
+        _ => EngineError::AlreadyFreed(ptr),
+    }
 }
 
 impl State {
@@ -493,6 +506,7 @@ impl State {
         let kind = self.kind_of(i);
         let (addr, rounded) = (self.heap.block(i).addr, self.heap.block(i).size);
         self.live.insert(addr, i);
+        self.heap.block_mut(i).tag = self.pauses.tag;
         let s = &mut self.stats;
         stats::increase(&mut s.allocation, kind, 1);
         stats::increase(&mut s.allocated_bytes, kind, rounded);
@@ -884,6 +898,7 @@ impl<D: DeviceMemory> Engine<D> {
             drain_pending: false,
             abandoned: None,
             keep_arenas: false,
+            pauses: pause::Pauses::default(),
         };
         state.heap.set_fine_units(limit < total);
         Ok(Engine {
@@ -1243,7 +1258,7 @@ impl<D: DeviceMemory> Engine<D> {
             let i = s.live.block_at(slot);
             let b = s.heap.block(i);
             if b.state != BlockState::Allocated {
-                return Err(EngineError::AlreadyFreed(ptr));
+                return Err(not_allocated(ptr, b.state, b.tag));
             }
             if b.uses.is_empty() {
                 s.live.remove_slot(slot);
@@ -1330,8 +1345,9 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(i) = st.live.get(ptr.get()) else {
             return Err(EngineError::UnknownPointer(ptr));
         };
-        if st.heap.block(i).state != BlockState::Allocated {
-            return Err(EngineError::AlreadyFreed(ptr));
+        let b = st.heap.block(i);
+        if b.state != BlockState::Allocated {
+            return Err(not_allocated(ptr, b.state, b.tag));
         }
         if st.stream_of(i) != stream {
             add_use(&mut st.heap.block_mut(i).uses, stream);

@@ -252,6 +252,37 @@ impl DeviceMemory for VirtualMemory {
     fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         self.events.destroy(event)
     }
+
+    /// No bytes are kept: checks the range is mapped and leaves `out` as it is.
+    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.check_mapped(addr, out.len() as u64)
+    }
+
+    /// No bytes are kept: checks the range is mapped.
+    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+        self.check_mapped(addr, data.len() as u64)
+    }
+}
+
+impl VirtualMemory {
+    /// Whether every byte of `[addr, addr + len)` is mapped (the copies' contract).
+    fn check_mapped(&self, addr: DevicePtr, len: u64) -> Result<(), DeviceError> {
+        let bad = DeviceError::InvalidRange {
+            addr,
+            size: Bytes(len),
+            reason: "touches unmapped memory",
+        };
+        let end = addr.get().checked_add(len).ok_or(bad.clone())?;
+        let inner = lock(&self.inner);
+        let mut at = addr.get();
+        while at < end {
+            match inner.mapped.range(..=at).next_back() {
+                Some((_, &e)) if e > at => at = e,
+                _ => return Err(bad),
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,486 @@
+//! Pause / resume with addresses kept (issue #17): give the physical memory behind the
+//! tagged blocks back to the device while their virtual addresses stay reserved, so
+//! every pointer (tensor, captured CUDA graph) stays valid; resume maps fresh memory at
+//! the same addresses and restores the contents. What RL frameworks (SGLang, NeMo-RL via
+//! `torch_memory_saver`) need between rollout and training.
+//!
+//! # Tags
+//!
+//! Every allocation carries the engine's *current tag* ([`Engine::set_tag`], a `u32`;
+//! 0 = untagged, never paused) at the time it is made. [`Engine::pause`] with `Some(t)`
+//! pauses the blocks of tag `t`; with `None`, every tagged block (tags ≠ 0), as
+//! `torch_memory_saver.pause()` does. Each pause is a *set*, resumed by the same key:
+//! pausing a tag that is paused (or anything while `None` is paused, or `None` while
+//! anything is) is [`PauseError::AlreadyPaused`]; resuming what is not paused,
+//! [`PauseError::NotPaused`]; `resume(None)` resumes every set.
+//!
+//! # Pause
+//!
+//! 1. Refuse while a plan is served ([`PauseError::PlanServed`]: the plan pool maps whole
+//!    first-touched ranges shared by planned blocks of every tag, and its cursor would
+//!    place requests on paused ranges; unload the plan first).
+//! 2. Release cached memory as `empty_cache` does (every pending free completes after its
+//!    events, every wholly free unit is unmapped): the only free memory left is what
+//!    shares a unit with a live block.
+//! 3. Synchronise the device (queued kernels may still write the tensors).
+//! 4. Locked: split every arena's mapped units into *groups* (runs of units joined by a
+//!    live block straddling their boundary, `arena::pause`). A group holding a live block
+//!    of the key is paused whole; if it also holds a block of another tag (or untagged)
+//!    the pause is refused naming the unit ([`PauseError::MixedUnit`]): units are the
+//!    granule in online arenas, so tensors of different tags sharing a 2 MiB granule
+//!    cannot be paused apart (allocate them in separate regions, or with
+//!    `STWEAVER`'s large pool, which never shares a granule between small requests of
+//!    different tags only by chance). A group with a pending free, or being (un)mapped by
+//!    another thread, is [`PauseError::Busy`]. Nothing has changed when it refuses.
+//!    Accepted groups are marked `Paused` (blocks and the free parts of their units) and
+//!    their units leave the unit map; `reserved_bytes` drops by their size at once and the
+//!    bytes count as being mapped until unmapped (so the memory limit stays conservative).
+//! 5. Unlocked: copy each paused live block's bytes to host memory when `keep`
+//!    ([`DeviceMemory::copy_to_host`]), then unmap each unit (one `unmap` per unit).
+//!    A failed copy changes nothing (groups un-paused, nothing unmapped); a failed unmap
+//!    maps the group's already-unmapped units back, restores their bytes and un-pauses
+//!    it; the pause then returns the error with the other groups paused.
+//!
+//! A paused live block stays in the pointer map and counts as allocated
+//! (`allocated_bytes`, `active_bytes`, `requested_bytes` unchanged: the tensor exists);
+//! [`Engine::free`] and [`Engine::record_stream`] of it are [`EngineError::Paused`]. Its
+//! memory and the free parts of its units count in [`Engine::paused_bytes`], not in
+//! `reserved_bytes` (`num_device_free` counts the unmaps). New allocations never land in
+//! paused ranges: paused blocks are neither free nor unmapped, so best fit, growth,
+//! release and checkpoint claims all pass them by.
+//!
+//! # Resume
+//!
+//! Checks that the paused bytes fit the memory limit beside what is reserved and being
+//! mapped ([`PauseError::OverLimit`], everything stays paused), then, unlocked, maps each
+//! unit again at its address (one `map` per unit, as before: invariant 9) and copies the
+//! saved bytes back ([`DeviceMemory::copy_from_host`]), and, locked, un-marks the blocks
+//! (fillers become free memory again, coalesced). A refused map or copy unmaps what this
+//! resume mapped and leaves everything paused.
+//!
+//! # Cost
+//!
+//! Pause: one `empty_cache`, one device synchronisation, O(blocks · log units + units)
+//! to find the groups, one device→host copy per paused live block (their bytes) and
+//! one unmap per unit. Resume: one map per unit and one host→device copy per block.
+//! Nothing on the malloc/free hot path but the tag store at allocation.
+//!
+//! Checkpoints ([`Engine::checkpoint`]) hold `Allocated` blocks only: a paused block is
+//! not in one, and a restore over a paused range fails rather than alias.
+
+use super::arena::{PausedGroup, UnitGroup};
+use super::device::{DeviceError, DeviceMemory, DevicePtr};
+use super::stats::{self, PoolKind};
+use super::{BlockState, Engine, EngineError, State};
+use crate::units::Bytes;
+
+/// Why a pause or resume was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PauseError {
+    #[error("tag 0 means untagged and cannot be paused")]
+    Untagged,
+    #[error("{} is already paused", key_name(*.0))]
+    AlreadyPaused(Option<u32>),
+    #[error("{} is not paused", key_name(*.0))]
+    NotPaused(Option<u32>),
+    #[error("a plan is served: unload it before pausing")]
+    PlanServed,
+    #[error(
+        "mapped unit {addr} + {size} holds blocks of tag {tag} and of tag {other} \
+         (0: untagged): they cannot be paused apart"
+    )]
+    MixedUnit {
+        addr: DevicePtr,
+        size: Bytes,
+        tag: u32,
+        other: u32,
+    },
+    #[error("mapped unit {addr} + {size} is busy (a pending free or a mapping in flight)")]
+    Busy { addr: DevicePtr, size: Bytes },
+    #[error(
+        "resuming {needed} would pass the memory limit {limit} ({reserved} reserved): \
+         everything stays paused"
+    )]
+    OverLimit {
+        needed: Bytes,
+        reserved: Bytes,
+        limit: Bytes,
+    },
+}
+
+fn key_name(key: Option<u32>) -> String {
+    match key {
+        Some(t) => format!("tag {t}"),
+        None => "every tag".to_string(),
+    }
+}
+
+/// What a pause (or resume) moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PauseReport {
+    /// Live blocks paused (resumed).
+    pub blocks: usize,
+    /// Mapped units unmapped (mapped again).
+    pub units: usize,
+    /// Physical bytes given back (mapped again).
+    pub bytes: Bytes,
+    /// Bytes copied to (from) the host.
+    pub copied: Bytes,
+}
+
+/// One paused group with its pool and the saved bytes of its live blocks.
+#[derive(Debug)]
+struct Group {
+    heap: PausedGroup,
+    kind: PoolKind,
+    saved: Vec<(u64, Vec<u8>)>,
+}
+
+impl Group {
+    fn bytes(&self) -> u64 {
+        self.heap.hi - self.heap.lo
+    }
+}
+
+/// One pause ([`Engine::pause`]) still in force.
+#[derive(Debug)]
+struct PausedSet {
+    key: Option<u32>,
+    groups: Vec<Group>,
+}
+
+/// The engine's pause state (in `State`).
+#[derive(Debug, Default)]
+pub(super) struct Pauses {
+    /// The tag of allocations made from now on.
+    pub tag: u32,
+    sets: Vec<PausedSet>,
+    /// Keys and bytes of the sets a resume in flight has taken out (still paused).
+    resuming: Vec<Option<u32>>,
+    resuming_bytes: u64,
+}
+
+impl Pauses {
+    fn keys(&self) -> impl Iterator<Item = Option<u32>> + '_ {
+        self.sets
+            .iter()
+            .map(|s| s.key)
+            .chain(self.resuming.iter().copied())
+    }
+
+    fn bytes(&self) -> u64 {
+        let set_bytes: u64 = self
+            .sets
+            .iter()
+            .flat_map(|s| &s.groups)
+            .map(Group::bytes)
+            .sum();
+        set_bytes + self.resuming_bytes
+    }
+}
+
+fn matches(key: Option<u32>, tag: u32) -> bool {
+    match key {
+        Some(t) => tag == t,
+        None => tag != 0,
+    }
+}
+
+impl<D: DeviceMemory> Engine<D> {
+    /// Sets the tag of allocations made from now on (0: untagged). O(1).
+    pub fn set_tag(&self, tag: u32) -> Result<(), EngineError> {
+        self.lock()?.pauses.tag = tag;
+        Ok(())
+    }
+
+    /// The tag allocations get now.
+    pub fn tag(&self) -> Result<u32, EngineError> {
+        Ok(self.lock()?.pauses.tag)
+    }
+
+    /// Bytes of address space whose physical memory is paused now (not in
+    /// `reserved_bytes`).
+    pub fn paused_bytes(&self) -> Result<Bytes, EngineError> {
+        Ok(Bytes(self.lock()?.pauses.bytes()))
+    }
+
+    /// The keys paused now (`None`: every tag), in pause order.
+    pub fn paused_tags(&self) -> Result<Vec<Option<u32>>, EngineError> {
+        Ok(self.lock()?.pauses.keys().collect())
+    }
+
+    /// Pauses the blocks of `tag` (`None`: every tagged block), keeping their contents
+    /// on the host when `keep` (module documentation).
+    pub fn pause(&self, tag: Option<u32>, keep: bool) -> Result<PauseReport, EngineError> {
+        self.pause_check(&*self.lock()?, tag)?;
+        self.release(None)?;
+        self.dev.synchronize()?;
+        let mut st = self.lock()?;
+        self.pause_check(&st, tag)?;
+        // Find and check every group before changing anything.
+        let mut chosen: Vec<(u32, UnitGroup, u32, PoolKind)> = Vec::new();
+        for a in st.heap.arena_ids() {
+            let kind = st.heap.arena(a).map_or(PoolKind::Large, |x| x.kind);
+            for g in st.heap.unit_groups(a) {
+                let (addr, size) = (DevicePtr(g.lo), Bytes(g.hi - g.lo));
+                let mut anchor = None;
+                let mut other = None;
+                let mut busy = false;
+                for &i in &g.blocks {
+                    let b = st.heap.block(i);
+                    match b.state {
+                        BlockState::Free => {}
+                        BlockState::Allocated if matches(tag, b.tag) => {
+                            anchor.get_or_insert((i, b.tag));
+                        }
+                        BlockState::Allocated => {
+                            other.get_or_insert(b.tag);
+                        }
+                        _ => busy = true,
+                    }
+                }
+                let Some((anchor, t)) = anchor else {
+                    continue;
+                };
+                if let Some(other) = other {
+                    return Err(PauseError::MixedUnit {
+                        addr,
+                        size,
+                        tag: t,
+                        other,
+                    }
+                    .into());
+                }
+                if busy {
+                    return Err(PauseError::Busy { addr, size }.into());
+                }
+                chosen.push((a, g, anchor, kind));
+            }
+        }
+        let mut groups: Vec<Group> = Vec::with_capacity(chosen.len());
+        for (a, g, anchor, kind) in chosen {
+            match st.heap.pause_group(a, g.lo, g.hi, anchor) {
+                Ok(heap) => groups.push(Group {
+                    heap,
+                    kind,
+                    saved: Vec::new(),
+                }),
+                Err(e) => {
+                    for g in &groups {
+                        st.heap.resume_group(&g.heap);
+                    }
+                    st.settle_inactive();
+                    return Err(e.into());
+                }
+            }
+        }
+        let total: u64 = groups.iter().map(Group::bytes).sum();
+        for g in &groups {
+            stats::decrease(&mut st.stats.reserved_bytes, g.kind, g.bytes());
+        }
+        st.mapping += total;
+        st.settle_inactive();
+        // Keep the heap's view of the live blocks to copy (addresses and sizes).
+        let live: Vec<Vec<(u64, u64)>> = groups
+            .iter()
+            .map(|g| {
+                g.heap
+                    .blocks
+                    .iter()
+                    .map(|&i| st.heap.block(i))
+                    .filter(|b| b.requested > 0)
+                    .map(|b| (b.addr, b.size))
+                    .collect()
+            })
+            .collect();
+        drop(st);
+
+        // Copies (all before any unmap: a failure changes nothing).
+        let mut copy_err = None;
+        if keep {
+            'copy: for (g, blocks) in groups.iter_mut().zip(&live) {
+                for &(addr, size) in blocks {
+                    let mut buf = vec![0u8; size as usize];
+                    if let Err(e) = self.dev.copy_to_host(DevicePtr(addr), &mut buf) {
+                        copy_err = Some(e);
+                        break 'copy;
+                    }
+                    g.saved.push((addr, buf));
+                }
+            }
+        }
+        let mut failed: Vec<(usize, DeviceError)> = Vec::new();
+        if copy_err.is_none() {
+            for (k, g) in groups.iter().enumerate() {
+                for (done, &(s, e)) in g.heap.units.iter().enumerate() {
+                    if let Err(err) = self.dev.unmap(DevicePtr(s), Bytes(e - s)) {
+                        // Back as it was: the units unmapped so far, mapped and filled again.
+                        let back = self.map_and_restore(&g.heap.units[..done], &g.saved);
+                        failed.push((k, back.err().unwrap_or(err)));
+                        break;
+                    }
+                }
+            }
+        }
+
+        let mut st = self.lock()?;
+        st.mapping -= total;
+        let undo: Vec<usize> = match copy_err {
+            Some(_) => (0..groups.len()).collect(),
+            None => failed.iter().map(|f| f.0).collect(),
+        };
+        for &k in undo.iter().rev() {
+            let g = groups.remove(k);
+            st.heap.resume_group(&g.heap);
+            stats::increase(&mut st.stats.reserved_bytes, g.kind, g.bytes());
+        }
+        let mut report = PauseReport::default();
+        for g in &groups {
+            report.blocks += g
+                .heap
+                .blocks
+                .iter()
+                .filter(|&&i| st.heap.block(i).requested > 0)
+                .count();
+            report.units += g.heap.units.len();
+            report.bytes = Bytes(report.bytes.get() + g.bytes());
+            report.copied =
+                Bytes(report.copied.get() + g.saved.iter().map(|s| s.1.len() as u64).sum::<u64>());
+        }
+        st.stats.num_device_free += report.units as i64;
+        // Recorded even with nothing in it (a pause of a tag with no memory resumes
+        // fine); not after a failed copy, which paused nothing.
+        if copy_err.is_none() {
+            st.pauses.sets.push(PausedSet { key: tag, groups });
+        }
+        st.settle_inactive();
+        if let Some(e) = copy_err.or(failed.into_iter().next().map(|f| f.1)) {
+            return Err(e.into());
+        }
+        Ok(report)
+    }
+
+    fn pause_check(&self, st: &State, tag: Option<u32>) -> Result<(), EngineError> {
+        if tag == Some(0) {
+            return Err(PauseError::Untagged.into());
+        }
+        if st.plan.is_some() {
+            return Err(PauseError::PlanServed.into());
+        }
+        let clash = st
+            .pauses
+            .keys()
+            .any(|k| tag.is_none() || k.is_none() || k == tag);
+        if clash {
+            return Err(PauseError::AlreadyPaused(tag).into());
+        }
+        Ok(())
+    }
+
+    /// Resumes the pause of `tag` (`None`: every pause in force): the same addresses,
+    /// fresh physical memory, the saved contents (module documentation).
+    pub fn resume(&self, tag: Option<u32>) -> Result<PauseReport, EngineError> {
+        let mut st = self.lock()?;
+        let (sets, rest): (Vec<PausedSet>, Vec<PausedSet>) = std::mem::take(&mut st.pauses.sets)
+            .into_iter()
+            .partition(|s| tag.is_none() || s.key == tag);
+        st.pauses.sets = rest;
+        if sets.is_empty() {
+            return Err(PauseError::NotPaused(tag).into());
+        }
+        let needed: u64 = sets.iter().flat_map(|s| &s.groups).map(Group::bytes).sum();
+        let reserved = st.stats.reserved_bytes[0].current as u64 + st.mapping;
+        if reserved.saturating_add(needed) > st.limit {
+            let limit = st.limit;
+            st.pauses.sets.extend(sets);
+            return Err(PauseError::OverLimit {
+                needed: Bytes(needed),
+                reserved: Bytes(reserved),
+                limit: Bytes(limit),
+            }
+            .into());
+        }
+        st.mapping += needed;
+        st.pauses.resuming.extend(sets.iter().map(|s| s.key));
+        st.pauses.resuming_bytes += needed;
+        let ours = sets;
+        drop(st);
+
+        let groups: Vec<&Group> = ours.iter().flat_map(|s| &s.groups).collect();
+        let mut err = None;
+        let mut done = 0;
+        for g in &groups {
+            if let Err(e) = self.map_and_restore(&g.heap.units, &g.saved) {
+                err = Some(e);
+                break;
+            }
+            done += 1;
+        }
+        if err.is_some() {
+            // Back to paused: unmap what this resume mapped (contents are still saved).
+            for g in &groups[..done] {
+                for &(s, e) in &g.heap.units {
+                    let _ = self.dev.unmap(DevicePtr(s), Bytes(e - s));
+                }
+            }
+        }
+
+        let mut st = self.lock()?;
+        st.mapping -= needed;
+        st.pauses.resuming_bytes -= needed;
+        for s in &ours {
+            if let Some(at) = st.pauses.resuming.iter().position(|&k| k == s.key) {
+                st.pauses.resuming.remove(at);
+            }
+        }
+        if let Some(e) = err {
+            st.pauses.sets.extend(ours);
+            return Err(e.into());
+        }
+        let mut report = PauseReport::default();
+        for g in groups {
+            st.heap.resume_group(&g.heap);
+            stats::increase(&mut st.stats.reserved_bytes, g.kind, g.bytes());
+            report.blocks += g
+                .heap
+                .blocks
+                .iter()
+                .filter(|&&i| st.heap.block(i).state == BlockState::Allocated)
+                .count();
+            report.units += g.heap.units.len();
+            report.bytes = Bytes(report.bytes.get() + g.bytes());
+            report.copied =
+                Bytes(report.copied.get() + g.saved.iter().map(|s| s.1.len() as u64).sum::<u64>());
+        }
+        st.stats.num_device_alloc += report.units as i64;
+        st.settle_inactive();
+        Ok(report)
+    }
+
+    /// Maps `units` (one device call each) and copies `saved` back; on failure unmaps
+    /// what it mapped. Called with the lock released.
+    fn map_and_restore(
+        &self,
+        units: &[(u64, u64)],
+        saved: &[(u64, Vec<u8>)],
+    ) -> Result<(), DeviceError> {
+        let undo = |n: usize| {
+            for &(s, e) in &units[..n] {
+                let _ = self.dev.unmap(DevicePtr(s), Bytes(e - s));
+            }
+        };
+        for (n, &(s, e)) in units.iter().enumerate() {
+            if let Err(err) = self.dev.map(DevicePtr(s), Bytes(e - s)) {
+                undo(n);
+                return Err(err);
+            }
+        }
+        for (addr, bytes) in saved {
+            if let Err(err) = self.dev.copy_from_host(DevicePtr(*addr), bytes) {
+                undo(units.len());
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+}
