@@ -235,3 +235,36 @@ fn resume_of_an_unopened_device_is_not_paused() {
         Err(BridgeError::BadDevice { .. })
     ));
 }
+
+#[test]
+fn a_refused_resume_pauses_the_resumed_pools_again() {
+    let (rt, dev) = runtime(64);
+    rt.pool_incref(0, GRAPH).unwrap();
+    rt.set_tag(5).unwrap();
+    let d = rt.malloc(0, (8 * MIB) as usize, S0, DEFAULT).unwrap();
+    let g = rt.malloc(0, (8 * MIB) as usize, S0, GRAPH).unwrap();
+    rt.set_tag(0).unwrap();
+    fill(&dev, d, 8 * MIB, 0x11);
+    fill(&dev, g, 8 * MIB, 0x22);
+    let r = rt.pause(0, 5, true).unwrap();
+    assert_eq!(r.bytes, 16 * MIB);
+    // The memory is taken meanwhile: the default pool's 8 MiB fit back, the graph
+    // pool's do not.
+    let big = rt.malloc(0, (52 * MIB) as usize, S0, DEFAULT).unwrap();
+    assert_ne!(big, 0);
+    let unmaps0 = dev.counters().unmaps;
+    let e = rt.resume(0, 5).unwrap_err();
+    assert!(e.to_string().contains("out of memory"), "{e}");
+    // The default pool's 4 units were mapped and unmapped again; the graph pool's 2
+    // mapped units before the refusal were unmapped by its own resume.
+    assert_eq!(dev.counters().unmaps - unmaps0, 6);
+    assert_eq!(rt.paused_bytes(0).unwrap(), 16 * MIB);
+    assert_eq!(info(&rt)["paused_tags"], serde_json::json!([5]));
+    rt.free(big).unwrap();
+    rt.empty_cache(0, DEFAULT).unwrap();
+    rt.resume(0, 5).unwrap();
+    assert!(holds(&dev, d, 8 * MIB, 0x11));
+    assert!(holds(&dev, g, 8 * MIB, 0x22));
+    rt.free(d).unwrap();
+    rt.free(g).unwrap();
+}
