@@ -4,6 +4,7 @@
 
 #include <c10/cuda/CUDAFunctions.h>
 
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -141,6 +142,78 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("device") = -1,
       "The served plan's offload schedule on `device` (-1: the current device): a list of "
       "(pack, unpack, prefetch_after_unpack or -1, bytes).");
+
+  // Pause / resume (issue #17): tags and the device's memory given back, addresses kept.
+  m.def(
+      "set_tag",
+      [](int64_t tag) {
+        TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.set_tag(): tag ", tag, " is not a u32");
+        auto& a = need_installed("set_tag");
+        call("set_tag", [&] { a.runtime().set_tag(static_cast<uint32_t>(tag)); });
+      },
+      py::arg("tag"),
+      "The tag of allocations made from now on, on every pool of every device (0: untagged).");
+
+  m.def(
+      "pause",
+      [](int64_t tag, bool keep, int device) {
+        TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.pause(): tag ", tag, " is not a u32");
+        auto& a = need_installed("pause");
+        if (device < 0) {
+          device = static_cast<int>(c10::cuda::current_device());
+        }
+        stweaver::ffi::PauseReport r = call("pause", [&] {
+          return a.runtime().pause(device, static_cast<uint32_t>(tag), keep);
+        });
+        return std::make_tuple(
+            static_cast<int64_t>(r.blocks),
+            static_cast<int64_t>(r.units),
+            static_cast<int64_t>(r.bytes),
+            static_cast<int64_t>(r.copied));
+      },
+      py::arg("tag"),
+      py::arg("keep") = true,
+      py::arg("device") = -1,
+      py::call_guard<py::gil_scoped_release>(),
+      "Give the physical memory of the blocks of `tag` (0: every tagged block) on `device` "
+      "(-1: the current device) back to the driver, addresses kept; contents saved on the "
+      "host when `keep`. Synchronises the device. Returns (blocks, units, bytes, copied).");
+
+  m.def(
+      "resume",
+      [](int64_t tag, int device) {
+        TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.resume(): tag ", tag, " is not a u32");
+        auto& a = need_installed("resume");
+        if (device < 0) {
+          device = static_cast<int>(c10::cuda::current_device());
+        }
+        stweaver::ffi::PauseReport r = call("resume", [&] {
+          return a.runtime().resume(device, static_cast<uint32_t>(tag));
+        });
+        return std::make_tuple(
+            static_cast<int64_t>(r.blocks),
+            static_cast<int64_t>(r.units),
+            static_cast<int64_t>(r.bytes),
+            static_cast<int64_t>(r.copied));
+      },
+      py::arg("tag"),
+      py::arg("device") = -1,
+      py::call_guard<py::gil_scoped_release>(),
+      "Map the paused memory of `tag` (0: every pause) on `device` (-1: the current device) "
+      "again at the same addresses and restore the saved contents. Returns (blocks, units, "
+      "bytes, copied).");
+
+  m.def(
+      "paused_bytes",
+      [](int device) {
+        auto& a = need_installed("paused_bytes");
+        if (device < 0) {
+          device = static_cast<int>(c10::cuda::current_device());
+        }
+        return static_cast<int64_t>(call("paused_bytes", [&] { return a.runtime().paused_bytes(device); }));
+      },
+      py::arg("device") = -1,
+      "Bytes of `device` (-1: the current device) paused now.");
 
   m.def("failed_frees", []() {
     stweaver::StweaverAllocator* a = stweaver::installed();

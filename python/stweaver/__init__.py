@@ -23,6 +23,7 @@ import weakref
 from typing import Iterator, List, Optional
 
 from ._abi import TorchVersionMismatch, check_installed
+from ._pause import pause, paused, region, resume
 from ._settings import DEFAULT_MODE, MODES, Settings, SettingsError, resolve
 
 # An installed stweaver refuses to import under another torch than the one it was built
@@ -42,7 +43,11 @@ __all__ = [
     "mode",
     "offload",
     "offload_stats",
+    "pause",
+    "paused",
     "phase",
+    "region",
+    "resume",
     "stats",
     "step",
 ]

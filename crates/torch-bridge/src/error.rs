@@ -37,6 +37,12 @@ pub enum BridgeError {
     Settings(String),
     #[error("{0}")]
     Unsupported(String),
+    #[error("device {device}: {error}; undoing the other pools of the device failed too: {undo}")]
+    PauseUndo {
+        device: i32,
+        error: String,
+        undo: String,
+    },
     #[error(transparent)]
     TraceFile(#[from] TraceFileError),
     #[error(

@@ -178,6 +178,20 @@ pub mod bridge {
         allocated: Vec<CheckpointBlock>,
     }
 
+    /// What a pause or resume moved over a device's pools
+    /// (`stweaver_core::engine::PauseReport`, summed).
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct PauseReport {
+        /// Live blocks paused (resumed).
+        blocks: u64,
+        /// Mapped units unmapped (mapped again).
+        units: u64,
+        /// Physical bytes given back to the device (mapped again).
+        bytes: u64,
+        /// Bytes copied to (from) host memory.
+        copied: u64,
+    }
+
     extern "Rust" {
         /// All allocator state of the process: one engine per (device, pool).
         type Runtime;
@@ -290,6 +304,19 @@ pub mod bridge {
         fn record_restore(self: &Runtime, ptr: usize, from: i64) -> Result<bool>;
         /// The offload schedule of the plan `device` serves (empty when none).
         fn offload_schedule(self: &Runtime, device: i32) -> Result<Vec<OffloadItem>>;
+
+        /// Pause / resume (issue #17). The tag of allocations made from now on, on every
+        /// pool of every device (0: untagged, never paused).
+        fn set_tag(self: &Runtime, tag: u32) -> Result<()>;
+        /// Gives the physical memory of the blocks of `tag` (0: every tagged block) on
+        /// `device` back to the device, addresses kept (contents saved on the host when
+        /// `keep`); every pool of the device, all or nothing.
+        fn pause(self: &Runtime, device: i32, tag: u32, keep: bool) -> Result<PauseReport>;
+        /// Maps the paused memory of `tag` (0: every pause) on `device` again at the same
+        /// addresses and restores the saved contents.
+        fn resume(self: &Runtime, device: i32, tag: u32) -> Result<PauseReport>;
+        /// Bytes of `device` paused now.
+        fn paused_bytes(self: &Runtime, device: i32) -> Result<u64>;
     }
 }
 
@@ -301,7 +328,8 @@ use crate::error::{BridgeError, guard};
 use crate::runtime::{Core, DeviceFactory, Settings, to_ffi_stats};
 use crate::tracked::BridgeDevice;
 use bridge::{
-    CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PoolId, PoolRestore, Range, Snapshot,
+    CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PauseReport, PoolId, PoolRestore, Range,
+    Snapshot,
 };
 use stweaver_core::engine::{BlockInfo, Checkpoint};
 
@@ -334,6 +362,15 @@ impl PoolCheckpoint {
                 stream: b.stream.0 as usize,
             })
             .collect()
+    }
+}
+
+fn to_ffi_report(r: stweaver_core::engine::PauseReport) -> PauseReport {
+    PauseReport {
+        blocks: r.blocks as u64,
+        units: r.units as u64,
+        bytes: r.bytes.get(),
+        copied: r.copied.get(),
     }
 }
 
@@ -545,5 +582,25 @@ impl Runtime {
 
     pub fn offload_schedule(&self, device: i32) -> Result<Vec<bridge::OffloadItem>, BridgeError> {
         guard("offload_schedule", || self.core.offload_schedule(device))
+    }
+
+    pub fn set_tag(&self, tag: u32) -> Result<(), BridgeError> {
+        guard("set_tag", || self.core.set_tag(tag))
+    }
+
+    pub fn pause(&self, device: i32, tag: u32, keep: bool) -> Result<PauseReport, BridgeError> {
+        guard("pause", || {
+            Ok(to_ffi_report(self.core.pause(device, tag, keep)?))
+        })
+    }
+
+    pub fn resume(&self, device: i32, tag: u32) -> Result<PauseReport, BridgeError> {
+        guard("resume", || {
+            Ok(to_ffi_report(self.core.resume(device, tag)?))
+        })
+    }
+
+    pub fn paused_bytes(&self, device: i32) -> Result<u64, BridgeError> {
+        guard("paused_bytes", || self.core.paused_bytes(device))
     }
 }

@@ -277,4 +277,12 @@ impl DeviceMemory for Tracked {
     fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         self.inner.destroy_event(event)
     }
+
+    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+        self.inner.copy_to_host(addr, out)
+    }
+
+    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+        self.inner.copy_from_host(addr, data)
+    }
 }

@@ -34,6 +34,7 @@
 //! - `settings.rs`: [`Settings`], [`Mode`] and their parsing from the environment.
 //! - `stats.rs`: device stats over engines, the snapshot, [`Core::info_json`].
 //! - `pools.rs`: private pools and their checkpoints.
+//! - `pause.rs`: allocation tags and pause / resume over a device's engines (issue #17).
 //! - `plan.rs`: plan and auto modes (plan stage, background planning, the switch,
 //!   the offload schedule).
 //! - `history.rs`: memory-history events and pending frees.
@@ -44,6 +45,7 @@
 //! `OffloadItem` (`plan.rs`).
 
 mod history;
+mod pause;
 mod plan;
 mod pools;
 mod settings;
@@ -52,7 +54,7 @@ mod stats;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard};
 
 use stweaver_core::engine::{
@@ -124,6 +126,9 @@ pub struct Core {
     /// The first device whose default engine opened: a rank's home device.
     first_opened: AtomicI32,
     iterations: AtomicU64,
+    /// The tag of allocations made from now on (`Core::set_tag`; 0: untagged), given to
+    /// engines as they open.
+    tag: AtomicU32,
     pending: Mutex<Vec<PendingFree>>,
     has_pending: AtomicBool,
     trace_flushed: AtomicBool,
@@ -156,6 +161,7 @@ impl Core {
             last_opened: AtomicI32::new(-1),
             first_opened: AtomicI32::new(-1),
             iterations: AtomicU64::new(0),
+            tag: AtomicU32::new(0),
             pending: Mutex::new(Vec::new()),
             has_pending: AtomicBool::new(false),
             trace_flushed: AtomicBool::new(false),
@@ -249,10 +255,12 @@ impl Core {
                 && is_default(pool),
             release_before_new_peak: self.settings.release_at_peak,
         };
-        Ok(Engine::new(
+        let engine = Engine::new(
             Tracked::new(mem, owner, self.shared.clone(), slot.budget.clone()),
             config,
-        )?)
+        )?;
+        engine.set_tag(self.tag.load(Ordering::SeqCst))?;
+        Ok(engine)
     }
 
     fn default_engine<'a>(&self, slot: &'a DeviceSlot) -> Result<&'a Engine<Tracked>> {
@@ -278,6 +286,10 @@ impl Core {
             }
         };
         let e = slot.default.get().ok_or(BridgeError::NotInitialised)?;
+        if opened_now {
+            // A `set_tag` between the engine's creation and now did not reach it.
+            e.set_tag(self.tag.load(Ordering::SeqCst))?;
+        }
         if opened_now && self.settings.mode == Mode::Plan {
             self.serve_file_plan(slot.ordinal, e);
         }

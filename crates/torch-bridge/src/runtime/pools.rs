@@ -56,6 +56,10 @@ impl Core {
                     },
                 );
                 self.private_pools.fetch_add(1, Ordering::AcqRel);
+                // A `set_tag` between the engine's creation and now did not reach it.
+                if let Some(p) = pools.get(&pool) {
+                    p.engine.set_tag(self.tag.load(Ordering::SeqCst))?;
+                }
             }
         }
         Ok(())

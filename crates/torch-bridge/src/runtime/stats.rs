@@ -322,8 +322,13 @@ impl Core {
                     Some(e) => e.plan_abandoned()?,
                     None => None,
                 };
+                // Pause / resume (issue #17): bytes paused now, and the tags paused (0:
+                // every tag, as `pause` takes them).
+                let (paused_bytes, paused_tags) = self.slot_paused(slot)?;
                 devices.push(serde_json::json!({
                     "device": slot.ordinal,
+                    "paused_bytes": paused_bytes,
+                    "paused_tags": paused_tags,
                     "plan": plan,
                     "plan_abandoned": abandoned,
                     "opened": opened,
