@@ -26,6 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use stweaver_core::testkit::audit::never_alias;
 
 use proptest::prelude::*;
 use stweaver_core::engine::{
@@ -831,9 +832,9 @@ impl Harness {
                         let p = ptr.get();
                         let len = size.div_ceil(512) * 512;
                         prop_assert_eq!(p % 512, 0);
-                        if let Some((&q, other)) = self.held.range(..p + len).next_back() {
+                        if let Err((q, other)) = never_alias(&self.held, |h| h.len, p, len) {
                             prop_assert!(
-                                q + other.len <= p,
+                                false,
                                 "new block {:#x}+{:#x} overlaps held block {:#x}+{:#x}",
                                 p,
                                 len,
@@ -983,13 +984,8 @@ impl Harness {
                         prop_assert_eq!(got, want, "restore re-creates the checkpoint");
                         for (b, h) in r.created.iter().zip(created) {
                             let (p, len) = (b.addr.get(), b.size.get());
-                            if let Some((&q, other)) = self.held.range(..p + len).next_back() {
-                                prop_assert!(
-                                    q + other.len <= p,
-                                    "re-created {:#x} overlaps {:#x}",
-                                    p,
-                                    q
-                                );
+                            if let Err((q, _)) = never_alias(&self.held, |h| h.len, p, len) {
+                                prop_assert!(false, "re-created {:#x} overlaps {:#x}", p, q);
                             }
                             let byte = (h % 255 + 1) as u8;
                             self.host.fill(b.addr, b.size, byte).unwrap();
