@@ -39,7 +39,8 @@ from gpubench.report import (  # noqa: E402,F401
     render_noise, render_step_rounds, _gib, _pct, _ratio, render_table, targets,
 )
 from gpubench.driver import (  # noqa: E402,F401
-    Pool, collect_result, cpu_split, parse_cpus, parse_rounds, Driver, next_probe, cap_summary,
+    child_env, Pool, collect_result, cpu_split, parse_cpus, parse_rounds, Driver, next_probe,
+    cap_summary,
 )
 from gpubench.cli import (  # noqa: E402,F401
     main,

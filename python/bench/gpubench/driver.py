@@ -22,6 +22,23 @@ from .stats import finalize_workload, noise_note, paired_ratios, round_times, st
 from .report import render_noise, render_step_rounds, render_table
 
 
+def child_env(kind: str) -> dict:
+    """The environment of a training child: no STWEAVER_* or allocator settings inherited,
+    expandable segments for `kind == "expandable"`, deterministic cuBLAS, python/ importable.
+    Shared with budget_bench.py."""
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("STWEAVER_") or k == "PYTORCH_CUDA_ALLOC_CONF":
+            del env[k]
+    if kind == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONPATH"] = PY_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 class Pool:
     """Children spawned ahead, per environment class (PYTORCH_CUDA_ALLOC_CONF differs). Each
     writes its ready file once its imports are done; `importing()` lists those still at it."""
@@ -31,17 +48,7 @@ class Pool:
         self.spare_cpus = spare_cpus
 
     def _env(self, kind: str) -> dict:
-        env = dict(os.environ)
-        for k in list(env):
-            if k.startswith("STWEAVER_") or k == "PYTORCH_CUDA_ALLOC_CONF":
-                del env[k]
-        if kind == "expandable":
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        env["PYTHONUNBUFFERED"] = "1"
-        env["TOKENIZERS_PARALLELISM"] = "false"
-        env["PYTHONPATH"] = PY_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        return env
+        return child_env(kind)
 
     def _spawn(self, kind: str):
         self.n += 1
