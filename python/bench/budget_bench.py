@@ -345,17 +345,7 @@ def child_main() -> int:
 
 
 def child_env(row: str) -> dict:
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith("STWEAVER_") or k == "PYTORCH_CUDA_ALLOC_CONF":
-            del env[k]
-    if row == "expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    env["PYTHONUNBUFFERED"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONPATH"] = PY_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    return gb.child_env(row)  # the same environment as gpu_bench's children
 
 
 def spawn(spec: dict, tmp: str, timeout: float) -> dict:

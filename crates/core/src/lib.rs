@@ -171,6 +171,8 @@ pub mod engine;
 pub mod file_format;
 pub mod plan;
 pub mod plan_file;
+#[cfg(any(test, feature = "testkit"))]
+pub mod testkit;
 pub mod trace;
 pub mod trace_file;
 pub mod units;

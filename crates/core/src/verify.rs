@@ -473,15 +473,7 @@ mod tests {
     use super::*;
     use crate::units::{DeviceId, StreamId};
 
-    fn req(size: u64, offset: u64, start: u64, end: u64) -> PlannedRequest {
-        PlannedRequest {
-            size: Bytes(size),
-            stream: StreamId(0),
-            offset: Offset(offset),
-            start,
-            end,
-        }
-    }
+    use crate::testkit::planned as req;
 
     fn plan(prologue: Vec<PlannedRequest>, p: u64, iteration: Vec<PlannedRequest>, l: u64) -> Plan {
         Plan {

@@ -26,6 +26,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use stweaver_core::testkit::audit::never_alias;
 
 use proptest::prelude::*;
 use stweaver_core::engine::{
@@ -819,6 +820,36 @@ impl Harness {
         Ok(())
     }
 
+    /// Holds `[p, p + len)` for model handle `h` (a new or a re-created block): no held
+    /// block overlaps it (invariant 1, never alias), and it is filled with `h`'s sentinel.
+    fn hold(&mut self, h: usize, p: u64, len: u64, what: &str) -> Result<(), TestCaseError> {
+        if let Err((q, other)) = never_alias(&self.held, |h| h.len, p, len) {
+            prop_assert!(
+                false,
+                "{} {:#x}+{:#x} overlaps held block {:#x}+{:#x}",
+                what,
+                p,
+                len,
+                q,
+                other.len
+            );
+        }
+        let byte = (h % 255 + 1) as u8;
+        self.host.fill(DevicePtr(p), Bytes(len), byte).unwrap();
+        self.held.insert(
+            p,
+            Held {
+                handle: h,
+                len,
+                byte,
+            },
+        );
+        self.ptr_of.insert(h, p);
+        self.live.push((h, p));
+        self.allocs += 1;
+        Ok(())
+    }
+
     fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
         self.check_pending()?;
         match *op {
@@ -831,29 +862,7 @@ impl Harness {
                         let p = ptr.get();
                         let len = size.div_ceil(512) * 512;
                         prop_assert_eq!(p % 512, 0);
-                        if let Some((&q, other)) = self.held.range(..p + len).next_back() {
-                            prop_assert!(
-                                q + other.len <= p,
-                                "new block {:#x}+{:#x} overlaps held block {:#x}+{:#x}",
-                                p,
-                                len,
-                                q,
-                                other.len
-                            );
-                        }
-                        let byte = (h % 255 + 1) as u8;
-                        self.host.fill(ptr, Bytes(len), byte).unwrap();
-                        self.held.insert(
-                            p,
-                            Held {
-                                handle: h,
-                                len,
-                                byte,
-                            },
-                        );
-                        self.ptr_of.insert(h, p);
-                        self.live.push((h, p));
-                        self.allocs += 1;
+                        self.hold(h, p, len, "new block")?;
                     }
                     (None, Err(EngineError::OutOfMemory { requested, .. })) => {
                         prop_assert_eq!(requested, Bytes(size));
@@ -982,28 +991,7 @@ impl Harness {
                             .collect();
                         prop_assert_eq!(got, want, "restore re-creates the checkpoint");
                         for (b, h) in r.created.iter().zip(created) {
-                            let (p, len) = (b.addr.get(), b.size.get());
-                            if let Some((&q, other)) = self.held.range(..p + len).next_back() {
-                                prop_assert!(
-                                    q + other.len <= p,
-                                    "re-created {:#x} overlaps {:#x}",
-                                    p,
-                                    q
-                                );
-                            }
-                            let byte = (h % 255 + 1) as u8;
-                            self.host.fill(b.addr, b.size, byte).unwrap();
-                            self.held.insert(
-                                p,
-                                Held {
-                                    handle: h,
-                                    len,
-                                    byte,
-                                },
-                            );
-                            self.ptr_of.insert(h, p);
-                            self.live.push((h, p));
-                            self.allocs += 1;
+                            self.hold(h, b.addr.get(), b.size.get(), "re-created block")?;
                         }
                         self.restores += 1;
                     }

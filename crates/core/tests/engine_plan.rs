@@ -18,6 +18,7 @@
 //!   and the engine keeps serving online.
 
 use std::collections::HashMap;
+use stweaver_core::testkit::audit::SentinelEngine;
 
 use stweaver_core::engine::{DevicePtr, EngineError, MemoryLimit, PlanOptions, PlanSection};
 use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
@@ -132,28 +133,26 @@ fn make_plan() -> Plan {
     plan
 }
 
-mod common;
-
 /// The checked engine (granules of 64 KiB, online arenas of 256 MiB), its requests all
 /// on stream `S`.
-struct Run(common::Checked);
+struct Run(SentinelEngine);
 
 impl std::ops::Deref for Run {
-    type Target = common::Checked;
-    fn deref(&self) -> &common::Checked {
+    type Target = SentinelEngine;
+    fn deref(&self) -> &SentinelEngine {
         &self.0
     }
 }
 
 impl std::ops::DerefMut for Run {
-    fn deref_mut(&mut self) -> &mut common::Checked {
+    fn deref_mut(&mut self) -> &mut SentinelEngine {
         &mut self.0
     }
 }
 
 impl Run {
     fn new() -> Run {
-        Run(common::Checked::new(G, 256 << 20))
+        Run(SentinelEngine::new(G, 256 << 20))
     }
 
     fn alloc(&mut self, size: u64) -> DevicePtr {

@@ -5,6 +5,7 @@
 
 use stweaver_core::engine::{DevicePtr, PlanOptions, PlanSection, steady_slice};
 use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
+use stweaver_core::testkit::audit::SentinelEngine;
 use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
 use stweaver_core::verify::verify_plan;
 
@@ -45,10 +46,8 @@ fn verified_plan(
     plan
 }
 
-mod common;
-
 /// Granules of 64 KiB, online arenas of 64 MiB.
-type Run = common::Checked;
+type Run = SentinelEngine;
 
 fn run() -> Run {
     Run::new(G, 64 << 20)

@@ -2,7 +2,7 @@
 //! plans (placed greedily, so the verifier accepts them), served for several iterations
 //! while streams pass their events late and at random, with stream waits on or refused
 //! at random. Checked at every step: no two live blocks overlap and every live block's
-//! sentinel is intact when freed (`common::Checked`); every allocation over memory whose
+//! sentinel is intact when freed (`SentinelEngine`); every allocation over memory whose
 //! free recorded events is on a stream ordered after each of them (passed, or waited
 //! for: `FakeEvents::ordered_after`); the engine's invariants. At the end, once every
 //! stream has passed everything: nothing active, and the pool's pending frees (fences
@@ -11,10 +11,9 @@
 use proptest::prelude::*;
 use stweaver_core::engine::PlanOptions;
 use stweaver_core::plan::{Plan, PlannedRequest};
+use stweaver_core::testkit::audit::SentinelEngine;
 use stweaver_core::units::{Bytes, DeviceId, Offset, StreamId};
 use stweaver_core::verify::verify_plan;
-
-mod common;
 
 const K: u64 = 1 << 10;
 
@@ -85,7 +84,7 @@ proptest! {
         iterations in 2usize..6,
     ) {
         let plan = greedy_plan(&specs);
-        let mut r = common::Checked::new(64 << 10, 64 << 20);
+        let mut r = SentinelEngine::new(64 << 10, 64 << 20);
         r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
         // Frees that recorded events: (start, end, recordings).
         let mut hazards: Vec<Hazard> = Vec::new();

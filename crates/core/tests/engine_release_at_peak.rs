@@ -1,13 +1,11 @@
 //! `EngineConfig::release_before_new_peak`: before an online arena grows past the peak of
 //! reserved memory, the free whole granules of its holes go back to the device first, so
 //! the peak rises only by what the holes could not cover. Checked on a host-memory device
-//! with sentinel bytes in every live block (tests/common), the engine's own invariants
+//! with sentinel bytes in every live block (`testkit::audit::SentinelEngine`), the engine's own invariants
 //! and exact stats.
 
-mod common;
-
-use common::Checked;
 use stweaver_core::engine::EngineConfig;
+use stweaver_core::testkit::audit::SentinelEngine as Checked;
 use stweaver_core::units::{Bytes, StreamId};
 
 const G: u64 = 1 << 20;

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
+use stweaver_core::testkit::audit::never_alias;
 
 use stweaver_core::engine::{DevicePtr, Engine, EngineConfig, HostMemory, MemoryLimit};
 use stweaver_core::{Bytes, StreamId};
@@ -39,11 +40,8 @@ type Live = Arc<Mutex<BTreeMap<u64, (u64, usize)>>>;
 
 fn claim(live: &Live, p: u64, len: u64, who: usize) {
     let mut m = live.lock().unwrap();
-    if let Some((&q, &(qlen, other))) = m.range(..p + len).next_back() {
-        assert!(
-            q + qlen <= p,
-            "thread {who}: {p:#x}+{len:#x} overlaps {q:#x}+{qlen:#x} of thread {other}"
-        );
+    if let Err((q, &(qlen, other))) = never_alias(&m, |&(l, _)| l, p, len) {
+        panic!("thread {who}: {p:#x}+{len:#x} overlaps {q:#x}+{qlen:#x} of thread {other}");
     }
     m.insert(p, (len, who));
 }

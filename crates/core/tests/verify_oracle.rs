@@ -3,17 +3,9 @@
 
 use proptest::prelude::*;
 use stweaver_core::verify::verify_plan;
-use stweaver_core::{Bytes, DeviceId, NEVER_FREED, Offset, Plan, PlannedRequest, StreamId};
+use stweaver_core::{Bytes, DeviceId, NEVER_FREED, Plan};
 
-fn req(size: u64, offset: u64, start: u64, end: u64) -> PlannedRequest {
-    PlannedRequest {
-        size: Bytes(size),
-        stream: StreamId(0),
-        offset: Offset(offset),
-        start,
-        end,
-    }
-}
+use stweaver_core::testkit::planned as req;
 
 /// Pairwise check over `k` iterations: true when no two live requests overlap.
 fn brute_force_ok(plan: &Plan, k: u64) -> bool {

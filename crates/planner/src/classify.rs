@@ -550,46 +550,10 @@ fn aperiodic(trace: &Trace, total: u64, life: &[(u64, Option<u64>)]) -> Classifi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stweaver_core::{Allocation, Bytes, Event, StreamId};
+    use stweaver_core::Bytes;
+    use stweaver_core::testkit::TraceBuilder;
 
-    /// A trace builder: `alloc(size)` returns the id; `free(id)` emits both frees.
-    #[derive(Default)]
-    struct B {
-        t: Trace,
-    }
-
-    impl B {
-        fn alloc(&mut self, size: u64) -> AllocId {
-            let id = AllocId(self.t.allocations.len() as u32);
-            self.t.allocations.push(Allocation {
-                size: Bytes(size),
-                stream: StreamId(0),
-                addr: 0,
-                preexisting: false,
-            });
-            self.ev(EventKind::Alloc(id));
-            id
-        }
-        fn free(&mut self, id: AllocId) {
-            self.ev(EventKind::FreeRequested(id));
-            self.ev(EventKind::FreeCompleted(id));
-        }
-        fn marker(&mut self, kind: MarkerKind, label: &str) {
-            self.t.labels.push(label.to_owned());
-            let l = self.t.labels.len() as u32 - 1;
-            self.ev(EventKind::Marker {
-                kind,
-                label: Some(l),
-            });
-        }
-        fn ev(&mut self, kind: EventKind) {
-            self.t.events.push(Event { kind, time_us: 0 });
-        }
-        fn done(self) -> Trace {
-            self.t.validate().expect("valid test trace");
-            self.t
-        }
-    }
+    type B = TraceBuilder;
 
     #[test]
     fn plan_clock_skips_markers() {

@@ -446,58 +446,9 @@ fn aligned_start(seq: &RequestSequence, trace: &Trace, earliest: usize, p: usize
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stweaver_core::{AllocId, Allocation, Bytes, DeviceId, Event, StreamId};
+    use stweaver_core::testkit::TraceBuilder;
 
-    /// A trace builder: `alloc(size)` returns the id; `free(id)` emits both frees.
-    #[derive(Default)]
-    struct B {
-        t: Trace,
-    }
-
-    impl B {
-        fn alloc(&mut self, size: u64) -> AllocId {
-            let id = AllocId(self.t.allocations.len() as u32);
-            self.t.allocations.push(Allocation {
-                size: Bytes(size),
-                stream: StreamId(0),
-                addr: 0,
-                preexisting: false,
-            });
-            self.ev(EventKind::Alloc(id));
-            id
-        }
-        fn free(&mut self, id: AllocId) {
-            self.ev(EventKind::FreeRequested(id));
-            self.ev(EventKind::FreeCompleted(id));
-        }
-        fn marker(&mut self, kind: MarkerKind, label: &str) {
-            let l = match self.t.labels.iter().position(|x| x == label) {
-                Some(l) => l,
-                None => {
-                    self.t.labels.push(label.to_owned());
-                    self.t.labels.len() - 1
-                }
-            };
-            self.ev(EventKind::Marker {
-                kind,
-                label: Some(l as u32),
-            });
-        }
-        fn ev(&mut self, kind: EventKind) {
-            self.t.events.push(Event { kind, time_us: 0 });
-        }
-        /// One "iteration": activations of `sizes`, freed in reverse.
-        fn iteration(&mut self, sizes: &[u64]) {
-            let ids: Vec<AllocId> = sizes.iter().map(|&s| self.alloc(s)).collect();
-            for id in ids.into_iter().rev() {
-                self.free(id);
-            }
-        }
-        fn done(self) -> Trace {
-            self.t.validate().expect("valid test trace");
-            self.t
-        }
-    }
+    type B = TraceBuilder;
 
     #[test]
     fn z_function_matches_definition() {
@@ -511,19 +462,14 @@ mod tests {
 
     #[test]
     fn prologue_then_repeated_iterations() {
-        let mut b = B {
-            t: Trace {
-                device: DeviceId(0),
-                ..Trace::default()
-            },
-        };
+        let mut b = B::new();
         // Prologue: parameters (never freed) and a different first iteration.
         for s in [100, 200, 300] {
             b.alloc(s);
         }
-        b.iteration(&[7, 8, 9, 10]);
+        b.activations(&[7, 8, 9, 10]);
         for _ in 0..4 {
-            b.iteration(&[1, 2, 3, 2, 1]);
+            b.activations(&[1, 2, 3, 2, 1]);
         }
         let t = b.done();
         let p = detect_period(&t).expect("periodic");
@@ -544,11 +490,11 @@ mod tests {
         // A prologue tensor freed in the first steady iteration, where later iterations
         // free the previous iteration's leftover (at another age).
         let mut carry = b.alloc(99);
-        b.iteration(&[5, 6, 7]);
+        b.activations(&[5, 6, 7]);
         for _ in 0..4 {
             b.alloc(1);
             b.free(carry);
-            b.iteration(&[2, 3]);
+            b.activations(&[2, 3]);
             carry = b.alloc(4);
         }
         let p = detect_period(&b.done()).expect("periodic");
@@ -562,7 +508,7 @@ mod tests {
     fn sizes_changing_every_iteration_have_no_period() {
         let mut b = B::default();
         for it in 0..6u64 {
-            b.iteration(&[1, 2, 3 + it, 4, 5]);
+            b.activations(&[1, 2, 3 + it, 4, 5]);
         }
         assert_eq!(detect_period(&b.done()), None);
     }
@@ -589,9 +535,9 @@ mod tests {
     #[test]
     fn too_few_repetitions_is_none() {
         let mut b = B::default();
-        b.iteration(&[5, 6, 7]);
-        b.iteration(&[1, 2, 3]);
-        b.iteration(&[1, 2, 3]);
+        b.activations(&[5, 6, 7]);
+        b.activations(&[1, 2, 3]);
+        b.activations(&[1, 2, 3]);
         // Two repetitions (and the frees of the first iteration): accepted by default...
         let t = b.done();
         assert_eq!(detect_period(&t).map(|p| p.repetitions), Some(2));
@@ -610,15 +556,15 @@ mod tests {
         // looks like any other; the periodic suffix starts before the first step END.
         for it in 0..4 {
             if it == 0 {
-                b.iteration(&[50, 60]);
+                b.activations(&[50, 60]);
             } else {
-                b.iteration(&[1, 2, 3]);
+                b.activations(&[1, 2, 3]);
             }
             b.marker(MarkerKind::PhaseBegin, "Optimizer.step#AdamW.step");
-            b.iteration(&[4, 4]);
+            b.activations(&[4, 4]);
             b.marker(MarkerKind::PhaseEnd, "Optimizer.step#AdamW.step");
         }
-        b.iteration(&[1, 2, 3]); // an incomplete fifth iteration
+        b.activations(&[1, 2, 3]); // an incomplete fifth iteration
         let t = b.done();
         let p = detect_period(&t).expect("periodic");
         assert_eq!(p.allocs_per_iteration, 5);
@@ -646,11 +592,11 @@ mod tests {
     fn explicit_iteration_markers_win() {
         let mut b = B::default();
         b.marker(MarkerKind::IterationBegin, "it");
-        b.iteration(&[9, 9, 9]);
+        b.activations(&[9, 9, 9]);
         for _ in 0..3 {
             b.marker(MarkerKind::IterationBegin, "it");
-            b.iteration(&[1, 2]);
-            b.iteration(&[3]);
+            b.activations(&[1, 2]);
+            b.activations(&[3]);
         }
         b.marker(MarkerKind::IterationBegin, "it");
         let t = b.done();
@@ -663,7 +609,7 @@ mod tests {
         let mut b = B::default();
         for it in 0..4u64 {
             b.marker(MarkerKind::IterationBegin, "it");
-            b.iteration(&[1, 2 + it]);
+            b.activations(&[1, 2 + it]);
         }
         b.marker(MarkerKind::IterationBegin, "it");
         assert_eq!(detect_period(&b.done()), None);

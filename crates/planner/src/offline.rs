@@ -102,26 +102,15 @@ impl StweaverRow for OfflinePlanRow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stweaver_core::{AllocId, Allocation, Event, EventKind, StreamId};
+    use stweaver_core::testkit::TraceBuilder;
 
     fn t() -> Trace {
-        let mut t = Trace::default();
-        for (size, pre) in [(1000u64, true), (3000, false), (5000, false)] {
-            t.allocations.push(Allocation {
-                size: Bytes(size),
-                stream: StreamId(0),
-                addr: 0,
-                preexisting: pre,
-            });
-        }
-        let ev = |kind| Event { kind, time_us: 0 };
-        t.events = vec![
-            ev(EventKind::Alloc(AllocId(1))),
-            ev(EventKind::FreeRequested(AllocId(0))),
-            ev(EventKind::FreeCompleted(AllocId(0))),
-            ev(EventKind::Alloc(AllocId(2))),
-        ];
-        t
+        let mut b = TraceBuilder::new();
+        let pre = b.preexisting(1000);
+        b.alloc(3000);
+        b.free(pre);
+        b.alloc(5000);
+        b.build()
     }
 
     #[test]

@@ -638,46 +638,25 @@ pub fn steady_lower_bound(trace: &Trace, c: &Classification) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stweaver_core::{AllocId, Allocation, Event, EventKind, StreamId};
+    use stweaver_core::testkit::TraceBuilder;
 
     /// Parameters, a first iteration whose gradient lives into the steady state, then
     /// steady iterations with activations and a gradient crossing the boundary.
     fn trace() -> Trace {
-        let mut t = Trace::default();
-        let alloc = |t: &mut Trace, size: u64| {
-            let id = AllocId(t.allocations.len() as u32);
-            t.allocations.push(Allocation {
-                size: Bytes(size),
-                stream: StreamId(0),
-                addr: 0,
-                preexisting: false,
-            });
-            t.events.push(Event {
-                kind: EventKind::Alloc(id),
-                time_us: 0,
-            });
-            id
-        };
-        let free = |t: &mut Trace, id: AllocId| {
-            t.events.push(Event {
-                kind: EventKind::FreeCompleted(id),
-                time_us: 0,
-            });
-        };
-        alloc(&mut t, 1 << 20);
-        let warm = alloc(&mut t, 9000);
-        let mut grad = alloc(&mut t, 1 << 19);
-        free(&mut t, warm);
+        let mut b = TraceBuilder::new();
+        b.alloc(1 << 20);
+        let warm = b.alloc(9000);
+        let mut grad = b.alloc(1 << 19);
+        b.free_completed(warm);
         for _ in 0..4 {
-            let a = alloc(&mut t, 1 << 18);
-            free(&mut t, grad);
-            let b = alloc(&mut t, 3 << 16);
-            free(&mut t, b);
-            free(&mut t, a);
-            grad = alloc(&mut t, 1 << 19);
+            let a = b.alloc(1 << 18);
+            b.free_completed(grad);
+            let t = b.alloc(3 << 16);
+            b.free_completed(t);
+            b.free_completed(a);
+            grad = b.alloc(1 << 19);
         }
-        t.validate().unwrap();
-        t
+        b.done()
     }
 
     /// Both steady-state layouts give plans that pass the verifier and the coverage check.

@@ -315,30 +315,18 @@ impl Comparison {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stweaver_core::{AllocId, Allocation, Event, EventKind, StreamId};
+    use stweaver_core::testkit::TraceBuilder;
 
     const M: u64 = 1 << 20;
 
     fn trace() -> Trace {
         // 5 MiB and 30 MiB live together, then 30 MiB freed and a 12 MiB request.
-        let sizes = [5 * M, 30 * M, 12 * M];
-        let mut t = Trace::default();
-        for s in sizes {
-            t.allocations.push(Allocation {
-                size: Bytes(s),
-                stream: StreamId(0),
-                addr: 0,
-                preexisting: false,
-            });
-        }
-        let ev = |kind| Event { kind, time_us: 0 };
-        t.events = vec![
-            ev(EventKind::Alloc(AllocId(0))),
-            ev(EventKind::Alloc(AllocId(1))),
-            ev(EventKind::FreeCompleted(AllocId(1))),
-            ev(EventKind::Alloc(AllocId(2))),
-        ];
-        t
+        let mut b = TraceBuilder::new();
+        b.alloc(5 * M);
+        let big = b.alloc(30 * M);
+        b.free_completed(big);
+        b.alloc(12 * M);
+        b.build()
     }
 
     struct Fixed(Bytes);

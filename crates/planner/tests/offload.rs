@@ -5,65 +5,22 @@
 
 use proptest::prelude::*;
 use stweaver_core::plan_file::{plan_from_bytes, plan_to_bytes};
+use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::verify::verify_plan;
-use stweaver_core::{
-    AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, StreamId, Trace,
-};
+use stweaver_core::{Bytes, EventKind, MarkerKind, Trace};
 use stweaver_planner::classify::{Steady, classify};
 use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
 use stweaver_planner::offload::{OffloadError, OffloadOptions, Timing, plan_with_budget};
 
 const MIB: u64 = 1 << 20;
 
-/// A trace builder; every event is `step_us` after the previous one.
-struct B {
-    t: Trace,
-    now: u64,
-    step_us: u64,
-}
-
-impl B {
-    fn new(step_us: u64) -> Self {
-        B {
-            t: Trace {
-                device: DeviceId(0),
-                ..Trace::default()
-            },
-            now: 1_700_000_000_000_000,
-            step_us,
-        }
-    }
-    fn ev(&mut self, kind: EventKind) {
-        self.now += self.step_us;
-        self.t.events.push(Event {
-            kind,
-            time_us: if self.step_us == 0 { 0 } else { self.now },
-        });
-    }
-    fn alloc(&mut self, size: u64) -> AllocId {
-        let id = AllocId(self.t.allocations.len() as u32);
-        self.t.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(0),
-            addr: 0,
-            preexisting: false,
-        });
-        self.ev(EventKind::Alloc(id));
-        id
-    }
-    fn free(&mut self, id: AllocId) {
-        self.ev(EventKind::FreeRequested(id));
-        self.ev(EventKind::FreeCompleted(id));
-    }
-    fn iteration(&mut self) {
-        self.ev(EventKind::Marker {
-            kind: MarkerKind::IterationBegin,
-            label: None,
-        });
-    }
-    fn done(self) -> Trace {
-        self.t.validate().expect("valid test trace");
-        self.t
+/// A trace builder whose every event is `step_us` after the previous one (all at time 0
+/// when `step_us` is 0).
+fn builder(step_us: u64) -> TraceBuilder {
+    if step_us == 0 {
+        TraceBuilder::new()
+    } else {
+        TraceBuilder::with_clock(1_700_000_000_000_000, step_us)
     }
 }
 
@@ -80,12 +37,12 @@ struct Shape {
 }
 
 fn build(s: &Shape, step_us: u64, with_packs: bool) -> Trace {
-    let mut b = B::new(step_us);
+    let mut b = builder(step_us);
     for &p in &s.persistent {
         b.alloc(p);
     }
     for _ in 0..s.iterations {
-        b.iteration();
+        b.iteration_begin();
         let mut ids = Vec::new();
         for &(size, saved) in &s.acts {
             let id = b.alloc(size);
@@ -256,10 +213,10 @@ fn a_slow_link_stalls_and_event_counts_time_a_trace_without_times() {
     // Per iteration: `a` (8 MiB) saved early, 30 ms of small work, a 64 MiB temporary
     // (the peak), `b` saved 1 ms before backward unpacks `a`. At 1 GB/s the copy out
     // of `a` (8.4 ms) is done before the peak, but the copy back cannot be: a stall.
-    let mut bld = B::new(1000);
+    let mut bld = builder(1000);
     bld.alloc(32 * MIB);
     for _ in 0..3 {
-        bld.iteration();
+        bld.iteration_begin();
         let a = bld.alloc(8 * MIB);
         bld.ev(EventKind::SavedPack(a));
         for _ in 0..10 {

@@ -4,10 +4,9 @@
 use std::process::{Command, Output};
 
 use stweaver_core::plan_file::read_plan_file;
+use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::write_trace_file;
-use stweaver_core::{
-    AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, StreamId, Trace,
-};
+use stweaver_core::{Bytes, Trace};
 
 const MIB: u64 = 1 << 20;
 
@@ -30,62 +29,32 @@ fn text(o: &Output) -> String {
 /// and unpacked in reverse in backward, a 4 MiB temporary per layer; 1 ms per event.
 /// Without packs: the same allocations, as a PyTorch snapshot would have them.
 fn trace(with_packs: bool) -> Trace {
-    let mut t = Trace {
-        device: DeviceId(0),
-        ..Trace::default()
-    };
-    let mut now = 1_700_000_000_000_000u64;
-    let mut ev = |t: &mut Trace, kind: EventKind| {
-        now += 1000;
-        t.events.push(Event { kind, time_us: now });
-    };
-    let alloc = |t: &mut Trace, ev: &mut dyn FnMut(&mut Trace, EventKind), size: u64| {
-        let id = AllocId(t.allocations.len() as u32);
-        t.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(0),
-            addr: 0,
-            preexisting: false,
-        });
-        ev(t, EventKind::Alloc(id));
-        id
-    };
-    let free = |t: &mut Trace, ev: &mut dyn FnMut(&mut Trace, EventKind), id: AllocId| {
-        ev(t, EventKind::FreeRequested(id));
-        ev(t, EventKind::FreeCompleted(id));
-    };
+    let mut b = TraceBuilder::with_clock(1_700_000_000_000_000, 1000);
     for _ in 0..12 {
-        alloc(&mut t, &mut ev, 8 * MIB);
+        b.alloc(8 * MIB);
     }
     for _ in 0..4 {
-        ev(
-            &mut t,
-            EventKind::Marker {
-                kind: MarkerKind::IterationBegin,
-                label: None,
-            },
-        );
+        b.iteration_begin();
         let mut acts = Vec::new();
         for _ in 0..8 {
-            let a = alloc(&mut t, &mut ev, 32 * MIB);
+            let a = b.alloc(32 * MIB);
             if with_packs {
-                ev(&mut t, EventKind::SavedPack(a));
+                b.saved_pack(a);
             }
-            let tmp = alloc(&mut t, &mut ev, 4 * MIB);
-            free(&mut t, &mut ev, tmp);
+            let tmp = b.alloc(4 * MIB);
+            b.free(tmp);
             acts.push(a);
         }
         for a in acts.into_iter().rev() {
             if with_packs {
-                ev(&mut t, EventKind::SavedUnpack(a));
+                b.saved_unpack(a);
             }
-            let tmp = alloc(&mut t, &mut ev, 4 * MIB);
-            free(&mut t, &mut ev, tmp);
-            free(&mut t, &mut ev, a);
+            let tmp = b.alloc(4 * MIB);
+            b.free(tmp);
+            b.free(a);
         }
     }
-    t.validate().unwrap();
-    t
+    b.done()
 }
 
 #[test]

@@ -5,8 +5,9 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::write_trace_file;
-use stweaver_core::{AllocId, Allocation, Bytes, DeviceId, Event, EventKind, StreamId, Trace};
+use stweaver_core::{AllocId, DeviceId, Trace};
 
 fn stweaver(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_stweaver"))
@@ -26,41 +27,19 @@ fn text(o: &Output) -> String {
 /// Parameters, then `iterations` iterations of activations freed in reverse; `scale`
 /// changes the sizes (another workload).
 fn loop_trace(device: i32, iterations: usize, scale: u64) -> Trace {
-    let mut t = Trace {
-        device: DeviceId(device),
-        ..Trace::default()
-    };
-    let alloc = |t: &mut Trace, size: u64| {
-        let id = AllocId(t.allocations.len() as u32);
-        t.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(7),
-            addr: 0,
-            preexisting: false,
-        });
-        t.events.push(Event {
-            kind: EventKind::Alloc(id),
-            time_us: 0,
-        });
-        id
-    };
-    let free = |t: &mut Trace, id: AllocId| {
-        for kind in [EventKind::FreeRequested(id), EventKind::FreeCompleted(id)] {
-            t.events.push(Event { kind, time_us: 0 });
-        }
-    };
-    alloc(&mut t, 1 << 20);
+    let mut b = TraceBuilder::new();
+    b.trace.device = DeviceId(device);
+    b.alloc_on(1 << 20, 7);
     for _ in 0..iterations {
         let ids: Vec<AllocId> = [3000, 1 << 16, 5 << 10]
             .iter()
-            .map(|&s| alloc(&mut t, s * scale))
+            .map(|&s| b.alloc_on(s * scale, 7))
             .collect();
         for id in ids.into_iter().rev() {
-            free(&mut t, id);
+            b.free(id);
         }
     }
-    t.validate().unwrap();
-    t
+    b.done()
 }
 
 fn write(dir: &Path, name: &str, t: &Trace) -> String {
@@ -173,24 +152,12 @@ fn csv_only_options_are_refused_for_traces_and_vice_versa() {
 #[test]
 fn a_plan_of_shapes_that_never_repeat_is_flagged_for_plan_mode() {
     let dir = tempfile::tempdir().unwrap();
-    let mut t = Trace::default();
+    let mut b = TraceBuilder::new();
     for k in 0..12u64 {
-        let id = AllocId(k as u32);
-        t.allocations.push(Allocation {
-            size: Bytes(512 * (k + 1) * (k + 3)),
-            stream: StreamId(7),
-            addr: 0,
-            preexisting: false,
-        });
-        for kind in [
-            EventKind::Alloc(id),
-            EventKind::FreeRequested(id),
-            EventKind::FreeCompleted(id),
-        ] {
-            t.events.push(Event { kind, time_us: 0 });
-        }
+        let id = b.alloc_on(512 * (k + 1) * (k + 3), 7);
+        b.free(id);
     }
-    t.validate().unwrap();
+    let t = b.done();
     let trace = write(dir.path(), "aperiodic.stwt", &t);
     let plan = dir.path().join("aperiodic.stwp").display().to_string();
     let o = stweaver(&["plan", &trace, "-o", &plan, "--json"]);

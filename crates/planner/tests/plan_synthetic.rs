@@ -4,63 +4,18 @@
 
 use proptest::prelude::*;
 use stweaver_core::plan_file::{plan_from_bytes, plan_to_bytes, read_plan_file, write_plan_file};
+use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::trace_digest;
 use stweaver_core::verify::verify_plan;
 use stweaver_core::{
-    AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, NEVER_FREED, StreamId,
-    Trace,
+    AllocId, Allocation, Bytes, DeviceId, MarkerKind, NEVER_FREED, StreamId, Trace,
 };
 use stweaver_planner::classify::{AllocClass, DynamicReason, Steady, classify};
 use stweaver_planner::planning::{
     ALIGNMENT, CoverageProblem, Layout, PlanOptions, check_coverage, plan_trace,
 };
 
-/// A trace builder: `alloc(size)` returns the id; `free(id)` emits both frees.
-#[derive(Default)]
-struct B {
-    t: Trace,
-}
-
-impl B {
-    fn alloc_on(&mut self, size: u64, stream: u64) -> AllocId {
-        let id = AllocId(self.t.allocations.len() as u32);
-        self.t.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(stream),
-            addr: 0,
-            preexisting: false,
-        });
-        self.ev(EventKind::Alloc(id));
-        id
-    }
-    fn alloc(&mut self, size: u64) -> AllocId {
-        self.alloc_on(size, 0)
-    }
-    fn free(&mut self, id: AllocId) {
-        self.ev(EventKind::FreeRequested(id));
-        self.ev(EventKind::FreeCompleted(id));
-    }
-    fn marker(&mut self, kind: MarkerKind, label: &str) {
-        let l = match self.t.labels.iter().position(|x| x == label) {
-            Some(l) => l,
-            None => {
-                self.t.labels.push(label.to_owned());
-                self.t.labels.len() - 1
-            }
-        };
-        self.ev(EventKind::Marker {
-            kind,
-            label: Some(l as u32),
-        });
-    }
-    fn ev(&mut self, kind: EventKind) {
-        self.t.events.push(Event { kind, time_us: 0 });
-    }
-    fn done(self) -> Trace {
-        self.t.validate().expect("valid test trace");
-        self.t
-    }
-}
+type B = TraceBuilder;
 
 fn opts() -> PlanOptions {
     PlanOptions::default()

@@ -3,60 +3,14 @@
 //! normalises to that run, the budget plan of both is identical, and it moves fewer
 //! bytes than the threshold did. Links survive the trace file.
 
+use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::{trace_digest, trace_from_bytes, trace_to_bytes};
-use stweaver_core::{
-    AllocId, Allocation, Bytes, DeviceId, Event, EventKind, MarkerKind, Restore, StreamId, Trace,
-    TraceError,
-};
+use stweaver_core::{AllocId, Bytes, EventKind, MarkerKind, Restore, Trace, TraceError};
 use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
 use stweaver_planner::planning::plan_trace;
 use stweaver_planner::unoffload::un_offload;
 
 const MIB: u64 = 1 << 20;
-
-/// A trace builder with a clock that also ticks for the events one variant skips, so
-/// both variants stamp the events they share alike.
-struct B {
-    t: Trace,
-    now: u64,
-}
-
-impl B {
-    fn new() -> Self {
-        B {
-            t: Trace {
-                device: DeviceId(0),
-                ..Trace::default()
-            },
-            now: 1_700_000_000_000_000,
-        }
-    }
-    fn ev(&mut self, kind: EventKind) {
-        self.now += 1000;
-        self.t.events.push(Event {
-            kind,
-            time_us: self.now,
-        });
-    }
-    fn skip(&mut self) {
-        self.now += 1000;
-    }
-    fn alloc(&mut self, size: u64) -> AllocId {
-        let id = AllocId(self.t.allocations.len() as u32);
-        self.t.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(0),
-            addr: 0,
-            preexisting: false,
-        });
-        self.ev(EventKind::Alloc(id));
-        id
-    }
-    fn free(&mut self, id: AllocId) {
-        self.ev(EventKind::FreeRequested(id));
-        self.ev(EventKind::FreeCompleted(id));
-    }
-}
 
 /// Activations saved in forward (64 MiB, and a 1 MiB one per layer under the
 /// threshold), unpacked in reverse in backward, over 288 MiB persistent; with
@@ -65,7 +19,9 @@ impl B {
 /// copy back before its unpack, and a restore link.
 fn run(threshold: Option<u64>) -> Trace {
     let layers = 12;
-    let mut b = B::new();
+    // A clock that also ticks for the events one variant skips, so both variants stamp
+    // the events they share alike.
+    let mut b = TraceBuilder::with_clock(1_700_000_000_000_000, 1000);
     for _ in 0..36 {
         b.alloc(8 * MIB);
     }
@@ -95,10 +51,7 @@ fn run(threshold: Option<u64>) -> Trace {
         for &(id, size, out) in saved.iter().rev() {
             let cur = if out {
                 let back = b.alloc(size);
-                b.t.restores.push(Restore {
-                    from: id,
-                    into: back,
-                });
+                b.restore(id, back);
                 back
             } else {
                 b.skip();
@@ -114,8 +67,7 @@ fn run(threshold: Option<u64>) -> Trace {
             b.free(g);
         }
     }
-    b.t.validate().expect("valid test trace");
-    b.t
+    b.done()
 }
 
 #[test]

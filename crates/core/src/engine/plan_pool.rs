@@ -182,15 +182,7 @@ mod tests {
     use crate::units::DeviceId;
     use crate::verify::verify_plan;
 
-    fn req(size: u64, offset: u64, start: u64, end: u64, stream: u64) -> PlannedRequest {
-        PlannedRequest {
-            size: Bytes(size),
-            stream: StreamId(stream),
-            offset: Offset(offset),
-            start,
-            end,
-        }
-    }
+    use crate::testkit::planned_on as req;
 
     #[test]
     fn the_slice_squeezes_out_the_persistent_room_and_stays_valid() {

@@ -349,15 +349,7 @@ mod tests {
     use crate::plan::NEVER_FREED;
     use crate::verify::PlanViolation;
 
-    fn req(size: u64, offset: u64, start: u64, end: u64) -> PlannedRequest {
-        PlannedRequest {
-            size: Bytes(size),
-            stream: StreamId(0),
-            offset: Offset(offset),
-            start,
-            end,
-        }
-    }
+    use crate::testkit::planned as req;
 
     fn small() -> Plan {
         Plan {

@@ -3,55 +3,31 @@
 //! the allocator invariants (§6.12, block links) after every event.
 
 use proptest::prelude::*;
-use stweaver_core::{Allocation, DeviceId, Event, StreamId};
+use stweaver_core::DeviceId;
+use stweaver_core::testkit::TraceBuilder;
 
 use super::*;
 
 const M: u64 = MIB;
 
+/// A hand-made trace ([`TraceBuilder`], through `Deref`) and its replay.
 #[derive(Default)]
-struct T {
-    trace: Trace,
+struct T(TraceBuilder);
+
+impl std::ops::Deref for T {
+    type Target = TraceBuilder;
+    fn deref(&self) -> &TraceBuilder {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for T {
+    fn deref_mut(&mut self) -> &mut TraceBuilder {
+        &mut self.0
+    }
 }
 
 impl T {
-    fn alloc_on(&mut self, size: u64, stream: u64) -> AllocId {
-        let id = AllocId(self.trace.allocations.len() as u32);
-        self.trace.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(stream),
-            addr: 0,
-            preexisting: false,
-        });
-        self.ev(EventKind::Alloc(id));
-        id
-    }
-    fn alloc(&mut self, size: u64) -> AllocId {
-        self.alloc_on(size, 0)
-    }
-    fn pre(&mut self, size: u64) -> AllocId {
-        let id = AllocId(self.trace.allocations.len() as u32);
-        self.trace.allocations.push(Allocation {
-            size: Bytes(size),
-            stream: StreamId(0),
-            addr: 0,
-            preexisting: true,
-        });
-        id
-    }
-    fn ev(&mut self, kind: EventKind) {
-        self.trace.events.push(Event { kind, time_us: 0 });
-    }
-    fn free(&mut self, id: AllocId) {
-        self.ev(EventKind::FreeRequested(id));
-        self.ev(EventKind::FreeCompleted(id));
-    }
-    fn free_req(&mut self, id: AllocId) {
-        self.ev(EventKind::FreeRequested(id));
-    }
-    fn free_done(&mut self, id: AllocId) {
-        self.ev(EventKind::FreeCompleted(id));
-    }
     fn run(&self, conf: &str) -> ReplayStats {
         self.run_with(conf, &ReplayOptions::default())
             .expect("replay")
@@ -184,9 +160,9 @@ fn frees_coalesce_neighbours() {
 fn pending_frees_are_not_reused_until_completed() {
     let mut t = T::default();
     let a = t.alloc(20 * M);
-    t.free_req(a);
+    t.free_requested(a);
     let b = t.alloc(20 * M); // a's block waits on events: new segment
-    t.free_done(a);
+    t.free_completed(a);
     let c = t.alloc(20 * M); // now a's block is back
     t.free(b);
     t.free(c);
@@ -199,17 +175,17 @@ fn pending_frees_are_not_reused_until_completed() {
     // Without a FreeCompleted event the block returns at FreeRequested.
     let mut t = T::default();
     let a = t.alloc(20 * M);
-    t.free_req(a);
+    t.free_requested(a);
     let b = t.alloc(20 * M);
-    t.free_req(b);
+    t.free_requested(b);
     assert_eq!(t.run("").peak_reserved, Bytes(20 * M));
 }
 
 #[test]
 fn preexisting_allocations_are_placed_first_in_id_order() {
     let mut t = T::default();
-    let p0 = t.pre(5 * M);
-    let _p1 = t.pre(5 * M);
+    let p0 = t.preexisting(5 * M);
+    let _p1 = t.preexisting(5 * M);
     let a = t.alloc(8 * M); // fits the 10 MiB left of the preexisting segment
     t.free(a);
     t.free(p0);
@@ -300,9 +276,9 @@ fn device_limit_releases_cached_segments_and_retries() {
 fn oom_retry_drains_pending_frees() {
     let mut t = T::default();
     let a = t.alloc(30 * M);
-    t.free_req(a);
+    t.free_requested(a);
     let b = t.alloc(30 * M); // a still pending; 60 > 40: sync events, reuse a's segment
-    t.free_done(a); // already returned: ignored
+    t.free_completed(a); // already returned: ignored
     t.free(b);
     let opts = ReplayOptions {
         capacity: Some(Bytes(40 * M)),
@@ -555,18 +531,18 @@ fn arb_trace() -> impl Strategy<Value = Trace> {
                 }
                 8 if !live.is_empty() => {
                     let id = live.swap_remove(pick as usize % live.len());
-                    t.free_req(id);
+                    t.free_requested(id);
                     pending.push(id);
                 }
                 9 if !pending.is_empty() => {
                     let id = pending.swap_remove(pick as usize % pending.len());
-                    t.free_done(id);
+                    t.free_completed(id);
                 }
                 _ => live.push(t.alloc_on(size, stream)),
             }
         }
         t.trace.device = DeviceId(0);
-        t.trace
+        t.0.build()
     })
 }
 

@@ -360,28 +360,17 @@ pub(crate) fn pixel_rects(panel: &Panel, w: u32, h: u32, y_max: u64) -> Vec<PixR
 mod tests {
     use super::*;
     use crate::replay::{AllocatorConfig, ReplayOptions, replay};
-    use stweaver_core::{Allocation, Event, EventKind, StreamId};
+    use stweaver_core::testkit::TraceBuilder;
 
     const M: u64 = 1 << 20;
 
     fn trace() -> Trace {
-        let mut t = Trace::default();
-        for s in [30 * M, 5 * M, 512] {
-            t.allocations.push(Allocation {
-                size: Bytes(s),
-                stream: StreamId(0),
-                addr: 0,
-                preexisting: false,
-            });
-        }
-        let ev = |kind| Event { kind, time_us: 0 };
-        t.events = vec![
-            ev(EventKind::Alloc(AllocId(0))),
-            ev(EventKind::Alloc(AllocId(1))),
-            ev(EventKind::Alloc(AllocId(2))),
-            ev(EventKind::FreeCompleted(AllocId(1))),
-        ];
-        t
+        let mut b = TraceBuilder::new();
+        b.alloc(30 * M);
+        let mid = b.alloc(5 * M);
+        b.alloc(512);
+        b.free_completed(mid);
+        b.build()
     }
 
     #[test]
