@@ -194,7 +194,10 @@ class FakeJob:
             time.sleep(step_s)
             t1 = time.monotonic()
             self.log.append((self.key, rank, i, t0, t1))
-            turn.done(i, t1 - t0, "-")
+            # The nominal step time, not the measured one: on a loaded machine a sleep
+            # overshoots by more than the 20 % that sets the ranks apart, and the tests
+            # check the protocol's bookkeeping, not the clock.
+            turn.done(i, step_s, "-")
             i += 1
         turn.close()
 
