@@ -6,15 +6,11 @@
 //! replay also hits exactly), and the stweaver row must be a plan between the lower
 //! bound and the native figure.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod cli;
 
-fn stweaver(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_stweaver"))
-        .args(args)
-        .output()
-        .expect("run stweaver")
-}
+use cli::stweaver;
+use std::path::PathBuf;
+use std::process::Output;
 
 fn data(rel: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/")).join(rel)

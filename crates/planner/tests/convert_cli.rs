@@ -1,8 +1,10 @@
 //! `stweaver convert`, run as the built binary: snapshot → .stwt → identical trace.
 
+mod cli;
+
+use cli::stweaver;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use stweaver_core::DeviceId;
 use stweaver_core::trace_file::{read_trace_file, trace_digest};
@@ -14,13 +16,6 @@ fn data(name: &str) -> PathBuf {
 
 fn shared(name: &str) -> PathBuf {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
-}
-
-fn stweaver(args: &[&OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_stweaver"))
-        .args(args)
-        .output()
-        .expect("run stweaver")
 }
 
 #[test]

@@ -1,7 +1,9 @@
 //! `stweaver inspect`, run as the built binary.
 
+mod cli;
+
+use cli::stweaver;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 fn data(name: &str) -> PathBuf {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data")).join(name)
@@ -9,13 +11,6 @@ fn data(name: &str) -> PathBuf {
 
 fn shared(name: &str) -> PathBuf {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
-}
-
-fn stweaver(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_stweaver"))
-        .args(args)
-        .output()
-        .expect("run stweaver")
 }
 
 fn inspect_json(path: &Path, extra: &[&str]) -> serde_json::Value {

@@ -1,7 +1,9 @@
 //! `stweaver plan TRACE --budget SIZE` and `stweaver compare TRACE --budget SIZE` end to
 //! end: the JSON fields, the plan file with its schedule, and the refusals.
 
-use std::process::{Command, Output};
+mod cli;
+
+use cli::{stweaver, text};
 
 use stweaver_core::plan_file::read_plan_file;
 use stweaver_core::testkit::TraceBuilder;
@@ -9,21 +11,6 @@ use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::{Bytes, Trace};
 
 const MIB: u64 = 1 << 20;
-
-fn stweaver(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_stweaver"))
-        .args(args)
-        .output()
-        .expect("run stweaver")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 /// 96 MiB persistent; per iteration 8 layers of 32 MiB activations saved in forward
 /// and unpacked in reverse in backward, a 4 MiB temporary per layer; 1 ms per event.

@@ -2,27 +2,14 @@
 //! plan verifies against its own trace and is refused, with a clear message and a
 //! non-zero exit, for another trace or another device.
 
+mod cli;
+
+use cli::{stweaver, text};
 use std::path::Path;
-use std::process::{Command, Output};
 
 use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::{AllocId, DeviceId, Trace};
-
-fn stweaver(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_stweaver"))
-        .args(args)
-        .output()
-        .expect("run stweaver")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 /// Parameters, then `iterations` iterations of activations freed in reverse; `scale`
 /// changes the sizes (another workload).

@@ -3,9 +3,12 @@
 //! search runs for minutes, so only the budget or Ctrl-C ends these runs early). The only
 //! timing bounds are generous ones that a run ignoring its budget or Ctrl-C would miss.
 
+mod cli;
+
+use cli::text;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -48,14 +51,6 @@ fn progress_lines(stderr: &str) -> Vec<&str> {
         .lines()
         .filter(|l| l.starts_with("stweaver plan: ") && l.contains("lower bound"))
         .collect()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 #[test]
