@@ -278,7 +278,7 @@ def test_pin_failure_leaves_training_untouched(metric):
     assert got["stats"]["tensors_out"] == 0 and got["stats"]["pin_failures"] >= 1
 
 
-def test_plan_mode_follows_the_served_schedule():
+def test_plan_mode_without_a_served_plan_offloads_nothing():
     ext = stweaver._extension()
     if not hasattr(ext, "offload_schedule"):
         pytest.skip("the extension has no offload_schedule() yet")
