@@ -29,6 +29,24 @@ auto call(const char* what, F&& f) -> decltype(f()) {
   }
 }
 
+// -1: the current CUDA device.
+int device_or_current(int device) {
+  return device < 0 ? static_cast<int>(c10::cuda::current_device()) : device;
+}
+
+uint32_t checked_tag(const char* what, int64_t tag) {
+  TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.", what, "(): tag ", tag, " is not a u32");
+  return static_cast<uint32_t>(tag);
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t> as_tuple(const stweaver::ffi::PauseReport& r) {
+  return std::make_tuple(
+      static_cast<int64_t>(r.blocks),
+      static_cast<int64_t>(r.units),
+      static_cast<int64_t>(r.bytes),
+      static_cast<int64_t>(r.copied));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -123,9 +141,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "offload_schedule",
       [](int device) {
         auto& a = need_installed("offload_schedule");
-        if (device < 0) {
-          device = static_cast<int>(c10::cuda::current_device());
-        }
+        device = device_or_current(device);
         rust::Vec<stweaver::ffi::OffloadItem> items =
             call("offload_schedule", [&] { return a.runtime().offload_schedule(device); });
         std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
@@ -147,9 +163,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_tag",
       [](int64_t tag) {
-        TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.set_tag(): tag ", tag, " is not a u32");
+        const uint32_t t = checked_tag("set_tag", tag);
         auto& a = need_installed("set_tag");
-        call("set_tag", [&] { a.runtime().set_tag(static_cast<uint32_t>(tag)); });
+        call("set_tag", [&] { a.runtime().set_tag(t); });
       },
       py::arg("tag"),
       "The tag of allocations made from now on, on every pool of every device (0: untagged).");
@@ -157,19 +173,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "pause",
       [](int64_t tag, bool keep, int device) {
-        TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.pause(): tag ", tag, " is not a u32");
+        const uint32_t t = checked_tag("pause", tag);
         auto& a = need_installed("pause");
-        if (device < 0) {
-          device = static_cast<int>(c10::cuda::current_device());
-        }
-        stweaver::ffi::PauseReport r = call("pause", [&] {
-          return a.runtime().pause(device, static_cast<uint32_t>(tag), keep);
-        });
-        return std::make_tuple(
-            static_cast<int64_t>(r.blocks),
-            static_cast<int64_t>(r.units),
-            static_cast<int64_t>(r.bytes),
-            static_cast<int64_t>(r.copied));
+        device = device_or_current(device);
+        return as_tuple(call("pause", [&] { return a.runtime().pause(device, t, keep); }));
       },
       py::arg("tag"),
       py::arg("keep") = true,
@@ -182,19 +189,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "resume",
       [](int64_t tag, int device) {
-        TORCH_CHECK(tag >= 0 && tag <= UINT32_MAX, "stweaver.resume(): tag ", tag, " is not a u32");
+        const uint32_t t = checked_tag("resume", tag);
         auto& a = need_installed("resume");
-        if (device < 0) {
-          device = static_cast<int>(c10::cuda::current_device());
-        }
-        stweaver::ffi::PauseReport r = call("resume", [&] {
-          return a.runtime().resume(device, static_cast<uint32_t>(tag));
-        });
-        return std::make_tuple(
-            static_cast<int64_t>(r.blocks),
-            static_cast<int64_t>(r.units),
-            static_cast<int64_t>(r.bytes),
-            static_cast<int64_t>(r.copied));
+        device = device_or_current(device);
+        return as_tuple(call("resume", [&] { return a.runtime().resume(device, t); }));
       },
       py::arg("tag"),
       py::arg("device") = -1,
@@ -207,9 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "paused_bytes",
       [](int device) {
         auto& a = need_installed("paused_bytes");
-        if (device < 0) {
-          device = static_cast<int>(c10::cuda::current_device());
-        }
+        device = device_or_current(device);
         return static_cast<int64_t>(call("paused_bytes", [&] { return a.runtime().paused_bytes(device); }));
       },
       py::arg("device") = -1,
