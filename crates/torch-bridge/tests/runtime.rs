@@ -35,16 +35,33 @@ fn runtime_with_plan(
     n: i32,
     cap_mib: u64,
 ) -> (Runtime, Vec<Arc<HostMemory>>) {
+    runtime_with_settings(Settings::parse(mode, plan, trace).unwrap(), n, cap_mib)
+}
+
+/// A runtime with `settings` over `n` host devices of `cap_mib` MiB each (2 MiB granules).
+fn runtime_with_settings(
+    settings: Settings,
+    n: i32,
+    cap_mib: u64,
+) -> (Runtime, Vec<Arc<HostMemory>>) {
     let devs: Vec<Arc<HostMemory>> = (0..n)
         .map(|_| Arc::new(HostMemory::new(Bytes(cap_mib * MIB), Bytes(2 * MIB))))
         .collect();
     let for_factory = devs.clone();
     let factory =
         Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
-    let core = Core::new(Settings::parse(mode, plan, trace).unwrap(), factory);
-    let rt = Runtime::with_core(core);
+    let rt = Runtime::with_core(Core::new(settings, factory));
     rt.init(n).unwrap();
     (rt, devs)
+}
+
+/// `mode` under the budget `budget` (as `STWEAVER_BUDGET` gives it), one host device of
+/// `cap_mib` MiB.
+fn runtime_with_budget(mode: &str, budget: &str, cap_mib: u64) -> Runtime {
+    let settings = Settings::parse(mode, "", "")
+        .unwrap()
+        .with_budget(Some(stweaver_torch::budget::Budget::parse(budget).unwrap()));
+    runtime_with_settings(settings, 1, cap_mib).0
 }
 
 #[test]
@@ -302,16 +319,7 @@ fn snapshot_segments_tile_their_blocks() {
 /// pool is refused what the default pool holds, and the report names the budget.
 #[test]
 fn the_budget_holds_over_every_pool_of_the_device() {
-    use stweaver_torch::budget::Budget;
-    let devs = vec![Arc::new(HostMemory::new(Bytes(64 * MIB), Bytes(2 * MIB)))];
-    let for_factory = devs.clone();
-    let factory =
-        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
-    let settings = Settings::parse("online", "", "")
-        .unwrap()
-        .with_budget(Some(Budget::parse("8MiB").unwrap()));
-    let rt = Runtime::with_core(Core::new(settings, factory));
-    rt.init(1).unwrap();
+    let rt = runtime_with_budget("online", "8MiB", 64);
     let d = rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap();
     rt.pool_incref(0, GRAPH).unwrap();
     let g = rt.malloc(0, 4 * MIB as usize, S0, GRAPH).unwrap();
@@ -726,24 +734,13 @@ fn offload_iteration(rt: &Runtime, layers: usize, threshold: bool) -> usize {
 /// bytes of offload within the budget, and the switch serves that plan's schedule.
 #[test]
 fn auto_mode_under_a_budget_plans_offload_from_a_threshold_recording() {
-    use stweaver_torch::budget::Budget;
-    let devs = vec![Arc::new(HostMemory::new(Bytes(256 * MIB), Bytes(2 * MIB)))];
-    let for_factory = devs.clone();
-    let factory =
-        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
     // Without offload an iteration needs 8 + 6 × 4 + 1 MiB and more: above 28 MiB.
-    let settings = Settings::parse("auto", "", "")
-        .unwrap()
-        .with_budget(Some(Budget::parse("28MiB").unwrap()));
-    let iters = settings.auto_iterations;
-    let rt = Runtime::with_core(Core::new(settings, factory));
-    rt.init(1).unwrap();
+    let rt = runtime_with_budget("auto", "28MiB", 256);
+    let iters = rt.core().settings().auto_iterations;
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
-    // A boundary after the setup: the first training iteration is then steady, not
-    // prologue. (The offload planner offloads nothing in the prologue and counts its
-    // peak, though auto mode never serves it: a first iteration recorded with threshold
-    // offload would then refuse the budget as below the minimum. See the report.)
-    rt.step().unwrap();
+    // No boundary after the setup: the first iteration, recorded with threshold offload,
+    // is the plan's prologue; its offloads stay as recorded (the planner undoes only the
+    // later iterations' links), so its peak is not the minimum.
     let mut steps = 0;
     let mut links = 0;
     while !rt.mode().unwrap().starts_with("auto (plan)") {
@@ -796,20 +793,11 @@ fn auto_mode_under_a_budget_plans_offload_from_a_threshold_recording() {
 /// recording, with a note and the reason in `info_json`.
 #[test]
 fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
-    use stweaver_torch::budget::Budget;
-    let devs = vec![Arc::new(HostMemory::new(Bytes(256 * MIB), Bytes(2 * MIB)))];
-    let for_factory = devs.clone();
-    let factory =
-        Box::new(move |d: i32| Ok(for_factory[d as usize].clone() as Arc<dyn BridgeDevice>));
     // The recording (threshold offload) runs within 16 MiB; planning starts under a
     // memory fraction of 12 MiB, less than the weights (8 MiB), an activation (4 MiB) and
     // its temporary (1 MiB) live at once: below any offload's minimum.
-    let settings = Settings::parse("auto", "", "")
-        .unwrap()
-        .with_budget(Some(Budget::parse("16MiB").unwrap()));
-    let iters = settings.auto_iterations;
-    let rt = Runtime::with_core(Core::new(settings, factory));
-    rt.init(1).unwrap();
+    let rt = runtime_with_budget("auto", "16MiB", 256);
+    let iters = rt.core().settings().auto_iterations;
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
     for i in 0..=iters {
         assert_eq!(offload_iteration(&rt, 2, true), 2);
