@@ -726,7 +726,9 @@ void StweaverAllocator::beginAllocateToPool(
     c10::DeviceIndex device,
     c10::MempoolId_t mempool_id,
     std::function<bool(cudaStream_t)> filter) {
-  rs("pool_incref", [&] { runtime_->pool_incref(device, to_ffi(mempool_id)); });
+  // A capture begins: until endAllocateToPool the device is never synchronised (no cache
+  // given back), which would invalidate the capture.
+  rs("pool_begin_allocate", [&] { runtime_->pool_begin_allocate(device, to_ffi(mempool_id)); });
   std::lock_guard<std::mutex> g(pools_mu_);
   active_pools_.emplace_back(device, mempool_id, std::move(filter));
   n_active_pools_.store(static_cast<int>(active_pools_.size()), std::memory_order_release);
@@ -738,6 +740,7 @@ void StweaverAllocator::endAllocateToPool(c10::DeviceIndex device, c10::MempoolI
     if (std::get<0>(*it) == device && std::get<1>(*it) == mempool_id) {
       active_pools_.erase(std::next(it).base());
       n_active_pools_.store(static_cast<int>(active_pools_.size()), std::memory_order_release);
+      rs("pool_end_allocate", [&] { runtime_->pool_end_allocate(device, to_ffi(mempool_id)); });
       return;
     }
   }

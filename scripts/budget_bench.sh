@@ -11,25 +11,12 @@
 #    it writes $OUT/budget_bench.json and prints its table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-CARRY="${1:-.bench-carry}"
-shift || true
 OUT="${OUT:-/tmp/stweaver-budget-out}"
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export STWEAVER_LIB="$PWD/$CARRY/libstweaver_torch.a"
-export STWEAVER_CXXBRIDGE="$PWD/$CARRY/cxxbridge"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
-
+source scripts/gpu_env.sh "${1:-.bench-carry}" || exit 1
+shift || true
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 echo "== build the extension"
-if ! "$PY" -m stweaver build > "$OUT/build.log" 2>&1; then
-  tail -n 40 "$OUT/build.log"
-  echo "extension build failed"
-  exit 1
-fi
-tail -n 1 "$OUT/build.log"
+gpu_env_build || exit 1
 echo "== budget benchmark"
 "$PY" python/bench/budget_bench.py --out "$OUT" --stweaver-bin "$PWD/$CARRY/bin/stweaver" "$@"

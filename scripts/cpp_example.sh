@@ -41,6 +41,12 @@ for entry in sys.path:
             break
     if cuda_inc:
         break
+# pip's runtime package may ship cuda_runtime.h without crt/host_config.h (that header is in
+# nvidia-cuda-crt, or only in a toolkit): take the headers from CUDA_HOME then, keep pip's lib.
+if cuda_inc and not os.path.isfile(os.path.join(cuda_inc, "crt", "host_config.h")):
+    home = os.path.join(ce.CUDA_HOME, "include") if ce.CUDA_HOME else ""
+    if home and os.path.isfile(os.path.join(home, "crt", "host_config.h")):
+        cuda_inc = home
 if not cuda_inc and ce.CUDA_HOME:
     cuda_inc = os.path.join(ce.CUDA_HOME, "include")
     cuda_lib = os.path.join(ce.CUDA_HOME, "lib64")
@@ -55,7 +61,7 @@ print(f"CUDART={os.path.basename(cudart[0]) if cudart else ''!r}")
 PYEOF
 )"
 [ -n "$CUDART" ] || { echo "cpp-example: no CUDA runtime (pip nvidia-cuda-runtime or CUDA_HOME)" >&2; exit 1; }
-echo "cpp-example: torch $TORCH_VERSION ($CXXSTD), cudart $CUDA_LIB/$CUDART"
+echo "cpp-example: torch $TORCH_VERSION ($CXXSTD), cudart $CUDA_LIB/$CUDART, CUDA headers $CUDA_INC"
 
 # The documented link line.
 t0=$(date +%s)

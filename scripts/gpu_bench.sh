@@ -13,18 +13,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
-CARRY="${1:-.bench-carry}"
-shift || true
 BUDGET="${GPU_BENCH_BUDGET_S:-500}"
 OUT="${OUT:-/tmp/stweaver-bench-out}"
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export STWEAVER_LIB="$PWD/$CARRY/libstweaver_torch.a"
-export STWEAVER_CXXBRIDGE="$PWD/$CARRY/cxxbridge"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
-
+source scripts/gpu_env.sh "${1:-.bench-carry}" || exit 1
+shift || true
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 nproc
@@ -32,13 +24,7 @@ grep -m1 "model name" /proc/cpuinfo || true
 "$PY" -c 'import torch, transformers, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "python", sys.version.split()[0])'
 
 echo "== build the extension"
-if ! "$PY" -m stweaver build > "$OUT/build.log" 2>&1; then
-  tail -n 40 "$OUT/build.log"
-  echo "extension build failed"
-  exit 1
-fi
-tail -n 1 "$OUT/build.log"
-echo "build took $(( $(date +%s) - T0 )) s"
+gpu_env_build || exit 1
 "$CARRY/bin/stweaver" --version 2>/dev/null || true
 
 echo "== benchmark"

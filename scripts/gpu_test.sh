@@ -14,15 +14,7 @@
 # Logs and artefacts go to $OUT (or /tmp/stweaver-gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-CARRY="${1:-.carry}"
-OUT="${OUT:-/tmp/stweaver-gpu-out}"
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export STWEAVER_LIB="$PWD/$CARRY/libstweaver_torch.a"
-export STWEAVER_CXXBRIDGE="$PWD/$CARRY/cxxbridge"
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+source scripts/gpu_env.sh "${1:-.carry}" || exit 1
 status=0
 
 echo "== machine"
@@ -42,9 +34,7 @@ for t in "$CARRY"/bin/cuda-*; do
 done
 
 echo "== build the extension"
-t0=$(date +%s)
-if ! "$PY" -m stweaver build 2>&1 | tee "$OUT/build.log" | tail -n 20; then status=1; fi
-echo "build took $(( $(date +%s) - t0 )) s"
+gpu_env_build || status=1
 ls -la python/stweaver/_C*.so 2>/dev/null || { echo "extension not built"; status=1; }
 
 echo "== GPU pytest"

@@ -29,6 +29,11 @@ pub enum BridgeError {
     UnknownPool { device: i32, pool: PoolId },
     #[error("memory pool ({}, {}) on device {device} was released more often than it was used", pool.first, pool.second)]
     PoolOverReleased { device: i32, pool: PoolId },
+    #[error(
+        "endAllocateToPool: no allocation to pool ({}, {}) is in progress on device {device}",
+        pool.first, pool.second
+    )]
+    NotAllocatingToPool { device: i32, pool: PoolId },
     #[error("the default pool (0, 0) is not a private pool")]
     DefaultPoolIsNotPrivate,
     #[error("invalid memory fraction {0}: it must be in [0, 1]")]

@@ -256,6 +256,11 @@ pub mod bridge {
         /// returned once nothing in it is live), count references.
         fn pool_incref(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
         fn pool_release(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
+        /// `beginAllocateToPool` / `endAllocateToPool`: a reference to the pool, and
+        /// while it lasts (a CUDA graph capture) no device synchronisation, so no cache
+        /// given back, on that device.
+        fn pool_begin_allocate(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
+        fn pool_end_allocate(self: &Runtime, device: i32, pool: PoolId) -> Result<()>;
         fn pool_use_count(self: &Runtime, device: i32, pool: PoolId) -> Result<i32>;
         /// Addresses of the blocks allocated in a pool (`checkPoolLiveAllocations`).
         fn pool_live_allocations(self: &Runtime, device: i32, pool: PoolId) -> Result<Vec<usize>>;
@@ -481,6 +486,18 @@ impl Runtime {
 
     pub fn pool_incref(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {
         guard("pool_incref", || self.core.pool_incref(device, pool))
+    }
+
+    pub fn pool_begin_allocate(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {
+        guard("pool_begin_allocate", || {
+            self.core.pool_begin_allocate(device, pool)
+        })
+    }
+
+    pub fn pool_end_allocate(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {
+        guard("pool_end_allocate", || {
+            self.core.pool_end_allocate(device, pool)
+        })
     }
 
     pub fn pool_release(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {

@@ -98,6 +98,37 @@ impl DeviceBudget {
     }
 }
 
+/// Allocations to a private pool in progress on one device, shared by all its engines:
+/// `beginAllocateToPool` .. `endAllocateToPool`, i.e. a CUDA graph capture (or a
+/// `torch.cuda.use_mem_pool` context, which looks the same to an allocator). While any
+/// is in progress a device synchronisation could invalidate the capture, so [`Tracked`]
+/// refuses it ([`DeviceError::CaptureUnderway`]) and says so in
+/// [`DeviceMemory::may_synchronize`]: the engines then give no cache back, as PyTorch's
+/// allocator releases none while a capture is underway.
+#[derive(Debug, Default)]
+pub struct CaptureGate {
+    active: AtomicU64,
+}
+
+impl CaptureGate {
+    /// An allocation to a private pool begins.
+    pub fn begin(&self) {
+        self.active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// One ends; `false` (and no change) when none was in progress.
+    pub fn end(&self) -> bool {
+        self.active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Whether one is in progress.
+    pub fn active(&self) -> bool {
+        self.active.load(Ordering::Acquire) > 0
+    }
+}
+
 /// Which engine a reservation belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owner {
@@ -161,6 +192,7 @@ pub struct Tracked {
     owner: Owner,
     shared: Arc<Shared>,
     budget: Arc<DeviceBudget>,
+    captures: Arc<CaptureGate>,
 }
 
 impl std::fmt::Debug for Tracked {
@@ -177,12 +209,14 @@ impl Tracked {
         owner: Owner,
         shared: Arc<Shared>,
         budget: Arc<DeviceBudget>,
+        captures: Arc<CaptureGate>,
     ) -> Tracked {
         Tracked {
             inner,
             owner,
             shared,
             budget,
+            captures,
         }
     }
 
@@ -251,7 +285,14 @@ impl DeviceMemory for Tracked {
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
+        if self.captures.active() {
+            return Err(DeviceError::CaptureUnderway);
+        }
         self.inner.synchronize()
+    }
+
+    fn may_synchronize(&self) -> bool {
+        !self.captures.active()
     }
 
     fn create_event(&self) -> Result<DeviceEvent, DeviceError> {

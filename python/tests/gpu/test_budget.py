@@ -24,6 +24,8 @@ def test_budget_holds_over_pools_and_oom_names_it(metric):
     assert "STWEAVER_BUDGET=3.00 GiB" in msg and "live" in msg and "cached" in msg, msg
     assert r["graph_ok"], r
     assert r["graph_max_reserved"] <= limit, r
+    assert r["capture_oom"] == "OutOfMemoryError", r
+    assert r["after_capture_oom_ok"], r
     assert r["train_losses_finite"], r
     assert r["train_max_reserved"] <= limit, r
     metric("budget_fill_tensors", r["fill_tensors"])

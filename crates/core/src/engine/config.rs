@@ -36,6 +36,13 @@ pub struct EngineConfig {
     /// does not rise: less memory, at the cost of synchronisations and re-mapping (module
     /// docs). Off by default.
     pub release_before_new_peak: bool,
+    /// Never give free memory back on its own: no release before a new peak, no cache
+    /// released to retry an allocation that does not fit, none at a pause. Only
+    /// [`Engine::empty_cache`](crate::engine::Engine::empty_cache) releases. For CUDA
+    /// graph private pools: their free memory may be the scratch of a captured graph that
+    /// replays later at those addresses (PyTorch releases a graph pool's cache only once
+    /// no graph uses the pool). Off by default.
+    pub keep_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +53,7 @@ impl Default for EngineConfig {
             arena_size: None,
             record_trace: false,
             release_before_new_peak: false,
+            keep_cache: false,
         }
     }
 }

@@ -91,6 +91,12 @@ pub enum DeviceError {
     /// device that cannot copy to the host).
     #[error("{0} is not supported by this device")]
     Unsupported(&'static str),
+    /// A device synchronisation was asked for while a CUDA graph capture allocates on
+    /// the device: it would invalidate the capture ([`DeviceMemory::may_synchronize`]).
+    #[error(
+        "the device cannot synchronise while a CUDA graph capture (or a MemPool context) allocates on it"
+    )]
+    CaptureUnderway,
     /// Any other failure of the driver, with the call that failed.
     #[error("{call} failed: {message} (code {code})")]
     Driver {
@@ -135,6 +141,15 @@ pub trait DeviceMemory: Send + Sync {
     /// Waits until all work queued on the device has finished (before unmapping memory
     /// that kernels queued earlier might still touch).
     fn synchronize(&self) -> Result<(), DeviceError>;
+
+    /// Whether [`DeviceMemory::synchronize`] may be called now. `false` while a CUDA
+    /// graph capture is underway on the device (a synchronisation would invalidate it):
+    /// the engine then gives no memory back at all (no device synchronisation, no
+    /// unmap), as PyTorch's allocator releases no cache while a capture is underway; an
+    /// allocation that does not fit is out of memory. `true` unless implemented.
+    fn may_synchronize(&self) -> bool {
+        true
+    }
 
     /// Creates an event (completed until first recorded, as in CUDA).
     fn create_event(&self) -> Result<DeviceEvent, DeviceError>;
@@ -200,6 +215,9 @@ impl<T: DeviceMemory + ?Sized> DeviceMemory for std::sync::Arc<T> {
     }
     fn synchronize(&self) -> Result<(), DeviceError> {
         (**self).synchronize()
+    }
+    fn may_synchronize(&self) -> bool {
+        (**self).may_synchronize()
     }
     fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
         (**self).create_event()

@@ -432,6 +432,8 @@ pub struct Engine<D: DeviceMemory> {
     arena_size: u64,
     /// [`EngineConfig::release_before_new_peak`].
     release_at_peak: bool,
+    /// [`EngineConfig::keep_cache`].
+    keep_cache: bool,
     state: Mutex<State>,
 }
 
@@ -907,7 +909,8 @@ impl<D: DeviceMemory> Engine<D> {
             granule,
             total,
             arena_size,
-            release_at_peak: config.release_before_new_peak,
+            release_at_peak: config.release_before_new_peak && !config.keep_cache,
+            keep_cache: config.keep_cache,
             state: Mutex::new(state),
         })
     }
@@ -1023,7 +1026,7 @@ impl<D: DeviceMemory> Engine<D> {
             st = guard;
             match grown {
                 Growth::Retry => continue,
-                Growth::Refused if !retried => {
+                Growth::Refused if !retried && !self.keep_cache => {
                     retried = true;
                     drop(st);
                     self.release_cached()?;
@@ -1515,6 +1518,11 @@ impl<D: DeviceMemory> Engine<D> {
     /// (`Some`) about `want` bytes of the online arenas' holes only, outside `keep`
     /// (`Heap::carve_holes`). Either way after a device synchronisation.
     fn release(&self, holes: Option<HoleRelease>) -> Result<(), EngineError> {
+        // 0. Nothing while a CUDA graph capture is underway: a synchronisation would
+        //    invalidate it (as PyTorch, which releases no cache during a capture).
+        if !self.dev.may_synchronize() {
+            return Ok(());
+        }
         // 1. Synchronise every pending event and complete the frees.
         let mut st = self.lock()?;
         st.stats.num_sync_all_streams += 1;

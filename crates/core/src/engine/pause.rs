@@ -21,7 +21,10 @@
 //!    place requests on paused ranges; unload the plan first).
 //! 2. Release cached memory as `empty_cache` does (every pending free completes after its
 //!    events, every wholly free unit is unmapped): the only free memory left is what
-//!    shares a unit with a live block.
+//!    shares a unit with a live block. Not in an engine with
+//!    [`EngineConfig::keep_cache`] (a CUDA graph's private pool, whose free memory may be
+//!    a captured graph's scratch): there wholly free units stay mapped, and the free
+//!    parts of paused groups are mapped again at resume.
 //! 3. Synchronise the device (queued kernels may still write the tensors).
 //! 4. Locked: split every arena's mapped units into *groups* (runs of units joined by a
 //!    live block straddling their boundary, `arena::pause`). A group holding a live block
@@ -67,6 +70,8 @@
 //!
 //! Checkpoints ([`Engine::checkpoint`]) hold `Allocated` blocks only: a paused block is
 //! not in one, and a restore over a paused range fails rather than alias.
+//!
+//! [`EngineConfig::keep_cache`]: super::EngineConfig::keep_cache
 
 use super::arena::{PausedGroup, UnitGroup};
 use super::device::{DeviceError, DeviceMemory, DevicePtr};
@@ -213,7 +218,9 @@ impl<D: DeviceMemory> Engine<D> {
     /// on the host when `keep` (module documentation).
     pub fn pause(&self, tag: Option<u32>, keep: bool) -> Result<PauseReport, EngineError> {
         self.pause_check(&*self.lock()?, tag)?;
-        self.release(None)?;
+        if !self.keep_cache {
+            self.release(None)?;
+        }
         self.dev.synchronize()?;
         let mut st = self.lock()?;
         self.pause_check(&st, tag)?;

@@ -69,7 +69,7 @@ use crate::budget::effective_limit;
 use crate::error::{BridgeError, Result};
 use crate::ffi::bridge as ffi;
 use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
-use crate::tracked::{BridgeDevice, DeviceBudget, Owner, Shared, Tracked};
+use crate::tracked::{BridgeDevice, CaptureGate, DeviceBudget, Owner, Shared, Tracked};
 
 use history::PendingFree;
 pub use plan::PlanStage;
@@ -100,6 +100,9 @@ struct DeviceSlot {
     fraction: Mutex<f64>,
     /// The device-wide budget every engine of the device maps within.
     budget: Arc<DeviceBudget>,
+    /// Allocations to a private pool in progress (CUDA graph captures): no device
+    /// synchronisation meanwhile.
+    captures: Arc<CaptureGate>,
     /// The offload schedule of the plan the default engine serves (empty: none).
     offload: Mutex<Vec<OffloadEntry>>,
     /// Auto mode under a budget: what planning decided about offload.
@@ -187,6 +190,7 @@ impl Core {
                 private: RwLock::new(BTreeMap::new()),
                 fraction: Mutex::new(1.0),
                 budget: Arc::new(DeviceBudget::default()),
+                captures: Arc::new(CaptureGate::default()),
                 offload: Mutex::new(Vec::new()),
                 offload_outcome: Mutex::new(None),
                 agg: Mutex::new(Agg::default()),
@@ -253,10 +257,19 @@ impl Core {
             arena_size: None,
             record_trace: matches!(self.settings.mode, Mode::Trace | Mode::Auto)
                 && is_default(pool),
-            release_before_new_peak: self.settings.release_at_peak,
+            // A private pool's free memory may be a captured graph's scratch: it is
+            // given back only by empty_cache once no graph uses the pool.
+            release_before_new_peak: self.settings.release_at_peak && is_default(pool),
+            keep_cache: !is_default(pool),
         };
         let engine = Engine::new(
-            Tracked::new(mem, owner, self.shared.clone(), slot.budget.clone()),
+            Tracked::new(
+                mem,
+                owner,
+                self.shared.clone(),
+                slot.budget.clone(),
+                slot.captures.clone(),
+            ),
             config,
         )?;
         engine.set_tag(self.tag.load(Ordering::SeqCst))?;
@@ -342,9 +355,20 @@ impl Core {
     pub fn malloc(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
         let slot = self.slot(device)?;
         let owner = Owner { device, pool };
-        let result = self.with_engine(owner, |e| {
-            Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
-        })?;
+        let attempt = || {
+            self.with_engine(owner, |e| {
+                Ok(e.malloc(Bytes(size as u64), StreamId(stream as u64)))
+            })
+        };
+        let mut result = attempt()?;
+        // The engine gave its own cache back and still does not fit: the device's other
+        // pools may hold cache under the same budget (as PyTorch frees every pool's cache
+        // before its OOM). Never during a capture (that needs a synchronisation).
+        if matches!(result, Err(EngineError::OutOfMemory { .. }))
+            && self.release_other_pools(slot, pool)?
+        {
+            result = attempt()?;
+        }
         let ptr = match result {
             Ok(p) => p,
             Err(e @ EngineError::OutOfMemory { .. }) => {
@@ -408,6 +432,33 @@ impl Core {
         } else {
             Ok(vec![self.slot(device)?])
         }
+    }
+
+    /// Gives back the cache of `slot`'s pools other than `pool` that may release it: the
+    /// default pool, and private pools no graph uses any more (use count 0). Nothing
+    /// while a capture is underway. Whether any memory went back.
+    fn release_other_pools(&self, slot: &DeviceSlot, pool: PoolId) -> Result<bool> {
+        if slot.captures.active() {
+            return Ok(false);
+        }
+        let before = slot.budget.mapped();
+        if !is_default(pool)
+            && let Some(e) = slot.default.get()
+        {
+            e.empty_cache()?;
+        }
+        let released: Vec<PoolId> = read(&slot.private)
+            .iter()
+            .filter(|&(&id, p)| id != pool && p.use_count == 0)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in released {
+            if let Some(p) = read(&slot.private).get(&id) {
+                p.engine.empty_cache()?;
+            }
+            self.maybe_retire(slot, id)?;
+        }
+        Ok(slot.budget.mapped() < before)
     }
 
     pub fn empty_cache(&self, device: i32, pool: PoolId) -> Result<()> {

@@ -441,7 +441,12 @@ impl Core {
     }
 
     /// The offload schedule of the plan `device` serves (empty when none).
+    /// The offload schedule of the plan `device` serves: empty when none is, and before
+    /// CUDA's lazy initialisation (no plan can be served yet).
     pub fn offload_schedule(&self, device: i32) -> Result<Vec<ffi::OffloadItem>> {
+        if self.devices.get().is_none() {
+            return Ok(Vec::new());
+        }
         Ok(lock(&self.slot(device)?.offload)
             .iter()
             .map(|o| ffi::OffloadItem {

@@ -65,6 +65,28 @@ impl Core {
         Ok(())
     }
 
+    /// `beginAllocateToPool`: a reference to `pool` (created at its first use), and an
+    /// allocation to a private pool in progress on `device` until
+    /// [`Core::pool_end_allocate`]: a CUDA graph capture, during which no engine of the
+    /// device synchronises it or gives memory back ([`crate::tracked::CaptureGate`]).
+    pub fn pool_begin_allocate(&self, device: i32, pool: PoolId) -> Result<()> {
+        self.pool_incref(device, pool)?;
+        self.slot(device)?.captures.begin();
+        Ok(())
+    }
+
+    /// `endAllocateToPool`: the allocation to `pool` begun by
+    /// [`Core::pool_begin_allocate`] is over (its reference stays until `releasePool`).
+    pub fn pool_end_allocate(&self, device: i32, pool: PoolId) -> Result<()> {
+        if is_default(pool) {
+            return Err(BridgeError::DefaultPoolIsNotPrivate);
+        }
+        if !self.slot(device)?.captures.end() {
+            return Err(BridgeError::NotAllocatingToPool { device, pool });
+        }
+        Ok(())
+    }
+
     pub fn pool_release(&self, device: i32, pool: PoolId) -> Result<()> {
         let slot = self.slot(device)?;
         {

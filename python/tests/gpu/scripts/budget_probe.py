@@ -44,10 +44,14 @@ out["fill_max_reserved"] = torch.cuda.max_memory_reserved()
 del held
 
 # 2. A CUDA graph's private pool counts against the same budget, next to the default
-# pool's cache (nothing calls empty_cache).
+# pool's cache. During a capture no cache can be given back (that needs a device
+# synchronisation, which would invalidate the capture; PyTorch's allocator does the same),
+# so the fill's cache goes first and a quarter of the budget stays cached.
+torch.cuda.empty_cache()
 torch.cuda.reset_peak_memory_stats()
 cache = [torch.empty(256 * MIB, dtype=torch.uint8, device="cuda") for _ in range(max(1, limit // (1024 * MIB)))]
 del cache  # freed, cached in the default pool
+out["graph_cached_before"] = torch.cuda.memory_reserved()
 x = torch.randn(1024, 1024, device="cuda")
 g = torch.cuda.CUDAGraph()
 s = torch.cuda.Stream()
@@ -67,6 +71,22 @@ expect = (x @ x).relu() + 1.0
 out["graph_ok"] = bool(torch.equal(y, expect))
 out["graph_max_reserved"] = torch.cuda.max_memory_reserved()
 del g, y, scratch, expect
+
+# 2b. A capture that does not fit beside the cache: a clean torch.OutOfMemoryError (the
+# capture is not invalidated by a synchronisation), and CUDA works afterwards.
+g2 = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(g2):
+        too_big = torch.empty(limit, dtype=torch.uint8, device="cuda")
+    out["capture_oom"] = "no error"
+except torch.OutOfMemoryError as e:
+    out["capture_oom"] = "OutOfMemoryError"
+    out["capture_oom_message"] = str(e).splitlines()[0][:300]
+except Exception as e:  # what broke, reported
+    out["capture_oom"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+del g2
+torch.cuda.synchronize()
+out["after_capture_oom_ok"] = bool(torch.equal((x + 1) - 1, x))
 
 # 3. Train under the budget.
 torch.cuda.empty_cache()
