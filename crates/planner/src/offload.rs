@@ -772,15 +772,32 @@ impl<'a> Analysis<'a> {
                 .total_cmp(&b.t_unpack)
                 .then(a.unpack_ord.cmp(&b.unpack_ord))
         });
+        // Copies back, as late as possible: walked from the last unpack back, each copy
+        // must be done by its unpack and before the next copy in the queue starts, and is
+        // issued at its latest trigger no later than that start (the serial queue's
+        // latest schedule: every freed window as long as the link allows). A greedy walk
+        // forward (each copy as late as it alone could go) would push the later ones
+        // into stalls on their earliest trigger, ending their windows before the peak.
+        let mut end = f64::INFINITY;
+        for &x in by_unpack.iter().rev() {
+            let c = &self.cands[chosen[x]];
+            let dur = c.bytes.get() as f64 * self.us_per_byte;
+            let start = c.t_unpack.min(end) - dur;
+            let k = (0..c.triggers.len())
+                .rev()
+                .find(|&k| c.triggers[k].2 <= start)
+                .unwrap_or(0);
+            out[x].trigger = k;
+            end = start.min(c.triggers[k].2.max(done[x]));
+        }
+        // Then forward, the times that schedule gives: a copy starts at its trigger, once
+        // its copy out is done and the link is free; late is a stall.
         let mut q = 0.0f64;
         for &x in &by_unpack {
             let c = &self.cands[chosen[x]];
-            let (k, stall) = self
-                .pick_trigger(c, done[x], q)
-                .expect("a candidate has a trigger option");
-            out[x].trigger = k;
-            out[x].stall_us = stall;
+            let k = out[x].trigger;
             q = c.triggers[k].2.max(done[x]).max(q) + c.bytes.get() as f64 * self.us_per_byte;
+            out[x].stall_us = (q - c.t_unpack).max(0.0);
         }
         out
     }
