@@ -19,4 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 echo "== build the extension"
 gpu_env_build || exit 1
 echo "== budget benchmark"
-"$PY" python/bench/budget_bench.py --out "$OUT" --stweaver-bin "$PWD/$CARRY/bin/stweaver" "$@"
+# The release CLI: bin/ in a gpu-bench carry, cli/ in a gpu-test carry.
+CLI="$PWD/$CARRY/bin/stweaver"
+[ -x "$CLI" ] || CLI="$PWD/$CARRY/cli/stweaver"
+"$PY" python/bench/budget_bench.py --out "$OUT" --stweaver-bin "$CLI" "$@"

@@ -10,9 +10,13 @@
 # CUDA, and the allocator can no longer be installed in that process).
 CARRY="${1:-${CARRY:-.carry}}"
 CARRY="${CARRY%/}"
-if [ ! -f "$CARRY/libstweaver_torch.a" ] && [ -f "$CARRY.tar.xz" ]; then
+if [ -f "$CARRY.tar.xz" ] && [ "$CARRY.tar.xz" -nt "$CARRY/.unpacked" ]; then
+  # A new pack (a warm machine keeps the last unpacked folder and the extension built from
+  # it): unpack afresh, and drop the extension so that it is linked with the new staticlib.
   echo "gpu_env: unpacking $CARRY.tar.xz"
-  tar -xJf "$CARRY.tar.xz" || { echo "gpu_env: cannot unpack $CARRY.tar.xz" >&2; return 1 2>/dev/null || exit 1; }
+  rm -rf "$CARRY" python/stweaver/_C*.so
+  tar -xJf "$CARRY.tar.xz" && touch "$CARRY/.unpacked" \
+    || { echo "gpu_env: cannot unpack $CARRY.tar.xz" >&2; return 1 2>/dev/null || exit 1; }
 fi
 if [ ! -f "$CARRY/libstweaver_torch.a" ]; then
   echo "gpu_env: no staticlib at $CARRY/libstweaver_torch.a (cargo xtask gpu-test or gpu-bench prepares it)" >&2

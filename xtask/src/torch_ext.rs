@@ -214,10 +214,31 @@ fn test_executables(package: &str) -> Result<Vec<PathBuf>> {
     Ok(exes)
 }
 
+/// Packs the carry folder `carry_name` into `carry_name.tar.xz` (git-excluded): the
+/// device tool carries at most 64 MiB with the repository, which the uncompressed carry
+/// (a 40 MB staticlib, test binaries) exceeds; `scripts/gpu_env.sh` unpacks it there.
+pub(crate) fn pack_carry(carry_name: &str) -> Result<PathBuf> {
+    let packed = format!("{carry_name}.tar.xz");
+    let mut c = Command::new("tar");
+    c.current_dir(root())
+        .env("XZ_OPT", "-6 -T0")
+        .args(["-cJf", &packed, carry_name]);
+    run(c)?;
+    ensure_excluded(&format!("/{packed}"))?;
+    let path = root().join(&packed);
+    eprintln!(
+        "packed {} ({:.1} MiB)",
+        path.display(),
+        fs::metadata(&path)?.len() as f64 / (1 << 20) as f64
+    );
+    Ok(path)
+}
+
 pub fn gpu_test(args: &[String]) -> Result<()> {
     let carry_name = ".carry";
     let carry = root().join(carry_name);
     let lib = build_staticlib(true)?;
+    let cli = crate::gpu_bench::build_cli()?;
     let mut exes = test_executables("stweaver-cuda")?;
     exes.extend(test_executables("stweaver-torch")?);
     if carry.exists() {
@@ -234,8 +255,13 @@ pub fn gpu_test(args: &[String]) -> Result<()> {
         fs::copy(exe, &dst)?;
         strip_debug(&dst);
     }
+    // The release CLI (the budget benchmark's planner), outside bin/ (test binaries).
+    fs::create_dir_all(carry.join("cli"))?;
+    let cli_dst = carry.join("cli/stweaver");
+    fs::copy(&cli, &cli_dst)?;
+    strip_debug(&cli_dst);
     ensure_excluded("/.carry/")?;
-    let mut total = fs::metadata(&lib_dst)?.len() + hdr;
+    let mut total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len();
     for e in fs::read_dir(carry.join("bin"))? {
         total += e?.metadata()?.len();
     }
@@ -245,9 +271,10 @@ pub fn gpu_test(args: &[String]) -> Result<()> {
         total as f64 / (1 << 20) as f64,
         exes.len()
     );
+    pack_carry(carry_name)?;
     let cmd = format!("bash scripts/gpu_test.sh {carry_name}");
     println!("device command: {cmd}");
-    println!("carry: [\"{carry_name}\"]");
+    println!("carry: [\"{carry_name}.tar.xz\"]   (gpu_test.sh unpacks it)");
     if args.iter().any(|a| a == "--run-here") {
         let mut c = Command::new("bash");
         c.current_dir(root())
