@@ -186,7 +186,9 @@ def run_row(spec: dict) -> dict:
         # The harness drives the offloader itself (threshold while recording, then the
         # plan's schedule once served), so install() starts none of its own.
         os.environ["STWEAVER_OFFLOAD"] = "0"
-        stweaver.install("auto", budget=str(spec["budget"]), hook_optimizer=True)
+        # The recorded trace is kept (for CPU replay of auto's planning).
+        stweaver.install("auto", budget=str(spec["budget"]), hook_optimizer=True,
+                         trace=spec.get("auto_trace"))
         st = stweaver
     import torch
 
@@ -231,6 +233,7 @@ def run_row(spec: dict) -> dict:
     n_total = spec["iters"] + spec["warmup"]
     max_n = n_total + (spec["extra_auto"] if row == "stweaver_offload" and st is not None else 0)
     losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
+    offload_iters: List[dict] = []
     measured_from = spec["warmup"]
     switched_at = None
     i = 0
@@ -267,6 +270,7 @@ def run_row(spec: dict) -> dict:
                 reserved_after.append(torch.cuda.memory_reserved())
             if st is not None and row == "stweaver_plan":
                 last = st.offload_stats().get("last_iteration") or {}
+                offload_iters.append(last)
                 moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
                 o = st.offload_stats()
                 offload_modes.append(o.get("mode"))
@@ -306,6 +310,7 @@ def run_row(spec: dict) -> dict:
     res["offload_modes"] = offload_modes
     if st is not None and row == "stweaver_plan":
         res["offload"] = st.offload_stats()
+        res["offload_iters"] = offload_iters
         res["offload_mode"] = res["offload"].get("mode")
     if st is not None and row == "stweaver_trace":
         res["trace_files"] = st.flush_trace()
@@ -325,6 +330,33 @@ def run_row(spec: dict) -> dict:
         except Exception as e:  # report, do not lose the run
             res["stweaver"] = {"error": str(e)}
     return res
+
+
+def row_details(r: dict) -> List[str]:
+    """What to print under a row (the JSON may not come back from the GPU machine): the
+    error, the iterations and the offloader's per-iteration counters, stweaver's plan
+    serving counters."""
+    out = []
+    if r.get("oom") or r.get("error"):
+        out.append(f"at iteration {r.get('oom_iter')}: {str(r.get('error'))[:400]}")
+    if r.get("planner"):
+        p = r["planner"]
+        o = p.get("offload") or {}
+        out.append(f"planner: pool {p.get('pool')} tensors {o.get('tensors')} bytes/it {o.get('bytes_per_iteration')} "
+                   f"stalls {o.get('stalls')} error {str(p.get('error'))[:200] if p.get('error') else None}")
+    o = r.get("offload") or {}
+    if o:
+        keep = {k: v for k, v in o.items() if k not in ("last_iteration", "current_iteration")}
+        out.append(f"offload: {json.dumps(keep)[:900]}")
+        for it in (r.get("offload_iters") or [])[:5]:
+            out.append(f"  iteration: {json.dumps(it)[:400]}")
+        out.append(f"  current: {json.dumps(o.get('current_iteration'))[:400]}")
+    st = r.get("stweaver") or {}
+    if st:
+        dev = (st.get("devices") or [{}])[0]
+        out.append("stweaver: mode " + str(st.get("mode")) + " " + json.dumps(dev)[:1200])
+    out.append(f"modes: {r.get('modes', [])[:12]} offload_modes: {r.get('offload_modes', [])[:12]}")
+    return out
 
 
 def child_main() -> int:
@@ -536,14 +568,20 @@ def main(argv=None) -> int:
                         save()
                         continue
                     extra = {"plan": plan_path, "planner": planned}
+                if row == "stweaver_offload" and not args.dry_run:
+                    extra = {"auto_trace": os.path.join(tmp, f"{w['name']}_auto_{f}.stwt")}
                 r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget, **extra), tmp, args.timeout_s)
-                if extra:
+                if extra.get("auto_trace") and os.path.isfile(extra["auto_trace"]):
+                    shutil.copy(extra["auto_trace"], args.out)
+                if extra.get("planner"):
                     r["planner"] = extra["planner"]
                 r["fraction"] = f
                 r["derived"] = derive(r, ref, doc["link"])
                 entry["rows"].append(r)
                 state = "ok" if r.get("ok") else ("OOM" if r.get("oom") else f"error: {r.get('error')}")
                 print(f"  {f:.2f} x LB {row}: {state}", flush=True)
+                for line in row_details(r):
+                    print(f"    {line}", flush=True)
                 save()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()

@@ -47,7 +47,8 @@ offloaded once: a later pack of the same tensor object in the iteration returns 
 handle (``shared``), which every save unpacks.
 
 Eligible tensors: a plain CUDA ``torch.Tensor`` (no subclass, no ``nn.Parameter``: offloading a
-parameter frees nothing), strided, not conjugated/negated, contiguous, covering its whole
+parameter frees nothing), strided, not conjugated/negated, contiguous or a permutation of a
+contiguous tensor (non-overlapping and dense, e.g. attention's transposed q/k/v), covering its whole
 storage (``data_ptr == storage ptr`` and ``nbytes == storage nbytes``), not empty. Dropping such a
 tensor after the copy frees its device block; a view would free nothing. In schedule modes an
 entry whose tensor is not eligible, or whose size differs from ``bytes`` (the ordinals no longer
@@ -607,7 +608,7 @@ class Offloader:
         if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
             return False
         n = t.numel() * t.element_size()
-        if n == 0 or not t.is_contiguous():
+        if n == 0 or not (t.is_contiguous() or _dense(t)):
             return False
         st = t.untyped_storage()
         return t.data_ptr() == st.data_ptr() and n == st.nbytes()
@@ -896,6 +897,22 @@ class Offloader:
                 current_iteration=dict(self._it),
             )
             return out
+
+
+def _dense(t) -> bool:
+    """Whether t's elements fill a block of memory exactly once in some order of its dims
+    (non-overlapping and dense: a permuted contiguous tensor, e.g. attention's
+    ``q.transpose(1, 2)``). Such a tensor round-trips through a host buffer of its bytes with
+    its own strides (``as_strided`` there, ``empty_strided`` back), byte for byte."""
+    # PyTorch's test (TensorImpl::compute_non_overlapping_and_dense): dims by stride, each
+    # stride the product of the sizes below it (dims of size 1 do not matter).
+    dims = sorted((st, sz) for sz, st in zip(t.size(), t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 def _rate(nbytes: int, ms: float) -> Optional[float]:

@@ -436,13 +436,14 @@ def test_packs_after_their_prefetch_point_start_at_the_next_unpack():
     assert st["stalls"] == 0 and st["prefetched"] == 1
 
 
-def test_only_whole_storage_contiguous_device_tensors_are_offloaded():
+def test_only_whole_storage_dense_device_tensors_are_offloaded():
     base = torch.randn(64, 32)
     host = torch.randn(64, 32)
     host.on_host = True
     param = torch.nn.Parameter(torch.randn(64, 32))
-    cases = [base[1:], base[:10], base.t(), base[:, :5], host, param, torch.empty(0),
-             torch.randn(64, 32, dtype=torch.complex64).conj()]
+    col = torch.randn(64, 1)
+    cases = [base[1:], base[:10], base[:, :5], base[:, ::2], col.expand(64, 32), host, param,
+             torch.empty(0), torch.randn(64, 32, dtype=torch.complex64).conj()]
     o, be = offloader(min_bytes=0)
     for t in cases:
         assert o.pack(t) is t
@@ -450,9 +451,9 @@ def test_only_whole_storage_contiguous_device_tensors_are_offloaded():
     whole = torch.randn(64, 32)
     assert isinstance(o.pack(whole), off._Handle)
     # with a schedule: a view that does not start its storage takes no ordinal; a counted
-    # tensor scheduled but not eligible (transposed) -> skipped; wrong size -> mismatch
-    view, tr = base[1:], base.t()
-    o2, be2 = offloader(schedule=[(0, 0, -1, tr.nbytes), (1, 1, -1, 999)])
+    # tensor scheduled but not eligible (an expanded column) -> skipped; wrong size -> mismatch
+    view, tr = base[1:], col.expand(64, 32)
+    o2, be2 = offloader(schedule=[(0, 0, -1, tr.numel() * tr.element_size()), (1, 1, -1, 999)])
     assert o2.pack(view) is view
     assert o2.pack(tr) is tr
     t = torch.randn(10)
@@ -460,6 +461,20 @@ def test_only_whole_storage_contiguous_device_tensors_are_offloaded():
     assert o2.k == 2, "the view took no ordinal"
     st = o2.iteration_end()
     assert st["schedule_skipped"] == 1 and st["schedule_mismatch"] == 1 and st["tensors_out"] == 0
+
+
+def test_a_permuted_whole_storage_tensor_round_trips_with_its_strides():
+    # Attention saves q/k/v as transposes of a projection's output: whole storage, not
+    # contiguous. They are offloaded like contiguous tensors, strides kept, bit for bit.
+    base = torch.randn(2, 8, 4, 16)
+    for t in (base.transpose(1, 2), base.permute(3, 2, 1, 0), torch.randn(64, 32).t()):
+        o, be = offloader(min_bytes=0)
+        h = o.pack(t)
+        assert isinstance(h, off._Handle), t.stride()
+        back = o.unpack(h)
+        assert back.size() == t.size() and back.stride() == t.stride()
+        assert torch.equal(back, t)
+        o.iteration_end()
 
 
 def test_min_bytes_threshold():

@@ -80,7 +80,9 @@ fn prepare() -> Result<()> {
         "device command: set -o pipefail; bash scripts/gpu_bench.sh {CARRY} 2>&1 | tee $OUT/log"
     );
     crate::torch_ext::pack_carry(CARRY)?;
-    println!("carry: [\"{CARRY}.tar.xz\"]   timeout_s: {DEVICE_TIMEOUT_S}   (the script unpacks it)");
+    println!(
+        "carry: [\"{CARRY}.tar.xz\"]   timeout_s: {DEVICE_TIMEOUT_S}   (the script unpacks it)"
+    );
     // Lockstep (memory, losses and step time from the same processes; BENCHMARKS.md,
     // session 6) does not fit the five loops in one call: two calls, training on 3 CPUs.
     println!(

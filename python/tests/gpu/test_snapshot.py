@@ -16,6 +16,8 @@ def _my_frames(block_or_entry):
 
 def test_history_snapshot_and_visualizer(tmp_path, metric):
     torch.cuda.synchronize()
+    # Nothing cached from earlier tests: the allocations below map memory (segment_map).
+    torch.cuda.empty_cache()
     torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
     try:
         keep = torch.empty(3 * MIB + 5, dtype=torch.uint8, device="cuda")
