@@ -61,3 +61,49 @@ fn llama1b_without_recompute_plans_at_0_9_0_8_and_0_7_of_lb_without_stalls() {
     // A tighter budget moves more.
     assert!(moved[0] < moved[1] && moved[1] < moved[2], "{moved:?}");
 }
+
+/// Known failure (issue #16 stays open; session 8): the engine serving the 0.7 × LB
+/// offload plan over the run it was planned for (the rewritten trace), on a device whose
+/// memory is the budget. On the H100 the same plan ran out of memory at its second served
+/// iteration. Here: every other iteration the 1.95 GiB fp32 logits find their planned
+/// range busy and are served in a hole at the pool's tail (35 conflicts, one growth), peak
+/// reserved 26.10 GiB against a 24.14 GiB pool. The plan *without* offload has the same
+/// defect on this trace (34.52 GiB pool, 36.47 GiB served: `plain_plan_serving`), so it
+/// is plan serving, not the offload schedule. Run with `--ignored`; it fails until fixed.
+#[test]
+#[ignore = "known failure: plan serving conflicts on the logits (issue #16)"]
+fn the_engine_serves_the_offload_plan_within_the_budget() {
+    use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
+    let t = trace();
+    let budget = Bytes((0.7 * LB as f64) as u64);
+    let mut o = OffloadOptions::new(budget);
+    o.link_gbps = 48.0;
+    let r = plan_with_budget(&t, &o).unwrap();
+    let run = r.rewritten.as_ref().expect("offloaded");
+    let opts = EngineReplayOptions {
+        device_memory: budget,
+        ..EngineReplayOptions::default()
+    };
+    let served = replay_engine(run, &ServeMode::Plan(&r.outcome.plan), &opts).expect("replays");
+    assert_eq!(served.plan_abandoned, None);
+    assert!(served.peak_reserved <= budget);
+}
+
+/// Known failure (see above): the plan of the run without offload, served over it,
+/// reserves no more than its pool.
+#[test]
+#[ignore = "known failure: plan serving conflicts on the logits (issue #16)"]
+fn plain_plan_serving() {
+    use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
+    let t = stweaver_planner::unoffload::un_offload(&trace()).unwrap();
+    let out = stweaver_planner::planning::plan_trace(&t, &Default::default()).unwrap();
+    let served = replay_engine(
+        &t,
+        &ServeMode::Plan(&out.plan),
+        &EngineReplayOptions::default(),
+    )
+    .unwrap();
+    let stats = served.plan_stats.expect("plan mode");
+    assert_eq!(stats.conflicts, 0, "{stats:?}");
+    assert!(served.peak_reserved <= out.plan.pool_size);
+}
