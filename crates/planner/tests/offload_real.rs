@@ -70,6 +70,16 @@ fn llama1b_without_recompute_plans_at_0_9_0_8_and_0_7_of_lb_without_stalls() {
 /// reserved 26.10 GiB against a 24.14 GiB pool. The plan *without* offload has the same
 /// defect on this trace (34.52 GiB pool, 36.47 GiB served: `plain_plan_serving`), so it
 /// is plan serving, not the offload schedule. Run with `--ignored`; it fails until fixed.
+///
+/// Diagnosis (plain plan): the occupant of the logits' planned range is a 4-byte tensor
+/// (a3211, the loss kept alive by the training loop into the next iteration, 7 300 events)
+/// that the plan does not place (it outlives the iteration: unplanned), but the engine's
+/// cursor matched it by size to the planned entry of a short-lived 4-byte temporary nearby,
+/// so it sits at that temporary's offset, inside the range the logits take 21 events
+/// later. Every other iteration its own next copy finds the slot busy too (hence the
+/// alternation). A fix: the plan keeps a placeholder for each unplanned request so that
+/// the cursor never hands one a planned entry, and long-lived unplanned requests get a
+/// range no planned request uses.
 #[test]
 #[ignore = "known failure: plan serving conflicts on the logits (issue #16)"]
 fn the_engine_serves_the_offload_plan_within_the_budget() {
