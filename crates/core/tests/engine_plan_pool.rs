@@ -136,6 +136,53 @@ fn unplanned_requests_take_holes_the_plan_does_not_need_soon() {
 }
 
 #[test]
+fn an_unplanned_request_keeps_clear_of_a_much_larger_request_planned_later() {
+    // A 512 KiB activation freed, then an unplanned 16 KiB request (its lifetime
+    // unknown: it lives on here), while a 1 MiB request is planned over the whole pool
+    // four requests later, beyond the one-request horizon. Put in the free 512 KiB, the
+    // small request would send the 1 MiB one to the pool's tail.
+    let plan = verified_plan(
+        1024 * K,
+        vec![],
+        0,
+        vec![
+            req(512 * K, 0, 0, 2, S1),
+            req(64 * K, 512 * K, 1, 4, S1),
+            req(64 * K, 576 * K, 3, 6, S1),
+            req(64 * K, 640 * K, 5, 7, S1),
+            req(1024 * K, 0, 8, 9, S1),
+        ],
+        10,
+    );
+    let opts = PlanOptions {
+        hole_horizon: 1,
+        ..PlanOptions::default()
+    };
+    let (mut r, base) = serving(&plan, opts);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(512 * K, S1);
+    let b = r.alloc(64 * K, S1);
+    r.free(a);
+    let x = r.alloc(16 * K, S1);
+    assert!(
+        x.get() < base.get() || x.get() >= base.get() + 1024 * K,
+        "the unplanned request took a hole the 1 MiB request needs"
+    );
+    let c = r.alloc(64 * K, S1);
+    r.free(b);
+    let d = r.alloc(64 * K, S1);
+    r.free(c);
+    r.free(d);
+    let big = r.alloc(1024 * K, S1);
+    assert_eq!(big, base, "the 1 MiB request at its planned offset");
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.conflicts, st.grown), (0, 0), "{st:?}");
+    r.free(big);
+    r.free(x);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
 fn without_a_safe_hole_a_request_goes_online() {
     let plan = one_stream_plan();
     let mut r = run();

@@ -318,6 +318,10 @@ pub fn plan_with_budget(
     let mut base = plan_trace(trace, &opts.plan)?;
     base.plan.trace_digest = trace_digest(input);
     let pool_without_offload = base.plan.pool_size;
+    // What serving needs beside the pool ([`serving_headroom`]): the pool must fit in
+    // the rest.
+    let headroom = serving_headroom(&base.plan);
+    let fit = Bytes(budget.get().saturating_sub(headroom));
     let mut report = OffloadReport {
         budget,
         planned_peak: pool_without_offload,
@@ -333,7 +337,7 @@ pub fn plan_with_budget(
         link_gbps: opts.link_gbps,
         attempts: 1,
     };
-    if pool_without_offload <= budget {
+    if pool_without_offload <= fit {
         base.plan.budget = Some(budget);
         verify_plan(&base.plan).map_err(OffloadError::Invalid)?;
         return Ok(BudgetOutcome {
@@ -377,18 +381,19 @@ pub fn plan_with_budget(
         let w = a.standalone(c);
         a.apply(&mut tree, c, w, -1);
     }
+    // The smallest budget: that peak and what serving needs beside the pool.
     let (minimum, at) = tree.max();
-    report.minimum = Bytes(minimum);
-    if Bytes(minimum) > budget {
+    report.minimum = Bytes(minimum + headroom);
+    if Bytes(minimum) > fit {
         return Err(OffloadError::BelowMinimum {
             budget,
-            minimum: Bytes(minimum),
+            minimum: report.minimum,
             candidates: a.cands.len(),
             at: a.minimum_at(at as u64, minimum),
         });
     }
 
-    let mut target = budget.get();
+    let mut target = fit.get();
     let mut best_pool = pool_without_offload;
     let mut reason = String::new();
     for attempt in 1..=MAX_ATTEMPTS {
@@ -404,9 +409,9 @@ pub fn plan_with_budget(
         let (rewritten, backs) = a.rewrite(&chosen, &sched);
         let mut out = plan_trace(&rewritten, &opts.plan)?;
         best_pool = best_pool.min(out.plan.pool_size);
-        if out.plan.pool_size > budget {
+        if out.plan.pool_size > fit {
             // Lower the target by the solver's overshoot and choose again.
-            let over = out.plan.pool_size.get() - budget.get();
+            let over = out.plan.pool_size.get() - fit.get();
             let step = over.div_ceil(ALIGNMENT.get()) * ALIGNMENT.get();
             if target <= minimum.saturating_add(step) {
                 reason = format!(
@@ -439,11 +444,26 @@ pub fn plan_with_budget(
     }
     Err(OffloadError::NotReached {
         budget,
-        minimum: Bytes(minimum),
+        minimum: report.minimum,
         best_pool,
         attempts: report.attempts.saturating_sub(1),
         reason,
     })
+}
+
+/// Memory the engine maps beside a plan's pool when serving it (measured by replaying the
+/// H100 Llama trace, `tests/offload_real.rs`): the pool rounded up to the device's mapping
+/// granule, and the online arenas of the requests the plan leaves unplanned (their peak of
+/// live bytes rounded up to granules, plus the small pool's first granule). A plan whose
+/// pool fits the budget but not this beside it would run out of memory at the budget.
+pub fn serving_headroom(plan: &stweaver_core::Plan) -> u64 {
+    let granule = crate::engine_replay::GRANULE.get();
+    let dynamic = if plan.dynamic.requests > 0 {
+        plan.dynamic.peak_bytes.get().div_ceil(granule) * granule + granule
+    } else {
+        0
+    };
+    granule + dynamic
 }
 
 /// One offloadable tensor (an iteration slot).

@@ -62,48 +62,50 @@ fn llama1b_without_recompute_plans_at_0_9_0_8_and_0_7_of_lb_without_stalls() {
     assert!(moved[0] < moved[1] && moved[1] < moved[2], "{moved:?}");
 }
 
-/// Known failure (issue #16 stays open; session 8): the engine serving the 0.7 × LB
-/// offload plan over the run it was planned for (the rewritten trace), on a device whose
-/// memory is the budget. On the H100 the same plan ran out of memory at its second served
-/// iteration. Here: every other iteration the 1.95 GiB fp32 logits find their planned
-/// range busy and are served in a hole at the pool's tail (35 conflicts, one growth), peak
-/// reserved 26.10 GiB against a 24.14 GiB pool. The plan *without* offload has the same
-/// defect on this trace (34.52 GiB pool, 36.47 GiB served: `plain_plan_serving`), so it
-/// is plan serving, not the offload schedule. Run with `--ignored`; it fails until fixed.
+/// The engine serving each offload plan over the run it was planned for (the rewritten
+/// trace: the offloaded tensors' out and back requests) on a device whose memory is the
+/// budget: no conflict, the plan kept, never over the budget.
 ///
-/// Diagnosis (plain plan): the occupant of the logits' planned range is a 4-byte tensor
-/// (a3211, the loss kept alive by the training loop into the next iteration, 7 300 events)
-/// that the plan does not place (it outlives the iteration: unplanned), but the engine's
-/// cursor matched it by size to the planned entry of a short-lived 4-byte temporary nearby,
-/// so it sits at that temporary's offset, inside the range the logits take 21 events
-/// later. Every other iteration its own next copy finds the slot busy too (hence the
-/// alternation). A fix: the plan keeps a placeholder for each unplanned request so that
-/// the cursor never hands one a planned entry, and long-lived unplanned requests get a
-/// range no planned request uses.
+/// Before session 8's fixes the 0.7 x LB plan ran out of memory here as on the H100: an
+/// unplanned 4-byte loss tensor kept into the next iteration took a short-lived
+/// temporary's planned entry by size, and an unplanned 128 KiB tensor living one iteration
+/// was put in a pool hole beyond the 128-request horizon; either sat in the range the
+/// 1.95 GiB logits take later, which then went to the pool's tail (+1.95 GiB). Now slots
+/// sharing a size with an unplanned request are unplanned too
+/// (`DynamicReason::SharesSizeWithUnplanned`) and an unplanned request's hole must stay
+/// clear of a whole iteration of planned requests.
 #[test]
-#[ignore = "known failure: plan serving conflicts on the logits (issue #16)"]
-fn the_engine_serves_the_offload_plan_within_the_budget() {
+fn the_engine_serves_each_offload_plan_within_its_budget() {
     use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
     let t = trace();
-    let budget = Bytes((0.7 * LB as f64) as u64);
-    let mut o = OffloadOptions::new(budget);
-    o.link_gbps = 48.0;
-    let r = plan_with_budget(&t, &o).unwrap();
-    let run = r.rewritten.as_ref().expect("offloaded");
-    let opts = EngineReplayOptions {
-        device_memory: budget,
-        ..EngineReplayOptions::default()
-    };
-    let served = replay_engine(run, &ServeMode::Plan(&r.outcome.plan), &opts).expect("replays");
-    assert_eq!(served.plan_abandoned, None);
-    assert!(served.peak_reserved <= budget);
+    for f in [0.9, 0.8, 0.7] {
+        let budget = Bytes((f * LB as f64) as u64);
+        let mut o = OffloadOptions::new(budget);
+        o.link_gbps = 48.0;
+        let r = plan_with_budget(&t, &o).unwrap();
+        let run = r.rewritten.as_ref().expect("offloaded");
+        let opts = EngineReplayOptions {
+            device_memory: budget,
+            ..EngineReplayOptions::default()
+        };
+        let served = replay_engine(run, &ServeMode::Plan(&r.outcome.plan), &opts)
+            .unwrap_or_else(|e| panic!("{f} x LB: {e}"));
+        let stats = served.plan_stats.expect("plan mode");
+        assert_eq!(served.plan_abandoned, None, "{f}");
+        assert_eq!(stats.conflicts, 0, "{f}: {stats:?}");
+        assert!(
+            served.peak_reserved <= budget,
+            "{f}: {}",
+            served.peak_reserved
+        );
+    }
 }
 
-/// Known failure (see above): the plan of the run without offload, served over it,
-/// reserves no more than its pool.
+/// The plan of the run without offload, served over it: no conflict, and nothing beyond
+/// the pool but its granule rounding and the unplanned requests' online arenas
+/// (`offload::serving_headroom`; 36.47 GiB over a 34.52 GiB pool before the fixes above).
 #[test]
-#[ignore = "known failure: plan serving conflicts on the logits (issue #16)"]
-fn plain_plan_serving() {
+fn the_plan_without_offload_is_served_within_its_pool() {
     use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
     let t = stweaver_planner::unoffload::un_offload(&trace()).unwrap();
     let out = stweaver_planner::planning::plan_trace(&t, &Default::default()).unwrap();
@@ -115,5 +117,11 @@ fn plain_plan_serving() {
     .unwrap();
     let stats = served.plan_stats.expect("plan mode");
     assert_eq!(stats.conflicts, 0, "{stats:?}");
-    assert!(served.peak_reserved <= out.plan.pool_size);
+    let headroom = stweaver_planner::offload::serving_headroom(&out.plan);
+    assert!(
+        served.peak_reserved.get() <= out.plan.pool_size.get() + headroom,
+        "{} over a pool of {}",
+        served.peak_reserved,
+        out.plan.pool_size
+    );
 }

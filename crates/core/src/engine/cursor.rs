@@ -302,6 +302,11 @@ impl Cursor {
         self.prologue.len() + self.iteration.len()
     }
 
+    /// Expected requests in one iteration (0: a prologue-only plan).
+    pub fn iteration_requests(&self) -> usize {
+        self.iteration.len()
+    }
+
     /// The expected requests after the best hypothesis's position that are planned to
     /// start before virtual tick `until`, at most `cap` of them.
     pub fn upcoming_until(&self, until: u64, cap: usize) -> impl Iterator<Item = &Expected> + '_ {

@@ -201,6 +201,11 @@ const HOLE_CANDIDATES: usize = 8;
 /// lifetime is known (a conflict).
 const HOLE_SPAN_CAP: usize = 4096;
 
+/// An unplanned request keeps clear, over a whole iteration, of the planned requests at
+/// least this many times its size ([`PlanServing::unplanned_blocked`]): if it outlives
+/// its hole's free time, what it displaces is no bigger than this many times itself.
+const UNPLANNED_DISPLACE_FACTOR: u64 = 16;
+
 /// What the plan pool answers to a request ([`State::alloc_planned`]).
 enum PlanAnswer {
     /// A block, placed.
@@ -324,14 +329,14 @@ impl PlanServing {
     /// by start. O(k log k) for k of them.
     /// On a multi-stream plan, every range another stream than `plan_stream` (the
     /// request's, `None` if unbound: all streams) ever plans on is blocked too.
-    fn collect_blocked(&mut self, plan_stream: Option<StreamId>) {
+    fn collect_blocked(&mut self, plan_stream: Option<StreamId>, len: u64) {
         let mut v = std::mem::take(&mut self.blocked);
         v.clear();
         let range = |e: &cursor::Expected| (e.offset.get(), e.offset.get() + e.len);
         match self.until {
             Some(u64::MAX) => v.extend(self.cursor.upcoming(self.cursor.len()).map(range)),
             Some(until) => v.extend(self.cursor.upcoming_until(until, HOLE_SPAN_CAP).map(range)),
-            None => v.extend(self.cursor.upcoming(self.options.hole_horizon).map(range)),
+            None => v.extend(self.unplanned_blocked(len).map(range)),
         }
         if self.multi_stream() {
             for (s, u) in &self.streams {
@@ -381,6 +386,29 @@ impl PlanServing {
         best.map(|(_, a, z)| if a != lo && z == hi { hi - len } else { a })
     }
 
+    /// The expected requests an unplanned request of `len` bytes must keep clear of: the
+    /// next `hole_horizon`, and over the next iteration's worth every one at least
+    /// [`UNPLANNED_DISPLACE_FACTOR`] times its size. An unplanned request's lifetime is
+    /// unknown, and the ones a plan leaves may outlive their iteration (the loss a loop
+    /// keeps, a tensor living into the next step): one in a hole that a much larger request
+    /// planned later needs sends that request to the pool's tail (on an H100 Llama trace,
+    /// a 128 KiB tensor living one iteration displaced the 1.95 GiB logits: +5.6 %
+    /// reserved). Clearing every planned request of the cycle instead sent the short-lived
+    /// unplanned requests of a plan's tail iteration online (+5-7 % on the H200 traces).
+    fn unplanned_blocked(&self, len: u64) -> impl Iterator<Item = &cursor::Expected> + '_ {
+        // One iteration ahead (a prologue-only plan, an aperiodic run, has none: its
+        // unplanned requests are the irregular ones, short-lived), at most HOLE_SPAN_CAP.
+        let near = self.options.hole_horizon;
+        let cycle = self.cursor.iteration_requests().min(HOLE_SPAN_CAP);
+        self.cursor
+            .upcoming(near.max(cycle))
+            .enumerate()
+            .filter(move |&(k, e)| {
+                k < near || e.len >= len.saturating_mul(UNPLANNED_DISPLACE_FACTOR)
+            })
+            .map(|(_, e)| e)
+    }
+
     fn hole_ok(&self, stream: StreamId, lo: u64, len: u64) -> bool {
         let hi = lo + len;
         let clear = |e: &cursor::Expected| e.offset.get() >= hi || e.offset.get() + e.len <= lo;
@@ -388,7 +416,7 @@ impl PlanServing {
             && match self.until {
                 Some(u64::MAX) => self.cursor.upcoming(self.cursor.len()).all(clear),
                 Some(until) => self.cursor.upcoming_until(until, HOLE_SPAN_CAP).all(clear),
-                None => self.cursor.upcoming(self.options.hole_horizon).all(clear),
+                None => self.unplanned_blocked(len).all(clear),
             }
     }
 }
@@ -679,7 +707,7 @@ impl State {
         // requests need.
         for gaps in [false, true] {
             if gaps {
-                p.collect_blocked(ps);
+                p.collect_blocked(ps, rounded);
             }
             let mut key = (rounded, 0);
             for _ in 0..HOLE_CANDIDATES {
