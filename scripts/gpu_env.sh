@@ -32,8 +32,14 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 export PY
 
-# Builds the extension (python -m stweaver build) into python/stweaver/, log in $OUT/build.log.
+# Builds the extension (python -m stweaver build) into python/stweaver/, log in $OUT/build.log;
+# skipped when the built extension is newer than the carried staticlib (scripts run back to
+# back in one call).
 gpu_env_build() {
+  if [ -n "$(find python/stweaver -maxdepth 1 -name '_C*.so' -newer "$STWEAVER_LIB" 2>/dev/null)" ]; then
+    echo "extension already built"
+    return 0
+  fi
   local t0; t0=$(date +%s)
   if ! "$PY" -m stweaver build > "$OUT/build.log" 2>&1; then
     tail -n 40 "$OUT/build.log"

@@ -41,7 +41,10 @@ fn device_call(script: &str, gpus: u32, timeout_s: u32) -> Result<()> {
     println!(
         "device command: set -o pipefail; bash scripts/{script} {CARRY} {gpus} 2>&1 | tee $OUT/log"
     );
-    println!("carry: [\"{CARRY}\"]   kind: {kind}   timeout_s: {timeout_s}");
+    crate::torch_ext::pack_carry(CARRY)?;
+    println!(
+        "carry: [\"{CARRY}.tar.xz\"]   kind: {kind}   timeout_s: {timeout_s}   (the script unpacks it)"
+    );
     Ok(())
 }
 

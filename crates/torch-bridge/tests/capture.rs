@@ -3,36 +3,12 @@
 //! free memory (the graph's scratch) never given back while the pool is in use (pause
 //! included), and an out-of-memory in one pool first empties the device's other pools.
 
-use std::sync::Arc;
+mod common;
 
+use common::{DEFAULT, GRAPH, MIB, S0, online_runtime as runtime};
 use stweaver_core::engine::{DevicePtr, HostMemory};
 use stweaver_core::units::Bytes;
-use stweaver_torch::ffi::bridge::PoolId;
-use stweaver_torch::tracked::BridgeDevice;
-use stweaver_torch::{Core, Runtime, Settings};
-
-const MIB: u64 = 1 << 20;
-const S0: usize = 0x10;
-const DEFAULT: PoolId = PoolId {
-    first: 0,
-    second: 0,
-};
-const GRAPH: PoolId = PoolId {
-    first: 1,
-    second: 0,
-};
-
-fn runtime(cap_mib: u64) -> (Runtime, Arc<HostMemory>) {
-    let dev = Arc::new(HostMemory::new(Bytes(cap_mib * MIB), Bytes(2 * MIB)));
-    let d = dev.clone();
-    let factory = Box::new(move |_: i32| Ok(d.clone() as Arc<dyn BridgeDevice>));
-    let rt = Runtime::with_core(Core::new(
-        Settings::parse("online", "", "").unwrap(),
-        factory,
-    ));
-    rt.init(1).unwrap();
-    (rt, dev)
-}
+use stweaver_torch::Runtime;
 
 fn reserved(rt: &Runtime) -> i64 {
     rt.device_stats(0).unwrap().reserved_bytes.all.current

@@ -1,36 +1,13 @@
 //! Pause / resume through the bridge over host memory (issue #17): tags on every pool,
 //! the device budget, contents kept, errors, all or nothing across a device's pools.
 
-use std::sync::Arc;
+mod common;
 
+use common::{DEFAULT, GRAPH, MIB, S0, online_runtime as runtime};
 use stweaver_core::engine::{DevicePtr, EngineError, HostMemory, PauseError};
 use stweaver_core::units::Bytes;
 use stweaver_torch::ffi::bridge::PoolId;
-use stweaver_torch::tracked::BridgeDevice;
-use stweaver_torch::{BridgeError, Core, Runtime, Settings};
-
-const MIB: u64 = 1 << 20;
-const S0: usize = 0x10;
-const DEFAULT: PoolId = PoolId {
-    first: 0,
-    second: 0,
-};
-const GRAPH: PoolId = PoolId {
-    first: 1,
-    second: 0,
-};
-
-fn runtime(cap_mib: u64) -> (Runtime, Arc<HostMemory>) {
-    let dev = Arc::new(HostMemory::new(Bytes(cap_mib * MIB), Bytes(2 * MIB)));
-    let d = dev.clone();
-    let factory = Box::new(move |_: i32| Ok(d.clone() as Arc<dyn BridgeDevice>));
-    let rt = Runtime::with_core(Core::new(
-        Settings::parse("online", "", "").unwrap(),
-        factory,
-    ));
-    rt.init(1).unwrap();
-    (rt, dev)
-}
+use stweaver_torch::{BridgeError, Runtime};
 
 fn info(rt: &Runtime) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();

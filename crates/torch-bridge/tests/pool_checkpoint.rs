@@ -1,34 +1,19 @@
 //! Private-pool checkpoints through the bridge (what `getCheckpointState` /
 //! `setCheckpointPoolState` call), over host memory.
 
-use std::sync::Arc;
+mod common;
 
-use stweaver_core::engine::HostMemory;
-use stweaver_core::units::Bytes;
+use common::{DEFAULT, MIB, S0, online_runtime};
 use stweaver_torch::ffi::bridge::{HistoryAction, PoolId};
-use stweaver_torch::tracked::BridgeDevice;
-use stweaver_torch::{BridgeError, Core, Runtime, Settings};
+use stweaver_torch::{BridgeError, Runtime};
 
-const MIB: u64 = 1 << 20;
-const S0: usize = 0x10;
-const DEFAULT: PoolId = PoolId {
-    first: 0,
-    second: 0,
-};
 const GRAPH: PoolId = PoolId {
     first: 3,
     second: 0,
 };
 
 fn runtime() -> Runtime {
-    let dev = Arc::new(HostMemory::new(Bytes(256 * MIB), Bytes(2 * MIB)));
-    let factory = Box::new(move |_d: i32| Ok(dev.clone() as Arc<dyn BridgeDevice>));
-    let rt = Runtime::with_core(Core::new(
-        Settings::parse("online", "", "").unwrap(),
-        factory,
-    ));
-    rt.init(1).unwrap();
-    rt
+    online_runtime(256).0
 }
 
 #[test]

@@ -5,21 +5,15 @@ use std::sync::Arc;
 use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostMemory};
 use stweaver_core::trace_file::read_trace_file;
 use stweaver_core::units::{Bytes, StreamId};
-use stweaver_torch::ffi::bridge::{HistoryAction, PoolId};
+use stweaver_torch::ffi::bridge::HistoryAction;
 use stweaver_torch::tracked::BridgeDevice;
 use stweaver_torch::{BridgeError, Core, Runtime, Settings};
 
-const MIB: u64 = 1 << 20;
-const S0: usize = 0x10;
+mod common;
+
+use common::{DEFAULT, GRAPH, MIB, S0};
+
 const S1: usize = 0x20;
-const DEFAULT: PoolId = PoolId {
-    first: 0,
-    second: 0,
-};
-const GRAPH: PoolId = PoolId {
-    first: 1,
-    second: 0,
-};
 
 /// A runtime over `n` host devices of `cap_mib` MiB each (2 MiB granules); returns the
 /// devices too, so tests can drive their fake events.

@@ -447,9 +447,16 @@ impl Core {
         {
             e.empty_cache()?;
         }
+        self.empty_unused_pools(slot, Some(pool))?;
+        Ok(slot.budget.mapped() < before)
+    }
+
+    /// Empties the cache of `slot`'s private pools no graph uses any more (use count 0),
+    /// but `except`, and retires those left empty.
+    fn empty_unused_pools(&self, slot: &DeviceSlot, except: Option<PoolId>) -> Result<()> {
         let released: Vec<PoolId> = read(&slot.private)
             .iter()
-            .filter(|&(&id, p)| id != pool && p.use_count == 0)
+            .filter(|&(&id, p)| Some(id) != except && p.use_count == 0)
             .map(|(&id, _)| id)
             .collect();
         for id in released {
@@ -458,7 +465,7 @@ impl Core {
             }
             self.maybe_retire(slot, id)?;
         }
-        Ok(slot.budget.mapped() < before)
+        Ok(())
     }
 
     pub fn empty_cache(&self, device: i32, pool: PoolId) -> Result<()> {
@@ -467,17 +474,7 @@ impl Core {
                 if let Some(e) = slot.default.get() {
                     e.empty_cache()?;
                 }
-                let released: Vec<PoolId> = read(&slot.private)
-                    .iter()
-                    .filter(|(_, p)| p.use_count == 0)
-                    .map(|(&id, _)| id)
-                    .collect();
-                for id in released {
-                    if let Some(p) = read(&slot.private).get(&id) {
-                        p.engine.empty_cache()?;
-                    }
-                    self.maybe_retire(slot, id)?;
-                }
+                self.empty_unused_pools(slot, None)?;
             } else if let Some(p) = read(&slot.private).get(&pool) {
                 p.engine.empty_cache()?;
             }
