@@ -331,23 +331,30 @@ fn from_iteration_markers(seq: &RequestSequence, trace: &Trace, min_reps: usize)
         return None;
     }
     // The last complete iteration sets the period; earlier ones belong to the steady
-    // state while they are evenly spaced and the sequence repeats back to them.
-    let last = cuts.len() - 2;
-    let end = cuts[last + 1];
-    let p = end - cuts[last];
-    if p == 0 {
-        return None;
+    // state while they are evenly spaced and the sequence repeats back to them. When
+    // that leaves too few, the iteration before it is tried: the last one recorded may
+    // be cut short (auto mode stops recording at a boundary, and frees still pending
+    // then complete after it: on an H100 run with offload, 34 fewer completed frees).
+    let mut best = None;
+    for last in (cuts.len().saturating_sub(3)..cuts.len() - 1).rev() {
+        let end = cuts[last + 1];
+        let p = end - cuts[last];
+        if p == 0 {
+            continue;
+        }
+        let earliest = seq.steady_start(p, end);
+        let mut first = last;
+        while first > 0 && cuts[first - 1] >= earliest && cuts[first] - cuts[first - 1] == p {
+            first -= 1;
+        }
+        let reps = last - first + 1;
+        if reps >= min_reps {
+            best = Some((cuts[first], p, reps));
+            break;
+        }
     }
-    let earliest = seq.steady_start(p, end);
-    let mut first = last;
-    while first > 0 && cuts[first - 1] >= earliest && cuts[first] - cuts[first - 1] == p {
-        first -= 1;
-    }
-    let reps = last - first + 1;
-    if reps < min_reps {
-        return None;
-    }
-    Some(seq.period(trace, cuts[first], p, reps, PeriodSource::IterationMarkers))
+    let (start, p, reps) = best?;
+    Some(seq.period(trace, start, p, reps, PeriodSource::IterationMarkers))
 }
 
 /// Z-function (Gusfield): `z[i]` = length of the longest common prefix of `s` and

@@ -22,7 +22,11 @@ const TRACE: &str = concat!(
 const LB: u64 = 37_062_521_480;
 
 fn trace() -> Trace {
-    let gz = std::fs::read(TRACE).expect("the vendored trace");
+    load(TRACE)
+}
+
+fn load(path: &str) -> Trace {
+    let gz = std::fs::read(path).expect("the vendored trace");
     let mut bytes = Vec::new();
     flate2::read::GzDecoder::new(&gz[..])
         .read_to_end(&mut bytes)
@@ -123,5 +127,35 @@ fn the_plan_without_offload_is_served_within_its_pool() {
         "{} over a pool of {}",
         served.peak_reserved,
         out.plan.pool_size
+    );
+}
+
+/// Auto mode's own recording under a 0.8 x LB budget on the H100 (`data/traces/
+/// trace_llama1b_norcp_auto_offload.stwt.gz`: four iterations, every one offloaded by
+/// threshold so that it fits, each copy back linked to its tensor). Its planning found "no
+/// steady state" on the GPU: the offloader's copy streams deferred the frees of saved
+/// tensors by timing-dependent amounts, and the last recorded iteration was cut short
+/// (frees still pending at the boundary). Now: periodic, and a schedule within the budget.
+#[test]
+fn auto_modes_recording_under_a_budget_plans_its_offload() {
+    const AUTO: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/traces/trace_llama1b_norcp_auto_offload.stwt.gz"
+    );
+    let t = load(AUTO);
+    let budget = Bytes((0.8 * LB as f64) as u64);
+    let mut o = OffloadOptions::new(budget);
+    o.link_gbps = 48.0;
+    let r = plan_with_budget(&t, &o).unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.outcome.plan.pool_size <= budget);
+    assert!(!r.outcome.plan.offload.is_empty());
+    assert_eq!(r.offload.stalls, 0);
+    assert!(
+        matches!(
+            r.outcome.classification.steady,
+            stweaver_planner::classify::Steady::Periodic(_)
+        ),
+        "{:?}",
+        r.outcome.classification.steady
     );
 }
