@@ -12,14 +12,10 @@ use stweaver_core::{
     Bytes, DeviceId, DynamicSummary, NEVER_FREED, Offset, Plan, PlannedRequest, StreamId,
 };
 
+/// A planned request (argument order of the calls below; the kit's is size, offset,
+/// times, stream).
 fn req(size: u64, stream: u64, offset: u64, start: u64, end: u64) -> PlannedRequest {
-    PlannedRequest {
-        size: Bytes(size),
-        stream: StreamId(stream),
-        offset: Offset(offset),
-        start,
-        end,
-    }
+    stweaver_core::testkit::planned_on(size, offset, start, end, stream)
 }
 
 /// Never-freed prologue requests, a prologue request that crosses into the first

@@ -148,17 +148,7 @@ impl<D: DeviceMemory> Engine<D> {
                 }
             }
         }
-        for arr in [
-            &s.allocation,
-            &s.segment,
-            &s.active,
-            &s.inactive_split,
-            &s.allocated_bytes,
-            &s.reserved_bytes,
-            &s.active_bytes,
-            &s.inactive_split_bytes,
-            &s.requested_bytes,
-        ] {
+        for arr in s.arrays() {
             if arr[0].current != arr[1].current + arr[2].current {
                 return fail(format!("aggregate {:?} is not small + large", arr[0]));
             }

@@ -185,6 +185,21 @@ pub(crate) fn settle(arr: &mut StatArray, pool: PoolKind, target: u64) {
 }
 
 impl DeviceStats {
+    /// The nine per-pool stat arrays (`[all, small, large]` each), in declaration order.
+    pub fn arrays(&self) -> [&StatArray; 9] {
+        [
+            &self.allocation,
+            &self.segment,
+            &self.active,
+            &self.inactive_split,
+            &self.allocated_bytes,
+            &self.reserved_bytes,
+            &self.active_bytes,
+            &self.inactive_split_bytes,
+            &self.requested_bytes,
+        ]
+    }
+
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
         [
             &mut self.allocation,

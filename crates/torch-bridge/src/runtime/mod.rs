@@ -257,9 +257,10 @@ impl Core {
             arena_size: None,
             record_trace: matches!(self.settings.mode, Mode::Trace | Mode::Auto)
                 && is_default(pool),
+            release_before_new_peak: self.settings.release_at_peak,
             // A private pool's free memory may be a captured graph's scratch: it is
-            // given back only by empty_cache once no graph uses the pool.
-            release_before_new_peak: self.settings.release_at_peak && is_default(pool),
+            // given back only by empty_cache once no graph uses the pool (keep_cache also
+            // turns release before a new peak off).
             keep_cache: !is_default(pool),
         };
         let engine = Engine::new(

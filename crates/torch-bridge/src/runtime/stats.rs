@@ -27,18 +27,7 @@ pub(super) struct Agg {
 /// The 29 `Stat`s of a `DeviceStats`, in a fixed order.
 pub(super) fn stats_of(s: &DeviceStats) -> [Stat; 29] {
     let mut out = [Stat::default(); 29];
-    let arrays = [
-        &s.allocation,
-        &s.segment,
-        &s.active,
-        &s.inactive_split,
-        &s.allocated_bytes,
-        &s.reserved_bytes,
-        &s.active_bytes,
-        &s.inactive_split_bytes,
-        &s.requested_bytes,
-    ];
-    for (k, arr) in arrays.iter().enumerate() {
+    for (k, arr) in s.arrays().iter().enumerate() {
         out[3 * k..3 * k + 3].copy_from_slice(&arr[..]);
     }
     out[27] = s.oversize_allocations;
