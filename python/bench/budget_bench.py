@@ -27,6 +27,9 @@ random token ids, deterministic algorithms (as gpu_bench).
      so that the planned peak fits B; its report is kept in the row), then the plan run
      (``STWEAVER_PLAN`` + ``STWEAVER_BUDGET``: the plan's schedule is followed from the
      first iteration boundary on). Needs ``--stweaver-bin`` (the release CLI);
+   - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
+     offloaded tensor's memory right after its pack and compute waits for the copy on the
+     device: the schedule before session 9, kept as the baseline);
    - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around forward;
    - ``recompute``: full activation checkpointing (HF ``gradient_checkpointing_enable``);
    - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not).
@@ -77,7 +80,7 @@ WORKLOADS = [
     dict(_base("gpt2xl_rcp"), name="gpt2xl_norcp", ckpt=False, batch=8, micro=1,
          note="GPT-2 XL (gpu_bench config), 8 x 1024 tokens, one micro-batch, no recomputation"),
 ]
-ROWS = ("stweaver_plan", "stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
+ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
 
 
 def dry_workloads() -> List[dict]:
@@ -170,7 +173,7 @@ def run_row(spec: dict) -> dict:
     res: dict = {"row": row, "workload": c["name"], "fraction": spec.get("fraction"),
                  "budget": spec.get("budget"), "ok": False}
     st = None
-    if row in ("stweaver_trace", "stweaver_plan") and not dry:
+    if row in ("stweaver_trace", "stweaver_plan", "stweaver_plan_at_pack") and not dry:
         import stweaver
 
         if row == "stweaver_trace":
@@ -251,7 +254,7 @@ def run_row(spec: dict) -> dict:
                 loss = model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()  # stweaver's optimizer hook marks its iteration here
-            if st is not None and row in ("stweaver_trace", "stweaver_plan"):
+            if st is not None and row in ("stweaver_trace", "stweaver_plan", "stweaver_plan_at_pack"):
                 if not st._settings.hook_optimizer:
                     st.step()  # plan / trace mode: the boundary (and the offloader's)
             opt.zero_grad(set_to_none=True)
@@ -268,7 +271,7 @@ def run_row(spec: dict) -> dict:
                 cpu_bytes[0] = 0
             if cuda:
                 reserved_after.append(torch.cuda.memory_reserved())
-            if st is not None and row == "stweaver_plan":
+            if st is not None and row in ("stweaver_plan", "stweaver_plan_at_pack"):
                 last = st.offload_stats().get("last_iteration") or {}
                 offload_iters.append(last)
                 moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
@@ -308,7 +311,7 @@ def run_row(spec: dict) -> dict:
     res["modes"] = modes
     res["switched_at"] = switched_at
     res["offload_modes"] = offload_modes
-    if st is not None and row == "stweaver_plan":
+    if st is not None and row in ("stweaver_plan", "stweaver_plan_at_pack"):
         res["offload"] = st.offload_stats()
         res["offload_iters"] = offload_iters
         res["offload_mode"] = res["offload"].get("mode")
@@ -532,7 +535,7 @@ def main(argv=None) -> int:
         entry["lower_bound_source"] = "torch.cuda.max_memory_allocated of the unlimited run"
         print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}", flush=True)
         trace = None
-        if "stweaver_plan" in rows and not args.dry_run:
+        if any(r.startswith("stweaver_plan") for r in rows) and not args.dry_run:
             trace = os.path.join(tmp, w["name"] + ".stwt")
             tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=trace), tmp, args.timeout_s)
             entry["trace_run"] = {k: tr.get(k) for k in ("ok", "error", "max_allocated", "max_reserved",
@@ -546,12 +549,13 @@ def main(argv=None) -> int:
             budget = int(f * lb) if lb else None
             for row in rows:
                 extra = {}
-                if row == "stweaver_plan":
+                if row in ("stweaver_plan", "stweaver_plan_at_pack"):
                     if args.dry_run or trace is None or not args.stweaver_bin:
                         continue
-                    plan_path = os.path.join(tmp, f"{w['name']}_{f}.stwp")
+                    plan_path = os.path.join(tmp, f"{w['name']}_{f}_{row}.stwp")
                     cmd = [args.stweaver_bin, "plan", trace, "--budget", str(budget), "--link-gbps",
-                           str(args.link_gbps), "--json", "-o", plan_path]
+                           str(args.link_gbps), "--json", "-o", plan_path,
+                           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy"]
                     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     try:
                         planned = json.loads(cp.stdout)

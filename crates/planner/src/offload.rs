@@ -109,17 +109,9 @@ pub struct OffloadOptions {
     pub link_gbps: f64,
     /// How to plan (the same options as [`plan_trace`]).
     pub plan: PlanOptions,
-    /// The out request's memory is free for reuse right after the pack (`true`, the
-    /// default): the engine serves a planned request whose range is held only by a free
-    /// pending on the copy stream by making the request's stream wait for the copy on the
-    /// device (`PlanOptions::wait_for_pending_frees`, on by default in the bridge), so the
-    /// host never waits and the copy need not be done in host time. `false`: the memory is
-    /// free only once the copy is done in the trace's (host) time, the model for an engine
-    /// that does not wait on the device. On a GPU the host runs ahead of the device: in host
-    /// time a forward pass is over long before its copies are, and with `false` nothing
-    /// offloaded in forward is free at the peak at the start of backward (measured on an
-    /// H100, Llama 1B: no schedule below 0.95 x LB).
-    pub out_waits_on_device: bool,
+    /// When the out request's memory may be reused ([`OutReuse`]; default
+    /// [`OutReuse::AfterCopy`]).
+    pub reuse: OutReuse,
     /// Time events by the trace's host `time_us` as they are ([`Timing::TraceTimes`])
     /// instead of the iteration's period spread over its requests
     /// ([`Timing::SpreadPeriod`], the default).
@@ -132,8 +124,47 @@ impl OffloadOptions {
             budget,
             link_gbps: DEFAULT_LINK_GBPS,
             plan: PlanOptions::default(),
-            out_waits_on_device: true,
+            reuse: OutReuse::AfterCopy,
             host_times: false,
+        }
+    }
+}
+
+/// When an offloaded tensor's device memory may be reused by a later request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OutReuse {
+    /// Once its copy to host is done in the schedule's (device-paced) time: the plan
+    /// places nothing in the range before then, so compute never waits on a copy out
+    /// while the model's times hold (the default). On the H100 (Llama 1B without
+    /// recomputation, 0.8 x LB) the plan reusing at the pack ran 1.70 x the unlimited
+    /// step: every reuse made compute wait for a copy that had just started, which
+    /// serialised forward with its copies.
+    #[default]
+    AfterCopy,
+    /// Right after the pack: the engine serves a planned request whose range is held
+    /// only by a free pending on the copy stream by making the request's stream wait
+    /// for the copy on the device (`PlanOptions::wait_for_pending_frees`), so the host
+    /// never waits, but compute does, for each copy out it reuses. The longest freed
+    /// windows, hence the smallest minimum.
+    AtPack,
+}
+
+impl OutReuse {
+    pub fn id(self) -> &'static str {
+        match self {
+            OutReuse::AfterCopy => "after-copy",
+            OutReuse::AtPack => "at-pack",
+        }
+    }
+}
+
+impl std::str::FromStr for OutReuse {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "after-copy" => Ok(OutReuse::AfterCopy),
+            "at-pack" => Ok(OutReuse::AtPack),
+            _ => Err(format!("expected after-copy or at-pack, not {s:?}")),
         }
     }
 }
@@ -185,6 +216,7 @@ pub struct OffloadReport {
     pub stall_us: f64,
     pub timing: Timing,
     pub link_gbps: f64,
+    pub reuse: OutReuse,
     /// Plans made (1 when no offload was needed).
     pub attempts: usize,
 }
@@ -335,6 +367,7 @@ pub fn plan_with_budget(
         stall_us: 0.0,
         timing: Timing::TraceTimes,
         link_gbps: opts.link_gbps,
+        reuse: opts.reuse,
         attempts: 1,
     };
     if pool_without_offload <= fit {
@@ -368,7 +401,7 @@ pub fn plan_with_budget(
         trace,
         &base.classification,
         opts.link_gbps,
-        opts.out_waits_on_device,
+        opts.reuse,
         opts.host_times,
     );
     report.candidates = a.cands.len();
@@ -517,8 +550,8 @@ struct Analysis<'a> {
     timing: Timing,
     /// Microseconds per byte on the link.
     us_per_byte: f64,
-    /// [`OffloadOptions::out_waits_on_device`].
-    out_waits_on_device: bool,
+    /// [`OffloadOptions::reuse`].
+    reuse: OutReuse,
     cands: Vec<Cand>,
     saved_packs: u32,
     saved_unpacks: u32,
@@ -529,7 +562,7 @@ impl<'a> Analysis<'a> {
         trace: &'a Trace,
         c: &'a Classification,
         link_gbps: f64,
-        out_waits_on_device: bool,
+        reuse: OutReuse,
         host_times: bool,
     ) -> Self {
         let (ticks, total) = plan_clock(trace);
@@ -693,7 +726,7 @@ impl<'a> Analysis<'a> {
             gap_time,
             timing,
             us_per_byte: 1.0 / (link_gbps * 1e3),
-            out_waits_on_device,
+            reuse,
             cands,
             saved_packs: pack_ord.len() as u32,
             saved_unpacks: unpack_ord.len() as u32,
@@ -733,12 +766,11 @@ impl<'a> Analysis<'a> {
     }
 
     /// When `c`'s out memory is free for reuse, in trace time, given its copy is done at
-    /// `done` ([`OffloadOptions::out_waits_on_device`]).
+    /// `done` ([`OffloadOptions::reuse`]).
     fn free_at(&self, c: &Cand, done: f64) -> f64 {
-        if self.out_waits_on_device {
-            c.t_pack
-        } else {
-            done
+        match self.reuse {
+            OutReuse::AtPack => c.t_pack,
+            OutReuse::AfterCopy => done,
         }
     }
 

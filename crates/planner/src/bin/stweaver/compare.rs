@@ -59,6 +59,12 @@ pub struct CompareArgs {
     /// Host link bandwidth per direction for the offload schedule, GB/s.
     #[arg(long, value_name = "G", default_value_t = stweaver_planner::offload::DEFAULT_LINK_GBPS)]
     pub link_gbps: f64,
+    /// When an offloaded tensor's device memory may be reused: `after-copy` (once its
+    /// copy to host is done in the schedule's time: compute never waits on a copy out) or
+    /// `at-pack` (right away: compute waits on the device for the copy; longer freed
+    /// windows).
+    #[arg(long, value_name = "WHEN", default_value = "after-copy")]
+    pub reuse_offloaded: stweaver_planner::offload::OutReuse,
 }
 
 /// A trace ready to compare or draw.
@@ -163,6 +169,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
             &OffloadOptions {
                 budget: b,
                 link_gbps: args.link_gbps,
+                reuse: args.reuse_offloaded,
                 plan: PlanOptions {
                     solve: offline.options.clone(),
                     ..PlanOptions::default()

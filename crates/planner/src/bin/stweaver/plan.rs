@@ -64,6 +64,12 @@ pub struct PlanArgs {
     /// Host link bandwidth per direction for the offload schedule, GB/s.
     #[arg(long, value_name = "G", default_value_t = stweaver_planner::offload::DEFAULT_LINK_GBPS)]
     pub link_gbps: f64,
+    /// When an offloaded tensor's device memory may be reused: `after-copy` (once its
+    /// copy to host is done in the schedule's time: compute never waits on a copy out) or
+    /// `at-pack` (right away: compute waits on the device for the copy; longer freed
+    /// windows).
+    #[arg(long, value_name = "WHEN", default_value = "after-copy")]
+    pub reuse_offloaded: stweaver_planner::offload::OutReuse,
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -87,6 +87,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 &OffloadOptions {
                     budget,
                     link_gbps: args.link_gbps,
+                    reuse: args.reuse_offloaded,
                     plan: opts,
                     ..OffloadOptions::new(budget)
                 },
@@ -133,6 +134,7 @@ fn offload_json(r: &OffloadReport) -> serde_json::Value {
         "stall_us": r.stall_us,
         "timing": r.timing.id(),
         "link_gbps": r.link_gbps,
+        "reuse_offloaded": r.reuse.id(),
         "plans_made": r.attempts,
     })
 }
@@ -158,11 +160,12 @@ fn print_offload(r: &OffloadReport) {
         r.minimum
     );
     println!(
-        "  copy stalls      {} ({:.0} µs per iteration; link {} GB/s per direction, timed by {})",
+        "  copy stalls      {} ({:.0} µs per iteration; link {} GB/s per direction, timed by {}, memory reused {})",
         r.stalls,
         r.stall_us,
         r.link_gbps,
-        r.timing.id()
+        r.timing.id(),
+        r.reuse.id()
     );
 }
 
