@@ -12,6 +12,18 @@
 3. writes `stweaver/_build_info.py` (the torch it was built against: the import guard in
    python/stweaver/_abi.py compares it with the torch at run time);
 4. ships the `stweaver` binary as a script of the wheel, so it lands on PATH (bin/).
+
+`STWEAVER_PREBUILT=<dir>` replaces step 1 (no cargo, no Rust needed): the Rust artefacts are
+taken from <dir> (absolute, or relative to this file's folder), in the layout of the carry
+`cargo xtask gpu-test` packs for GPU machines (.carry/):
+
+    <dir>/libstweaver_torch.a        the staticlib (cargo build --release -p stweaver-torch)
+    <dir>/cxxbridge/rust/cxx.h       the cxx headers (target/cxxbridge, symlinks resolved)
+    <dir>/cxxbridge/stweaver-torch/src/ffi.rs.h
+    <dir>/cli/stweaver               the release CLI (bin/stweaver, the bench carries' place,
+                                     is accepted too)
+
+A missing one stops the build with its path. Without the variable, cargo builds them.
 """
 
 from __future__ import annotations
@@ -69,9 +81,45 @@ def target_dir() -> pathlib.Path:
     return d if d.is_absolute() else ROOT / d
 
 
-STATICLIB = target_dir() / "release" / "libstweaver_torch.a"
-CXXBRIDGE = target_dir() / "cxxbridge"
-CLI = target_dir() / "release" / "stweaver"
+def prebuilt_dir() -> pathlib.Path | None:
+    """`STWEAVER_PREBUILT` (see the top): Rust artefacts built elsewhere, no cargo here."""
+    d = os.environ.get("STWEAVER_PREBUILT")
+    if not d:
+        return None
+    d = pathlib.Path(d)
+    return (d if d.is_absolute() else ROOT / d).resolve()
+
+
+def _prebuilt_paths(d: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    """The staticlib, the cxx header folder and the CLI under `d`; exits naming what is
+    missing."""
+    lib, inc = d / "libstweaver_torch.a", d / "cxxbridge"
+    clis = [d / "cli" / "stweaver", d / "bin" / "stweaver"]
+    cli = next((c for c in clis if c.is_file()), clis[0])
+    missing = [
+        str(p)
+        for p in (lib, inc / "rust" / "cxx.h", inc / "stweaver-torch" / "src" / "ffi.rs.h")
+        if not p.is_file()
+    ]
+    if not cli.is_file():
+        missing.append(f"{clis[0]} (or {clis[1]})")
+    if missing:
+        raise SystemExit(
+            f"stweaver: STWEAVER_PREBUILT={d} lacks " + ", ".join(missing) + ". It must hold "
+            "the carry layout of `cargo xtask gpu-test` (.carry/: libstweaver_torch.a, "
+            "cxxbridge/, cli/stweaver); unset it to build the Rust side with cargo."
+        )
+    return lib, inc, cli
+
+
+PREBUILT = prebuilt_dir()
+if PREBUILT is not None:
+    STATICLIB, CXXBRIDGE, CLI = _prebuilt_paths(PREBUILT)
+    print(f"stweaver: STWEAVER_PREBUILT={PREBUILT}: no cargo build", flush=True)
+else:
+    STATICLIB = target_dir() / "release" / "libstweaver_torch.a"
+    CXXBRIDGE = target_dir() / "cxxbridge"
+    CLI = target_dir() / "release" / "stweaver"
 
 
 def _cargo() -> str:
@@ -95,7 +143,7 @@ _cargo_done = False
 def cargo_build() -> None:
     """The staticlib, the cxx header and the CLI, in release mode (once per build)."""
     global _cargo_done
-    if _cargo_done:
+    if _cargo_done or PREBUILT is not None:  # prebuilt: checked when this file loaded
         return
     cargo = _cargo()
     for args in (

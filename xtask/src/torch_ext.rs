@@ -3,8 +3,11 @@
 //! - `build-torch-ext` — builds the staticlib and the extension ahead of time into
 //!   `python/stweaver/_C*.so` with the interpreter in `$PYTHON` (default `python3`).
 //! - `gpu-test` — prepares `.carry/` (stripped staticlib, cxx headers with symlinks
-//!   resolved, the CUDA crate's test binaries) and prints the one command to run on a GPU
-//!   machine (`bash scripts/gpu_test.sh .carry`), which has no Rust.
+//!   resolved, the CUDA crate's test binaries, the release CLI in `cli/`, and `pywheels/`:
+//!   setuptools and wheel for the GPU machine's Python, see `carry_build_requirements`)
+//!   and prints the one command to run on a GPU machine (`bash scripts/gpu_test.sh .carry`),
+//!   which has no Rust: it builds the pip wheel there from the carry (setup.py's
+//!   `STWEAVER_PREBUILT`), installs it into a fresh venv and runs the GPU suite from it.
 //! - `cpp-check [VERSION...]` — compiles `cpp/` against real torch wheels' headers
 //!   (default: 2.11.0 and the newest on PyPI, fetched by `scripts/fetch_torch_headers.sh`)
 //!   and links the extension, then checks that every undefined symbol is provided by torch,
@@ -234,6 +237,82 @@ pub(crate) fn pack_carry(carry_name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The GPU machine's Python (its torch 2.11 wheel is cp312), for the carried build wheels.
+const GPU_PYTHON_VERSION: &str = "3.12";
+/// setuptools that builds the wheel there: >= 70.1 has bdist_wheel built in, and torch 2.11
+/// requires setuptools < 82.
+const GPU_BUILD_REQUIREMENTS: [&str; 2] = ["setuptools>=70.1,<82", "wheel"];
+
+/// `pyproject.toml`'s build requirements as py3-none-any wheels in `carry/pywheels`:
+/// `scripts/gpu_env.sh` installs them (offline) into the build venv when the GPU machine's
+/// Python has no usable setuptools (a 3.12 venv has none of its own). Downloaded once with
+/// `pip download` into `target/pywheels-py312`; without network (and no cached copy) the
+/// carry goes without them, with a warning. Returns the bytes carried.
+fn carry_build_requirements(carry: &Path) -> Result<u64> {
+    let cache = target_dir().join(format!(
+        "pywheels-py{}",
+        GPU_PYTHON_VERSION.replace('.', "")
+    ));
+    let wheels = |dir: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = fs::read_dir(dir)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "whl"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let complete = |v: &[PathBuf]| {
+        ["setuptools-", "wheel-"].iter().all(|pre| {
+            v.iter().any(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(pre))
+            })
+        })
+    };
+    if !complete(&wheels(&cache)) {
+        let mut c = Command::new(python());
+        c.args([
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--disable-pip-version-check",
+            "--only-binary",
+            ":all:",
+            "--python-version",
+            GPU_PYTHON_VERSION,
+            "--no-deps",
+            "-d",
+        ])
+        .arg(&cache)
+        .args(GPU_BUILD_REQUIREMENTS);
+        if let Err(e) = run(c) {
+            eprintln!(
+                "gpu-test: WARNING: no build wheels carried ({e:#}); the GPU machine's Python \
+                 must have setuptools >= 64 (and wheel, or setuptools >= 70.1) to build the wheel"
+            );
+            return Ok(0);
+        }
+    }
+    let found = wheels(&cache);
+    if !complete(&found) {
+        bail!(
+            "pip download left no setuptools and wheel wheels in {}",
+            cache.display()
+        );
+    }
+    let dst = carry.join("pywheels");
+    fs::create_dir_all(&dst)?;
+    let mut bytes = 0;
+    for w in &found {
+        bytes += fs::copy(w, dst.join(w.file_name().context("wheel without a name")?))?;
+    }
+    Ok(bytes)
+}
+
 pub fn gpu_test(args: &[String]) -> Result<()> {
     let carry_name = ".carry";
     let carry = root().join(carry_name);
@@ -260,13 +339,14 @@ pub fn gpu_test(args: &[String]) -> Result<()> {
     let cli_dst = carry.join("cli/stweaver");
     fs::copy(&cli, &cli_dst)?;
     strip_debug(&cli_dst);
+    let pywheels = carry_build_requirements(&carry)?;
     ensure_excluded("/.carry/")?;
-    let mut total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len();
+    let mut total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len() + pywheels;
     for e in fs::read_dir(carry.join("bin"))? {
         total += e?.metadata()?.len();
     }
     eprintln!(
-        "gpu-test: {} ready ({:.1} MiB: staticlib, cxx headers, {} test binaries)",
+        "gpu-test: {} ready ({:.1} MiB: staticlib, cxx headers, CLI, setuptools/wheel, {} test binaries)",
         carry.display(),
         total as f64 / (1 << 20) as f64,
         exes.len()

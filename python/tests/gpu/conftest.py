@@ -2,7 +2,10 @@
 per-test metrics, and writes a summary table (printed last by scripts/gpu_test.sh).
 
 Environment: STWEAVER_TEST_MODE (default "online"), STWEAVER_SUMMARY (table path, default
-$OUT/summary.txt or ./gpu_summary.txt). Skips everything cleanly without a GPU.
+$OUT/summary.txt or ./gpu_summary.txt), STWEAVER_TEST_INSTALLED=1 (test the installed
+stweaver, as scripts/gpu_test.sh does with the wheel it builds: the checkout's python/ is not
+put on sys.path, here nor in the subprocesses of test_subprocess.py, and a stweaver imported
+from it is an error). Skips everything cleanly without a GPU.
 """
 
 from __future__ import annotations
@@ -15,8 +18,27 @@ import time
 import pytest
 
 PY_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-if PY_DIR not in sys.path:
+INSTALLED = os.environ.get("STWEAVER_TEST_INSTALLED") == "1"
+if not INSTALLED and PY_DIR not in sys.path:
     sys.path.insert(0, PY_DIR)
+
+
+def _stweaver_origin() -> str:
+    """Where `import stweaver` resolves (without importing it), for the summary."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("stweaver")
+    if spec is None or spec.origin is None:
+        return "stweaver not importable"
+    where = os.path.dirname(os.path.realpath(spec.origin))
+    if where.startswith(os.path.realpath(PY_DIR) + os.sep):
+        return f"stweaver from the checkout ({where})"
+    return f"stweaver installed ({where})"
+
+
+STWEAVER_ORIGIN = _stweaver_origin()
+if INSTALLED and not STWEAVER_ORIGIN.startswith("stweaver installed"):
+    raise RuntimeError(f"STWEAVER_TEST_INSTALLED=1, but {STWEAVER_ORIGIN}")
 
 torch = pytest.importorskip("torch")
 
@@ -101,6 +123,7 @@ def summary_table() -> str:
         f"{n_pass} passed, {n_fail} failed, {n_skip} skipped in {time.time() - _started:.1f} s "
         f"on {dev}, torch {torch.__version__}"
     )
+    lines.append(STWEAVER_ORIGIN)
     return "\n".join(lines) + "\n"
 
 

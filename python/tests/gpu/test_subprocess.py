@@ -16,7 +16,8 @@ SCRIPTS = os.path.join(HERE, "scripts")
 
 def run(args, extra_env=None, timeout=600):
     env = dict(os.environ)
-    env["PYTHONPATH"] = PY_DIR + os.pathsep + env.get("PYTHONPATH", "")
+    if env.get("STWEAVER_TEST_INSTALLED") != "1":  # else: the installed stweaver (conftest.py)
+        env["PYTHONPATH"] = PY_DIR + os.pathsep + env.get("PYTHONPATH", "")
     for k in ("STWEAVER_MODE", "STWEAVER_PLAN", "STWEAVER_TRACE", "STWEAVER_HOOK_OPTIMIZER"):
         env.pop(k, None)
     env.update(extra_env or {})
