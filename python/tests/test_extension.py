@@ -117,3 +117,39 @@ def test_a_bad_plan_is_served_online_with_a_warning(build_dir, tmp_path):
         {"STWEAVER_BUILD_DIR": str(build_dir)},
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_setup_py_prebuilt_layout(tmp_path):
+    """setup.py's STWEAVER_PREBUILT (the GPU machines build the wheel from the carry, no
+    cargo): a complete folder is taken as is, a missing file is named with its path."""
+    setup_py = os.path.join(PY_DIR, "..", "setup.py")
+    env = dict(os.environ, CARGO="/nonexistent/cargo", TORCH_CUDA_ARCH_LIST="9.0")
+    parts = _build.native_parts()
+    pre = tmp_path / "prebuilt"
+    (pre / "cli").mkdir(parents=True)
+    (pre / "libstweaver_torch.a").symlink_to(parts.staticlib)
+    (pre / "cxxbridge").symlink_to(parts.cxxbridge, target_is_directory=True)
+    (pre / "cli" / "stweaver").write_bytes(b"")
+    r = subprocess.run(
+        [sys.executable, setup_py, "--name"],
+        env=dict(env, STWEAVER_PREBUILT=str(pre)),
+        cwd=os.path.dirname(setup_py),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "no cargo build" in r.stdout, r.stdout + r.stderr
+    (pre / "cli" / "stweaver").unlink()
+    (pre / "cxxbridge").unlink()
+    r = subprocess.run(
+        [sys.executable, setup_py, "--name"],
+        env=dict(env, STWEAVER_PREBUILT=str(pre)),
+        cwd=os.path.dirname(setup_py),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0, r.stdout + r.stderr
+    for missing in ("cxxbridge/rust/cxx.h", "cli/stweaver"):
+        assert str(pre / missing) in r.stderr, r.stderr
+    assert str(pre / "libstweaver_torch.a") not in r.stderr.split("lacks")[1].split(". It")[0]
