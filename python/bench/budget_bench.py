@@ -30,6 +30,10 @@ random token ids, deterministic algorithms (as gpu_bench).
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
+   - ``stweaver_plan_devtime``: the plan made from a second trace run with
+     ``CUDA_LAUNCH_BLOCKING=1`` (the host in step with the device, so the trace's time stamps
+     are the device's) and ``stweaver plan --timing trace``: the schedule's clock measured
+     instead of the iteration spread evenly over its requests;
    - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around forward;
    - ``recompute``: full activation checkpointing (HF ``gradient_checkpointing_enable``);
    - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not).
@@ -80,7 +84,10 @@ WORKLOADS = [
     dict(_base("gpt2xl_rcp"), name="gpt2xl_norcp", ckpt=False, batch=8, micro=1,
          note="GPT-2 XL (gpu_bench config), 8 x 1024 tokens, one micro-batch, no recomputation"),
 ]
-ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
+# Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
+PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime")
+PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
+ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
 
 
 def dry_workloads() -> List[dict]:
@@ -166,6 +173,44 @@ def link_probe(dry: bool) -> dict:
     return out
 
 
+class _PhaseMarks:
+    """Where an iteration's time goes: a CUDA event on the current stream and the host
+    clock at the end of each phase (forward, backward, optimizer); read once the step is
+    synchronised. Device ms per phase say which phase offload slows; host ms say whether
+    the host ran ahead of the device (host << device) or was held back."""
+
+    def __init__(self, torch_mod):
+        self.torch = torch_mod
+        self.names: List[str] = []
+        self.host = [time.perf_counter()]
+        self.events = []
+        if torch_mod is not None:
+            e = torch_mod.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+
+    def mark(self, name: str) -> None:
+        self.names.append(name)
+        self.host.append(time.perf_counter())
+        if self.torch is not None:
+            e = self.torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+
+    def done(self) -> dict:
+        out = {}
+        for i, n in enumerate(self.names):
+            out["host_" + n] = (self.host[i + 1] - self.host[i]) * 1e3
+            if self.events:
+                out["device_" + n] = self.events[i].elapsed_time(self.events[i + 1])
+        return out
+
+
+def _phase_medians(phases: List[dict]) -> dict:
+    keys = sorted({k for p in phases for k in p})
+    return {k: round(statistics.median(p[k] for p in phases if k in p), 2) for k in keys}
+
+
 def run_row(spec: dict) -> dict:
     """One training run in this fresh process (CUDA first touched here)."""
     dry = spec["dry_run"]
@@ -173,7 +218,8 @@ def run_row(spec: dict) -> dict:
     res: dict = {"row": row, "workload": c["name"], "fraction": spec.get("fraction"),
                  "budget": spec.get("budget"), "ok": False}
     st = None
-    if row in ("stweaver_trace", "stweaver_plan", "stweaver_plan_at_pack") and not dry:
+    os.environ.update(spec.get("env") or {})  # before CUDA is touched
+    if row in PLAN_RUN_ROWS and not dry:
         import stweaver
 
         if row == "stweaver_trace":
@@ -236,6 +282,7 @@ def run_row(spec: dict) -> dict:
     n_total = spec["iters"] + spec["warmup"]
     max_n = n_total + (spec["extra_auto"] if row == "stweaver_offload" and st is not None else 0)
     losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
+    phases: List[dict] = []
     offload_iters: List[dict] = []
     measured_from = spec["warmup"]
     switched_at = None
@@ -247,20 +294,25 @@ def run_row(spec: dict) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            marks = _PhaseMarks(torch if cuda else None)
             if save_cpu is not None:
                 with save_cpu:
                     loss = model(input_ids=x, labels=x).loss
             else:
                 loss = model(input_ids=x, labels=x).loss
+            marks.mark("forward")
             loss.backward()
+            marks.mark("backward")
             opt.step()  # stweaver's optimizer hook marks its iteration here
-            if st is not None and row in ("stweaver_trace", "stweaver_plan", "stweaver_plan_at_pack"):
+            if st is not None and row in PLAN_RUN_ROWS:
                 if not st._settings.hook_optimizer:
                     st.step()  # plan / trace mode: the boundary (and the offloader's)
             opt.zero_grad(set_to_none=True)
+            marks.mark("optimizer")
             if cuda:
                 torch.cuda.synchronize()
             steps.append(time.perf_counter() - t0)
+            phases.append(marks.done())
             losses.append(float(loss.detach().float().item()).hex())
             if offloader is not None:
                 it = offloader.iteration_end() or {}
@@ -271,7 +323,7 @@ def run_row(spec: dict) -> dict:
                 cpu_bytes[0] = 0
             if cuda:
                 reserved_after.append(torch.cuda.memory_reserved())
-            if st is not None and row in ("stweaver_plan", "stweaver_plan_at_pack"):
+            if st is not None and row in PLAN_ROWS:
                 last = st.offload_stats().get("last_iteration") or {}
                 offload_iters.append(last)
                 moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
@@ -308,10 +360,11 @@ def run_row(spec: dict) -> dict:
     res["step_min_s"] = min(win) if win else None
     res["step_median_s"] = statistics.median(win) if win else None
     res["moved_bytes_per_iter"] = moved[measured_from:] or moved
+    res["phases_ms"] = _phase_medians(phases[measured_from:])
     res["modes"] = modes
     res["switched_at"] = switched_at
     res["offload_modes"] = offload_modes
-    if st is not None and row in ("stweaver_plan", "stweaver_plan_at_pack"):
+    if st is not None and row in PLAN_ROWS:
         res["offload"] = st.offload_stats()
         res["offload_iters"] = offload_iters
         res["offload_mode"] = res["offload"].get("mode")
@@ -358,6 +411,8 @@ def row_details(r: dict) -> List[str]:
     if st:
         dev = (st.get("devices") or [{}])[0]
         out.append("stweaver: mode " + str(st.get("mode")) + " " + json.dumps(dev)[:1200])
+    if r.get("phases_ms"):
+        out.append(f"phases (median ms): {json.dumps(r['phases_ms'])}")
     out.append(f"modes: {r.get('modes', [])[:12]} offload_modes: {r.get('offload_modes', [])[:12]}")
     return out
 
@@ -533,9 +588,10 @@ def main(argv=None) -> int:
         lb = ref["max_allocated"]
         entry["lower_bound"] = lb
         entry["lower_bound_source"] = "torch.cuda.max_memory_allocated of the unlimited run"
-        print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}", flush=True)
+        print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}, "
+              f"phases (median ms) {json.dumps(ref.get('phases_ms'))}", flush=True)
         trace = None
-        if any(r.startswith("stweaver_plan") for r in rows) and not args.dry_run:
+        if any(r in PLAN_ROWS and r != "stweaver_plan_devtime" for r in rows) and not args.dry_run:
             trace = os.path.join(tmp, w["name"] + ".stwt")
             tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=trace), tmp, args.timeout_s)
             entry["trace_run"] = {k: tr.get(k) for k in ("ok", "error", "max_allocated", "max_reserved",
@@ -545,17 +601,32 @@ def main(argv=None) -> int:
             if trace and os.path.isfile(trace):
                 # Kept beside the results: the planner can be re-run on it on a CPU.
                 shutil.copy(trace, os.path.join(args.out, os.path.basename(trace)))
+        devtrace = None
+        if "stweaver_plan_devtime" in rows and not args.dry_run:
+            devtrace = os.path.join(tmp, w["name"] + "_devtime.stwt")
+            tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=devtrace,
+                            env={"CUDA_LAUNCH_BLOCKING": "1"}), tmp, args.timeout_s)
+            entry["devtime_trace_run"] = {k: tr.get(k) for k in ("ok", "error", "step_median_s", "log_tail")}
+            print(f"{w['name']}: device-timed trace run (CUDA_LAUNCH_BLOCKING=1) "
+                  f"{'ok' if tr.get('ok') else tr.get('error')}, step {_s(tr.get('step_median_s'))}", flush=True)
+            devtrace = (tr.get("trace_files") or [devtrace])[0] if tr.get("ok") else None
+            if devtrace and os.path.isfile(devtrace):
+                shutil.copy(devtrace, os.path.join(args.out, os.path.basename(devtrace)))
         for f in fractions:
             budget = int(f * lb) if lb else None
             for row in rows:
                 extra = {}
-                if row in ("stweaver_plan", "stweaver_plan_at_pack"):
-                    if args.dry_run or trace is None or not args.stweaver_bin:
+                if row in PLAN_ROWS:
+                    if args.dry_run or not args.stweaver_bin:
                         continue
                     plan_path = os.path.join(tmp, f"{w['name']}_{f}_{row}.stwp")
-                    cmd = [args.stweaver_bin, "plan", trace, "--budget", str(budget), "--link-gbps",
+                    src = devtrace if row == "stweaver_plan_devtime" else trace
+                    if src is None:
+                        continue
+                    cmd = [args.stweaver_bin, "plan", src, "--budget", str(budget), "--link-gbps",
                            str(args.link_gbps), "--json", "-o", plan_path,
-                           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy"]
+                           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy",
+                           "--timing", "trace" if row == "stweaver_plan_devtime" else "spread"]
                     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     try:
                         planned = json.loads(cp.stdout)

@@ -65,6 +65,12 @@ pub struct CompareArgs {
     /// windows).
     #[arg(long, value_name = "WHEN", default_value = "after-copy")]
     pub reuse_offloaded: stweaver_planner::offload::OutReuse,
+    /// The offload schedule's clock: `spread` (the steady iteration's duration spread
+    /// evenly over its requests: the device's pace to first order, for traces whose host
+    /// ran ahead of the device) or `trace` (the trace's time stamps as they are: for a
+    /// trace recorded with the host in step with the device, e.g. `CUDA_LAUNCH_BLOCKING=1`).
+    #[arg(long, value_name = "CLOCK", default_value = "spread", value_parser = ["spread", "trace"])]
+    pub timing: String,
 }
 
 /// A trace ready to compare or draw.
@@ -170,6 +176,7 @@ pub fn run(args: CompareArgs) -> Result<()> {
                 budget: b,
                 link_gbps: args.link_gbps,
                 reuse: args.reuse_offloaded,
+                host_times: args.timing == "trace",
                 plan: PlanOptions {
                     solve: offline.options.clone(),
                     ..PlanOptions::default()

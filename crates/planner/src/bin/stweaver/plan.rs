@@ -70,6 +70,12 @@ pub struct PlanArgs {
     /// windows).
     #[arg(long, value_name = "WHEN", default_value = "after-copy")]
     pub reuse_offloaded: stweaver_planner::offload::OutReuse,
+    /// The offload schedule's clock: `spread` (the steady iteration's duration spread
+    /// evenly over its requests: the device's pace to first order, for traces whose host
+    /// ran ahead of the device) or `trace` (the trace's time stamps as they are: for a
+    /// trace recorded with the host in step with the device, e.g. `CUDA_LAUNCH_BLOCKING=1`).
+    #[arg(long, value_name = "CLOCK", default_value = "spread", value_parser = ["spread", "trace"])]
+    pub timing: String,
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,

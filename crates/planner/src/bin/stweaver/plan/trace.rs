@@ -88,6 +88,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                     budget,
                     link_gbps: args.link_gbps,
                     reuse: args.reuse_offloaded,
+                    host_times: args.timing == "trace",
                     plan: opts,
                     ..OffloadOptions::new(budget)
                 },
