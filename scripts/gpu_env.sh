@@ -30,6 +30,11 @@ export STWEAVER_LIB="$PWD/$CARRY/libstweaver_torch.a"
 export STWEAVER_CXXBRIDGE="$PWD/$CARRY/cxxbridge"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
+# An absolute path: gpu_env_wheel runs $PY with the new venv's bin/ first on PATH, where a bare
+# `python3` would be the venv's own interpreter (which does not see this one's torch when this
+# one is itself a venv).
+PY_ABS=$(command -v "$PY") && PY="$PY_ABS"
+unset PY_ABS
 export PY
 
 # Builds the extension (python -m stweaver build) into python/stweaver/, log in $OUT/build.log;
