@@ -159,6 +159,7 @@ mod pause;
 mod plan_pool;
 mod record;
 pub mod stats;
+mod stream_use;
 mod streams;
 pub mod virtual_memory;
 
@@ -188,7 +189,8 @@ pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::record::Recorder;
 pub use self::record::SavedKind;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};
-use self::streams::{EventQueue, PendingEvent, add_use};
+use self::stream_use::add_use;
+use self::streams::{EventQueue, PendingEvent};
 pub use self::virtual_memory::VirtualMemory;
 
 /// Iteration boundaries after a switch to a plan during which online memory freed by

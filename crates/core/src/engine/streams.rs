@@ -30,28 +30,8 @@
 
 use crate::engine::arena::Idx;
 use crate::engine::device::DeviceEvent;
-use crate::units::StreamId;
-
-/// A stream other than its own that a block is used on, and (once freed) the event
-/// recorded on that stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct StreamUse {
-    pub stream: StreamId,
-    pub event: Option<DeviceEvent>,
-    /// Whether `event` was recorded successfully (phase 1 of the free).
-    pub recorded: bool,
-}
-
-/// Adds `stream` to `uses` unless it is already there. O(uses).
-pub(crate) fn add_use(uses: &mut Vec<StreamUse>, stream: StreamId) {
-    if !uses.iter().any(|u| u.stream == stream) {
-        uses.push(StreamUse {
-            stream,
-            event: None,
-            recorded: false,
-        });
-    }
-}
+#[cfg(doc)]
+use crate::engine::stream_use::StreamUse;
 
 /// An event recorded for a pending free.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,15 +107,6 @@ impl EventQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn uses_are_deduplicated() {
-        let mut u = Vec::new();
-        add_use(&mut u, StreamId(3));
-        add_use(&mut u, StreamId(4));
-        add_use(&mut u, StreamId(3));
-        assert_eq!(u.len(), 2);
-    }
 
     #[test]
     fn take_and_give_back_reuse_buffers() {

@@ -77,7 +77,7 @@ mod treap;
 pub(crate) use self::pause::{Group as UnitGroup, PausedGroup};
 
 use crate::engine::stats::PoolKind;
-use crate::engine::streams::StreamUse;
+use crate::engine::stream_use::StreamUse;
 use crate::units::StreamId;
 
 /// Slab index of a block.
