@@ -34,7 +34,7 @@ pub struct EngineConfig {
     /// Before an online arena grows past the peak of reserved memory, give back free
     /// whole granules of its holes (after a device synchronisation) so that the peak
     /// does not rise: less memory, at the cost of synchronisations and re-mapping (module
-    /// docs). Off by default.
+    /// `engine::release` docs). Off by default.
     pub release_before_new_peak: bool,
     /// Never give free memory back on its own: no release before a new peak, no cache
     /// released to retry an allocation that does not fit, none at a pause. Only

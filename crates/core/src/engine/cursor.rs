@@ -144,7 +144,7 @@ pub(crate) struct Expected {
     /// Bytes the block takes in the pool (the size rounded up to 512 B).
     pub len: u64,
     /// Another stream of the plan uses part of this request's range: its free must
-    /// wait for its own stream (module `crate::engine` docs, multi-stream plans).
+    /// wait for its own stream (module `crate::engine::plan_serving` docs, streams).
     pub cross: bool,
     /// Planned lifetime on the section's clock (`end` may be [`crate::plan::NEVER_FREED`]).
     pub start: u64,

@@ -160,7 +160,7 @@ pub trait DeviceMemory: Send + Sync {
     /// Makes work queued on `stream` from now on wait until `event` has completed,
     /// without blocking the host (CUDA: `cuStreamWaitEvent`). The engine calls it when a
     /// plan places a request on memory whose free still waits for `event` (plan mode,
-    /// "waiting for pending frees", in the engine's module docs). A device that cannot
+    /// "waiting for pending frees": module `engine::pending`). A device that cannot
     /// order `stream` behind `event` (a stream being captured into a CUDA graph) returns
     /// an error, and the engine serves the request elsewhere.
     fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError>;

@@ -35,7 +35,7 @@ impl Heap {
         self.addr_collect(b.aright, b.prio, out)
     }
 
-    /// Checks the invariants of the module documentation for every arena and returns
+    /// Checks the invariants of the arena module documentation for every arena and returns
     /// per-pool totals recomputed from the blocks (index 0 small, 1 large).
     pub fn check(&self) -> Result<[Totals; 2], String> {
         let g = self.granule;

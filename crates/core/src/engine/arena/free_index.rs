@@ -76,7 +76,7 @@ impl Heap {
     }
 
     /// Fit-treap updates a placement arena with `free` free blocks goes through without
-    /// a size query before its fit treap is dropped (module docs, lazy fit index): at
+    /// a size query before its fit treap is dropped (module docs): at
     /// least four per free block, so that the rebuild at the next query (one insert per
     /// free block) costs at most a quarter of the updates it follows.
     #[inline]

@@ -168,7 +168,7 @@ pub(crate) struct Arena {
     head: Idx,
     /// Root of the fit treap of `Free` blocks; meaningless while `fit_stale`.
     root: Idx,
-    /// Placement arenas only: the fit treap is not kept (module docs, lazy fit index);
+    /// Placement arenas only: the fit treap is not kept (module `free_index`);
     /// the next size query rebuilds it. Always `false` for an online arena.
     fit_stale: bool,
     /// Placement arenas only: fit-treap updates since the last size query. Past
@@ -186,7 +186,7 @@ pub(crate) struct Arena {
     /// Never unmapped or released by `Heap::carve_releasable` / `Heap::remove_arena`.
     pub pinned: bool,
     /// start -> end of each mapped unit: the range of one device `map` call, which is
-    /// only ever unmapped whole (see the module docs, release).
+    /// only ever unmapped whole (module `release`).
     units: BTreeMap<u64, u64>,
 }
 

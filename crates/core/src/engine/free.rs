@@ -1,0 +1,212 @@
+//! Frees: [`Engine::free`] gives a block back to its arena at once (pointer-map
+//! remove, coalesce, treap insert: expected O(log n), no device call), or, when other
+//! streams used it ([`Engine::record_stream`]), records an event on each and completes
+//! the free once they have all passed them ([`Engine::process_events`], run by
+//! `malloc` whenever frees are pending). The protocol and its costs: module `streams`.
+
+use std::sync::MutexGuard;
+
+use crate::units::StreamId;
+
+use super::arena::Idx;
+use super::stream_use::add_use;
+use super::streams::PendingEvent;
+use super::{BlockState, DeviceMemory, DevicePtr, Engine, EngineError, State, stats};
+
+/// The error for a free or `record_stream` of a live block that is not `Allocated`.
+#[cold]
+pub(super) fn not_allocated(ptr: DevicePtr, state: BlockState, tag: u32) -> EngineError {
+    match state {
+        BlockState::Paused => EngineError::Paused { ptr, tag },
+        _ => EngineError::AlreadyFreed(ptr),
+    }
+}
+
+impl State {
+    /// Completes the free of pending or allocated block `i`: it leaves `live`, goes
+    /// back to its arena, and stops counting as active.
+    pub(super) fn complete_free(&mut self, i: Idx) {
+        let addr = self.heap.block(i).addr;
+        self.live.remove(addr);
+        self.release_block(i);
+    }
+
+    /// [`State::complete_free`] for a block already taken out of `live`.
+    fn release_block(&mut self, i: Idx) {
+        let kind = self.kind_of(i);
+        let b = self.heap.block(i);
+        let (size, requested, trace_id) = (b.size, b.requested, b.trace_id);
+        stats::decrease(&mut self.stats.active, kind, 1);
+        stats::decrease(&mut self.stats.active_bytes, kind, size);
+        stats::decrease(&mut self.stats.requested_bytes, kind, requested);
+        if let Some(r) = self.recorder.as_mut() {
+            r.free_completed(trace_id);
+        }
+        self.heap.free(i);
+    }
+
+    /// Applies events taken out of the queue: done ones complete their blocks' frees,
+    /// the rest are queued again.
+    pub(super) fn apply_events(&mut self, work: Vec<PendingEvent>) {
+        for e in &work {
+            if e.done {
+                self.events.idle.push(e.event);
+                let b = self.heap.block_mut(e.block);
+                b.events_left -= 1;
+                if b.events_left == 0 {
+                    self.complete_free(e.block);
+                }
+            } else {
+                self.events.push(e.event, e.block);
+            }
+        }
+        self.events.give_back(work);
+        self.settle_inactive();
+    }
+}
+
+impl<D: DeviceMemory> Engine<D> {
+    /// Frees the allocation at `ptr`. If other streams used it ([`Engine::record_stream`])
+    /// the memory is reused only after they pass the events recorded now.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        // One hash probe: the entry is taken out at once when nothing defers the free.
+        let i = {
+            let s = &mut *st;
+            let Some(slot) = s.live.find(ptr.get()) else {
+                return Err(EngineError::UnknownPointer(ptr));
+            };
+            let i = s.live.block_at(slot);
+            let b = s.heap.block(i);
+            if b.state != BlockState::Allocated {
+                return Err(not_allocated(ptr, b.state, b.tag));
+            }
+            if b.uses.is_empty() {
+                s.live.remove_slot(slot);
+            }
+            i
+        };
+        let kind = st.kind_of(i);
+        let (size, trace_id) = (st.heap.block(i).size, st.heap.block(i).trace_id);
+        if st.drain > 0
+            && st
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.arena != st.heap.block(i).arena)
+        {
+            st.drain_pending = true;
+        }
+        stats::decrease(&mut st.stats.allocation, kind, 1);
+        stats::decrease(&mut st.stats.allocated_bytes, kind, size);
+        if let Some(r) = st.recorder.as_mut() {
+            r.free_requested(trace_id);
+        }
+        if st.heap.block(i).uses.is_empty() {
+            st.release_block(i);
+            st.settle_inactive();
+            return Ok(());
+        }
+        // Deferred. Phase 1 (locked): take the uses out, give them idle events.
+        let mut uses = {
+            let s = &mut *st;
+            let b = s.heap.block_mut(i);
+            b.state = BlockState::PendingFree;
+            let mut uses = std::mem::take(&mut b.uses);
+            b.events_left = uses.len() as u32;
+            for u in uses.iter_mut() {
+                u.event = s.events.idle.pop();
+            }
+            uses
+        };
+        drop(st);
+        // Phase 2 (unlocked): create missing events, record each on its stream.
+        let mut first_err = None;
+        for u in uses.iter_mut() {
+            if u.event.is_none() {
+                match self.dev.create_event() {
+                    Ok(e) => u.event = Some(e),
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        continue;
+                    }
+                }
+            }
+            if let Some(ev) = u.event {
+                match self.dev.record_event(ev, u.stream) {
+                    Ok(()) => u.recorded = true,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        // Phase 3 (locked): queue the recorded events.
+        let mut st = self.lock()?;
+        for u in uses.iter_mut() {
+            match (u.event.take(), u.recorded) {
+                (Some(ev), true) => st.events.push(ev, i),
+                (Some(ev), false) => st.events.idle.push(ev),
+                (None, _) => {}
+            }
+            u.recorded = false;
+        }
+        uses.clear();
+        st.heap.block_mut(i).uses = uses;
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the allocation at `ptr` as used on `stream` too (`Tensor.record_stream`):
+    /// its free will wait for `stream` to pass the point of the free. A no-op for the
+    /// allocation's own stream.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        let Some(i) = st.live.get(ptr.get()) else {
+            return Err(EngineError::UnknownPointer(ptr));
+        };
+        let b = st.heap.block(i);
+        if b.state != BlockState::Allocated {
+            return Err(not_allocated(ptr, b.state, b.tag));
+        }
+        if st.stream_of(i) != stream {
+            add_use(&mut st.heap.block_mut(i).uses, stream);
+        }
+        Ok(())
+    }
+
+    /// Completes the pending frees whose events have all completed (`malloc` does this
+    /// first whenever frees are pending).
+    pub fn process_events(&self) -> Result<(), EngineError> {
+        let st = self.lock()?;
+        if !st.events.is_empty() {
+            drop(self.process_events_locked(st)?);
+        }
+        Ok(())
+    }
+
+    pub(super) fn process_events_locked<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+    ) -> Result<MutexGuard<'a, State>, EngineError> {
+        let mut work = st.events.take();
+        drop(st);
+        let mut first_err = None;
+        for e in work.iter_mut() {
+            e.done = match self.dev.query_event(e.event) {
+                Ok(done) => done,
+                Err(err) => {
+                    first_err.get_or_insert(err);
+                    false
+                }
+            };
+        }
+        let mut st = self.lock()?;
+        st.apply_events(work);
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(st),
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Mapping memory with the engine's lock released: an online arena's growth
+//! ([`Engine::grow`]) and the plan pool's first-touched ranges
+//! ([`Engine::map_pool_range`], which gives the plan up when they would pass the memory
+//! limit even after the cache is given back).
+//!
+//! The arena carves the blocks to map out as `Mapping` (owned by the calling thread);
+//! they are mapped with the lock released as the arena's mapped *units* (one device
+//! `map` call each: a granule online, a whole first-touched range in the plan pool;
+//! only whole units are ever unmapped), then finished under the lock: free memory
+//! counted in `reserved_bytes` and `num_device_alloc`, or unmapped again where the
+//! device refused. One device call per unit.
+
+use std::sync::MutexGuard;
+
+use crate::units::Bytes;
+
+use super::arena::{ArenaId, GrowthFailure, Idx};
+use super::{DeviceError, DeviceMemory, DevicePtr, Engine, EngineError, PoolKind, State, stats};
+
+/// One block's device result in [`Engine::map_blocks`].
+type MapResult = Result<(), DeviceError>;
+
+/// What a growth attempt came to.
+pub(super) enum Growth {
+    /// Memory was mapped (or another thread's was): try the arena again.
+    Retry,
+    /// The limit, the arena or the device refused.
+    Refused,
+}
+
+impl<D: DeviceMemory> Engine<D> {
+    /// Maps the granules arena `a` needs for `rounded` more bytes, within the limit.
+    pub(super) fn grow<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        a: ArenaId,
+        rounded: u64,
+    ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
+        let reserved = st.stats.reserved_bytes[0].current as u64;
+        let budget = st.limit.saturating_sub(reserved + st.mapping);
+        let carved = match st.heap.carve_growth(a, rounded, budget)? {
+            Ok(carved) => carved,
+            Err(GrowthFailure::NoRoom | GrowthFailure::OverBudget { .. }) => {
+                return Ok((Growth::Refused, st));
+            }
+        };
+        self.map_carved(st, &carved)
+    }
+
+    /// Maps blocks carved out as `Mapping` (the lock released around the device calls)
+    /// and turns them into free memory; a block the device refuses goes back to
+    /// unmapped. `Growth::Refused` if the device was out of memory for one.
+    fn map_carved<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        carved: &[Idx],
+    ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
+        let (results, st) = self.map_blocks(st, carved)?;
+        let mut outcome = Growth::Retry;
+        for r in results {
+            match r {
+                Ok(()) => {}
+                Err(DeviceError::OutOfMemory { .. }) => outcome = Growth::Refused,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok((outcome, st))
+    }
+
+    /// The one mapping step: maps each `Mapping` block (as its arena's units,
+    /// [`Engine::map_units`]) with the lock released, then finishes it — free memory
+    /// counted in `reserved_bytes` and `num_device_alloc`, or unmapped again. Returns
+    /// each block's device result, in order.
+    pub(super) fn map_blocks<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        blocks: &[Idx],
+    ) -> Result<(Vec<MapResult>, MutexGuard<'a, State>), EngineError> {
+        let ranges: Vec<(u64, u64, bool, PoolKind)> = blocks
+            .iter()
+            .map(|&i| {
+                let b = st.heap.block(i);
+                let kind = st.heap.arena(b.arena).map_or(PoolKind::Large, |x| x.kind);
+                (b.addr, b.size, st.heap.whole_unit_mapping(b.arena), kind)
+            })
+            .collect();
+        let total: u64 = ranges.iter().map(|r| r.1).sum();
+        st.mapping += total;
+        drop(st);
+        let results: Vec<Result<(), DeviceError>> = ranges
+            .iter()
+            .map(|&(addr, size, whole, _)| self.map_units(addr, size, whole))
+            .collect();
+        let mut st = self.lock()?;
+        st.mapping -= total;
+        for ((&i, &(_, size, whole, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
+            st.heap.finish_mapping_as(i, r.is_ok(), whole);
+            if r.is_ok() {
+                stats::increase(&mut st.stats.reserved_bytes, kind, size);
+                st.stats.num_device_alloc += 1;
+            }
+        }
+        st.settle_inactive();
+        Ok((results, st))
+    }
+
+    /// Maps `[addr, addr + size)` as one device `map` call (`whole`), or granule by
+    /// granule (the units `Heap::finish_mapping` records for the block), all or nothing.
+    fn map_units(&self, addr: u64, size: u64, whole: bool) -> Result<(), DeviceError> {
+        let g = self.granularity().get();
+        if whole || size <= g {
+            return self.dev.map(DevicePtr(addr), Bytes(size));
+        }
+        for at in (addr..addr + size).step_by(g as usize) {
+            if let Err(e) = self.dev.map(DevicePtr(at), Bytes(g)) {
+                for done in (addr..at).step_by(g as usize) {
+                    let _ = self.dev.unmap(DevicePtr(done), Bytes(g));
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps the granules of `[addr, addr + rounded)` of the plan pool that are not
+    /// mapped yet, within the memory limit (the lock released around the device calls).
+    /// Whether the range is mapped now.
+    pub(super) fn map_pool_range<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        addr: u64,
+        rounded: u64,
+    ) -> Result<(bool, MutexGuard<'a, State>), EngineError> {
+        let mut released = false;
+        let (carved, total, reserved) = loop {
+            let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
+                return Ok((false, st));
+            };
+            let carved = st.heap.carve_range(pa, addr, rounded)?;
+            let total: u64 = carved.iter().map(|&i| st.heap.block(i).size).sum();
+            let reserved = st.stats.reserved_bytes[0].current as u64;
+            if released || reserved + st.mapping + total <= st.limit {
+                break (carved, total, reserved);
+            }
+            // Over the limit: first give back the cached memory of the online arenas
+            // (after a switch, the online phase's cache is still held), as an OOM retry.
+            for i in carved {
+                st.heap.finish_mapping(i, false);
+            }
+            drop(st);
+            self.release_cached()?;
+            st = self.lock()?;
+            st.stats.num_alloc_retries += 1;
+            released = true;
+        };
+        if reserved + st.mapping + total > st.limit {
+            for i in carved {
+                st.heap.finish_mapping(i, false);
+            }
+            // The plan does not fit under the limit next to what is held: give it up
+            // (its blocks stay until freed, its pool goes back like an online arena)
+            // and serve online from now on.
+            let why = format!(
+                "mapping {} of the plan's pool would exceed the memory limit {} ({} reserved)",
+                Bytes(total),
+                Bytes(st.limit),
+                Bytes(reserved)
+            );
+            st.stop_plan(Some(why));
+            return Ok((false, st));
+        }
+        let (grown, st) = self.map_carved(st, &carved)?;
+        Ok((matches!(grown, Growth::Retry), st))
+    }
+}

@@ -1,0 +1,471 @@
+//! Plan mode: serving a loaded plan's requests at their planned offsets.
+//!
+//! [`Engine::load_plan`] reserves a verified plan's pool as one more arena beside the
+//! online ones: a *placement* arena (blocks go at given offsets, not by best fit;
+//! pinned, so `empty_cache` leaves it mapped). Its granules are mapped when a request
+//! first needs them, so reserved memory follows what the run has reached of the plan. Each request on one of the plan's
+//! streams is first offered to the plan's cursor (module `cursor`: a small beam of
+//! alignments between the run and the plan's request sequence, look-ahead across
+//! section ends, resynchronisation at `mark_iteration`); a planned offset is handed out
+//! only if its whole range lies inside one free block of the pool — since free blocks
+//! are always coalesced, that is exactly "nothing live occupies it" (invariant 1).
+//!
+//! What the plan does not serve at its planned offset takes a hole of the pool or
+//! grows it (module `plan_holes`), or waits for the pending frees that alone hold its
+//! range (module `pending`); the rest is served online (module `malloc`).
+//!
+//! **Streams.** The pool may serve several streams. Per stream, the union of the pool
+//! ranges its planned requests use is computed at load (module `plan_pool`). A
+//! planned request whose range another stream also plans on is freed through the
+//! stream-deferred free machinery (an event on its own stream, as `record_stream`
+//! does for other streams), so the next user of the range, on whatever stream, cannot
+//! overtake the work queued before the free; a request no other stream plans on is
+//! reused in its stream's own order, which needs no event. On a multi-stream plan a
+//! request takes a hole only where no other stream plans anything, and its free is
+//! always deferred. Requests on streams the plan does not know are served online.
+//!
+//! **A spent plan** — a prologue-only plan the run has gone past — has nothing left to
+//! say: at the next iteration boundary its pool's free granules are given back, and
+//! from then on a large request without a hole grows the pool at its lowest run of
+//! free and unmapped space, as an online arena grows before any release.
+//!
+//! **Switching mid-run** (auto mode: trace the first iterations online, plan them
+//! elsewhere, switch): [`Engine::switch_to_plan`] serves the plan's steady iteration
+//! only ([`steady_slice`]), with the online phase's live allocations left where they
+//! are, after giving cached online memory back.
+//!
+//! Frees, stream-deferred frees, stats and the trace treat plan blocks like any other:
+//! the pointer map, the slab and the stats are shared. [`PlanStats`] counts hits,
+//! conflicts, unplanned requests, hole placements and skipped expected requests.
+//!
+//! [`Engine::unload_plan`] stops serving a plan; its blocks stay until freed and its
+//! pool is then given back like an online arena. The pool's free blocks are indexed
+//! by address in a second treap threaded through the slab (no heap allocation); its
+//! size-keyed fit treap, which only the hole search and the pool's growth rules query,
+//! is dropped during long runs of plan hits and rebuilt at the next query (module
+//! `arena::free_index`, lazy fit index).
+//!
+//! At each iteration boundary ([`Engine::mark_iteration`]) the cursor resynchronises,
+//! a plan whose requests keep finding their ranges busy is given up
+//! ([`PlanOptions::give_up_conflict_percent`]), and a spent plan's pool gives back its
+//! free granules.
+
+use crate::plan::Plan;
+use crate::trace::MarkerKind;
+use crate::units::{Bytes, StreamId};
+
+#[cfg(doc)]
+use super::PlanStats;
+use super::arena::{ALIGNMENT, ArenaId, Idx, Placeable, SlabFull};
+use super::config::GIVE_UP_MIN_REQUESTS;
+use super::cursor::{self, Cursor};
+use super::plan_holes::HOLE_SPAN_CAP;
+use super::plan_pool::{self, stream_ranges};
+use super::stream_use::add_use;
+use super::{
+    DeviceMemory, Engine, EngineError, GIVE_UP_ITERATIONS, PlanOptions, PoolKind, State, stats,
+    steady_slice,
+};
+
+/// Iteration boundaries after a switch to a plan during which online memory freed by
+/// the online phase's leftovers is given back (see [`Engine::switch_to_plan`]).
+const SWITCH_DRAIN_ITERATIONS: u32 = 2;
+
+/// What the plan pool answers to a request ([`State::alloc_planned`]).
+pub(super) enum PlanAnswer {
+    /// A block, placed.
+    Placed(Idx),
+    /// The planned place `addr` of `e` is free but partly unmapped: map it, then place.
+    Map { addr: u64, e: cursor::Expected },
+    /// The planned place `addr` of `e` is occupied while frees wait for other streams'
+    /// events: if only those hold it, wait for them and place; else a conflict.
+    Busy { addr: u64, e: cursor::Expected },
+    /// Nothing: serve online.
+    Nothing,
+}
+
+/// A plan being served: its cursor and the placement arena of its pool.
+#[derive(Debug)]
+pub(super) struct PlanServing {
+    pub(super) cursor: Cursor,
+    pub(super) arena: ArenaId,
+    pub(super) base: u64,
+    /// Bytes of the planned part of the pool (granule multiple); the arena reaches
+    /// further, for growth at the tail.
+    pub(super) len: u64,
+    /// The plan's streams, each with the union of its requests' pool ranges (offsets,
+    /// sorted, disjoint).
+    pub(super) streams: plan_pool::StreamRanges,
+    pub(super) options: PlanOptions,
+    /// The pool's free granules were given back once the plan was spent.
+    released: bool,
+    /// For the request being served: the virtual tick until which a hole must stay
+    /// free (its planned end, for a conflict), or `None` (unplanned: the next
+    /// `hole_horizon` expected requests).
+    pub(super) until: Option<u64>,
+    /// Scratch for [`PlanServing::collect_blocked`]: the pool ranges the expected
+    /// requests a hole must avoid, sorted. Its capacity is reserved at load, so a miss
+    /// does not allocate.
+    pub(super) blocked: Vec<(u64, u64)>,
+    /// Run streams bound to the plan's streams, `(run, plan)`. Stream handles are
+    /// process-local (a side stream's `cudaStream_t` differs between the run that was
+    /// traced and the one served), so the plan's streams are bound to the run's as they
+    /// first show up ([`PlanServing::bind`]); the plan's own ids are used inside the plan
+    /// (cursor, stream ranges), the run's for events.
+    bound: Vec<(StreamId, StreamId)>,
+    /// Hits and conflicts at the last iteration boundary, and the iterations in a row
+    /// with too many conflicts since ([`PlanOptions::give_up_conflict_percent`]).
+    at_boundary: (u64, u64),
+    bad_iterations: u32,
+}
+
+/// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
+fn meets(union: &[(u64, u64)], lo: u64, hi: u64) -> bool {
+    let i = union.partition_point(|&(a, _)| a < hi);
+    i > 0 && union[i - 1].1 > lo
+}
+
+impl PlanServing {
+    /// Whether the plan has stream `plan_stream` (a plan id).
+    fn serves(&self, plan_stream: StreamId) -> bool {
+        self.streams.iter().any(|(s, _)| *s == plan_stream)
+    }
+
+    /// The plan stream run stream `run` is bound to, if any.
+    #[inline]
+    pub(super) fn to_plan(&self, run: StreamId) -> Option<StreamId> {
+        self.bound.iter().find(|(r, _)| *r == run).map(|&(_, p)| p)
+    }
+
+    /// The plan stream for a request of `size` bytes on run stream `run`, binding the
+    /// two at the first request: the same id if the plan has it and it is free (the
+    /// default stream; auto mode, same process), else the stream of the expected
+    /// request if that stream is unbound and the sizes agree. `None`: a stream the plan
+    /// does not serve. O(streams).
+    #[inline]
+    fn bind(&mut self, run: StreamId, size: u64) -> Option<StreamId> {
+        if let Some(p) = self.to_plan(run) {
+            return Some(p);
+        }
+        let free = |p: StreamId, b: &[(StreamId, StreamId)]| b.iter().all(|&(_, q)| q != p);
+        let p = if self.serves(run) && free(run, &self.bound) {
+            run
+        } else {
+            let e = self.cursor.peek()?;
+            if e.size != size || !free(e.stream, &self.bound) {
+                return None;
+            }
+            e.stream
+        };
+        self.bound.push((run, p));
+        Some(p)
+    }
+
+    pub(super) fn multi_stream(&self) -> bool {
+        self.streams.len() > 1
+    }
+
+    /// Whether `[lo, hi)` (offsets) lies wholly inside the ranges plan stream `s`
+    /// plans on. O(log n).
+    pub(super) fn own(&self, s: StreamId, lo: u64, hi: u64) -> bool {
+        self.streams
+            .iter()
+            .find(|(x, _)| *x == s)
+            .is_some_and(|(_, u)| {
+                let i = u.partition_point(|&(a, _)| a <= lo);
+                i > 0 && u[i - 1].1 >= hi
+            })
+    }
+
+    /// Whether no other stream's planned request ever touches `[lo, hi)` (offsets).
+    pub(super) fn exclusive(&self, stream: StreamId, lo: u64, hi: u64) -> bool {
+        self.streams
+            .iter()
+            .all(|(s, u)| *s == stream || !meets(u, lo, hi))
+    }
+}
+
+impl State {
+    /// The plan pool's answer to a request: its planned place if the plan has one and
+    /// nothing occupies it, else a free hole of the pool that the next expected
+    /// requests do not need (module docs), else nothing.
+    #[inline]
+    pub(super) fn alloc_planned(
+        &mut self,
+        size: Bytes,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<PlanAnswer, SlabFull> {
+        let Some(p) = self.plan.as_mut() else {
+            return Ok(PlanAnswer::Nothing);
+        };
+        let Some(ps) = p.bind(stream, size.get()) else {
+            return Ok(PlanAnswer::Nothing);
+        };
+        // Where the plan was before this request (for `until` below).
+        let before = p.cursor.best_pos();
+        if let Some(e) = p.cursor.next(size.get(), ps) {
+            let (arena, addr) = (p.arena, p.base + e.offset.get());
+            // The common case first: the range is mapped and free.
+            if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
+                self.planned_block(i, e.cross, stream);
+                return Ok(PlanAnswer::Placed(i));
+            }
+            if self.heap.placeable(arena, addr, rounded) == Placeable::NeedsMapping {
+                // First use of these granules: the caller maps them.
+                return Ok(PlanAnswer::Map { addr, e });
+            }
+            // (Read here, off the hit path: only an occupied range asks.)
+            let wait = self
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.options.wait_for_pending_frees);
+            if wait && !self.events.is_empty() {
+                return Ok(PlanAnswer::Busy { addr, e });
+            }
+            // A conflict: its hole must stay free until its planned end.
+            self.plan_conflict(&e);
+        } else {
+            // An unplanned request where the plan expected a tensor that lives forever
+            // (setup: parameters, optimizer state) is taken to live forever too. (`until`
+            // is read only by the hole search and the pool's growth for this request,
+            // which a conflict and a failed mapping set it for.)
+            p.until = p.cursor.lives_forever_at(before).then_some(u64::MAX);
+        }
+        Ok(match self.alloc_in_hole(size, rounded, stream)? {
+            Some(i) => PlanAnswer::Placed(i),
+            None => PlanAnswer::Nothing,
+        })
+    }
+
+    /// Block `i` was just placed at its planned offset.
+    #[inline]
+    pub(super) fn planned_block(&mut self, i: Idx, cross: bool, stream: StreamId) {
+        if cross {
+            // Another stream plans on this range: the free waits for ours.
+            add_use(&mut self.heap.block_mut(i).uses, stream);
+        }
+    }
+
+    /// The planned range of `e` was occupied: counted as a conflict, and a hole for it
+    /// must stay free until its planned end.
+    pub(super) fn plan_conflict(&mut self, e: &cursor::Expected) {
+        if let Some(p) = self.plan.as_mut() {
+            p.cursor.conflict();
+            p.until = Some(e.vend);
+        }
+    }
+
+    /// Stops serving the plan, if one is served (returns whether one was): its blocks
+    /// stay until freed, its pool is unpinned so that it goes back like an online arena,
+    /// and a switch's drain ends. `why`: the plan was given up mid-run
+    /// ([`Engine::plan_abandoned`]).
+    pub(super) fn stop_plan(&mut self, why: Option<String>) -> bool {
+        let Some(p) = self.plan.take() else {
+            return false;
+        };
+        self.heap.unpin(p.arena);
+        self.drain = 0;
+        self.drain_pending = false;
+        if why.is_some() {
+            self.abandoned = why;
+        }
+        true
+    }
+}
+
+impl<D: DeviceMemory> Engine<D> {
+    /// Starts serving `plan`: verifies it ([`crate::verify::verify_plan`]), reserves and
+    /// maps its pool (one large-pool segment, pinned: `empty_cache` leaves it mapped), and
+    /// from then on offers every request on the plan's stream to the plan's cursor
+    /// first. A planned offset is used only if nothing live occupies its range;
+    /// everything else is served online, as before.
+    ///
+    /// A plan whose requests span several streams is served with the stream rules of
+    /// the module docs. A plan for another device, a second plan, or a pool
+    /// larger than the memory limit itself is rejected. The pool is mapped granule by
+    /// granule as the run reaches it, so a pool that fits the limit only once the
+    /// memory held now is freed (auto mode under `set_per_process_memory_fraction`) is
+    /// accepted; if mapping a planned range ever hits the limit, the plan is given up
+    /// ([`Engine::unload_plan`]; [`Engine::plan_abandoned`] says why) and the run goes
+    /// on online, where the usual free-the-cache-and-retry path applies.
+    pub fn load_plan(&self, plan: &Plan, options: PlanOptions) -> Result<(), EngineError> {
+        let reject = |m: String| Err(EngineError::PlanRejected(m));
+        if let Err(v) = crate::verify::verify_plan(plan) {
+            return reject(v.to_string());
+        }
+        if plan.device != self.device {
+            return reject(format!("made for {}, serving {}", plan.device, self.device));
+        }
+        if plan.alignment.get() < ALIGNMENT {
+            return reject(format!("alignment {} below 512 B", plan.alignment));
+        }
+        if plan.prologue.is_empty() && plan.iteration.is_empty() {
+            return reject("no requests".into());
+        }
+        let (streams, cross) = stream_ranges(plan);
+        let len = plan
+            .pool_size
+            .get()
+            .max(ALIGNMENT)
+            .div_ceil(self.granule)
+            .saturating_mul(self.granule);
+        {
+            let mut st = self.lock()?;
+            if st.plan.is_some() {
+                return reject("a plan is already being served".into());
+            }
+            if len > st.limit {
+                return reject(format!(
+                    "pool of {} does not fit the memory limit {}",
+                    Bytes(len),
+                    Bytes(st.limit),
+                ));
+            }
+            st.abandoned = None;
+            st.mapping += len;
+        }
+        // The pool's address range reaches past the pool, as far as an online arena's,
+        // so that it can grow at its tail (module `plan_holes`). Nothing is
+        // mapped yet: each granule is mapped when a request first needs it, so memory
+        // is taken as the run reaches it (after a switch mid-run, while the online
+        // phase's leftovers are still being freed).
+        let vlen = len.max(self.arena_size);
+        let reserved_va = self.dev.reserve(Bytes(vlen));
+        let mut st = self.lock()?;
+        st.mapping -= len;
+        let base = reserved_va?;
+        // The pool's arena is listed under the plan's first stream (snapshots, stats);
+        // it is never reached through `arena_of`, so any stream may be served from it.
+        let arena = st
+            .heap
+            .add_placement_arena(streams[0].0, PoolKind::Large, base.get(), vlen)
+            .map_err(EngineError::from);
+        let arena = match arena {
+            Ok(a) => a,
+            Err(e) => {
+                drop(st);
+                let _ = self.dev.release(base, Bytes(vlen));
+                return Err(e);
+            }
+        };
+        stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
+        let cursor = Cursor::new(plan, options.window, &cross);
+        let stream_ranges: usize = streams.iter().map(|(_, u)| u.len()).sum();
+        let blocked = Vec::with_capacity(
+            HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()) + stream_ranges,
+        );
+        st.plan = Some(PlanServing {
+            cursor,
+            arena,
+            base: base.get(),
+            len,
+            streams,
+            options,
+            released: false,
+            until: None,
+            blocked,
+            bound: Vec::new(),
+            at_boundary: (0, 0),
+            bad_iterations: 0,
+        });
+        Ok(())
+    }
+
+    /// Switches a running engine to `plan` at an iteration boundary (auto mode: the
+    /// engine served the first iterations online, recording them; the plan was made
+    /// from that recording elsewhere). What the online phase allocated stays where it
+    /// is, in the online arenas, and keeps being served there until freed; the plan's
+    /// prologue — what the run already did — is not replayed: only its steady
+    /// iteration is served ([`steady_slice`]: the iteration section, with the pool
+    /// ranges no iteration request uses, such as the persistent tensors' room, squeezed
+    /// out). Cached online memory is released first, so that the pool replaces it
+    /// rather than adds to it; and until the second iteration boundary after the switch,
+    /// online memory freed (the online phase's tensors that cross into the first
+    /// iterations, such as gradients freed by the next `zero_grad`) is given back at the
+    /// next `malloc` or boundary, so that the pool and those leftovers are not counted
+    /// twice for longer than they live. The cursor starts at the beginning of an
+    /// iteration, so call this right after [`Engine::mark_iteration`].
+    ///
+    /// A plan without an iteration section, or one [`Engine::load_plan`] refuses, is
+    /// rejected and the engine goes on serving online.
+    pub fn switch_to_plan(&self, plan: &Plan, options: PlanOptions) -> Result<(), EngineError> {
+        let slice = steady_slice(plan).map_err(EngineError::PlanRejected)?;
+        if self.lock()?.plan.is_some() {
+            return Err(EngineError::PlanRejected(
+                "a plan is already being served".into(),
+            ));
+        }
+        self.release_cached()?;
+        self.load_plan(&slice, options)?;
+        self.lock()?.drain = SWITCH_DRAIN_ITERATIONS;
+        Ok(())
+    }
+
+    /// Stops serving the plan, if one is served; returns whether one was. Blocks the
+    /// plan placed stay where they are until freed (the pointer map is shared), every
+    /// later request is served online, and the pool's free granules are given back at
+    /// once, the rest as its blocks are freed and the cache is emptied; once wholly free,
+    /// its address range is released like an online arena's. Another plan may be
+    /// loaded afterwards.
+    pub fn unload_plan(&self) -> Result<bool, EngineError> {
+        let mut st = self.lock()?;
+        if !st.stop_plan(None) {
+            return Ok(false);
+        }
+        drop(st);
+        self.release_cached()?;
+        Ok(true)
+    }
+
+    /// An iteration boundary: recorded as an `IterationBegin` marker in the trace, and
+    /// the plan's cursor (if a plan is served) resynchronises to the start of the
+    /// iteration section.
+    pub fn mark_iteration(&self) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        let mut give_up = None;
+        if let Some(p) = st.plan.as_mut() {
+            p.cursor.mark_iteration();
+            let (h, c) = (p.cursor.stats.hits, p.cursor.stats.conflicts);
+            let (dh, dc) = (h - p.at_boundary.0, c - p.at_boundary.1);
+            p.at_boundary = (h, c);
+            let pct = u64::from(p.options.give_up_conflict_percent);
+            if pct > 0 && dh + dc >= GIVE_UP_MIN_REQUESTS && dc * 100 > pct * (dh + dc) {
+                p.bad_iterations += 1;
+                if p.bad_iterations >= GIVE_UP_ITERATIONS {
+                    give_up = Some(format!(
+                        "{dc} of {} requests of the last iteration found their planned range \
+                         busy (more than {pct} % in {GIVE_UP_ITERATIONS} iterations in a row): \
+                         the run does not keep the plan's timing",
+                        dh + dc
+                    ));
+                }
+            } else {
+                p.bad_iterations = 0;
+            }
+        }
+        let gave_up = give_up.is_some_and(|why| st.stop_plan(Some(why)));
+        if let Some(r) = st.recorder.as_mut() {
+            r.marker(MarkerKind::IterationBegin, None);
+        }
+        let mut release = gave_up;
+        if st.drain > 0 {
+            st.drain -= 1;
+            release = std::mem::take(&mut st.drain_pending);
+        }
+        // A plan whose requests are all behind (a prologue-only plan the run has
+        // passed): its pool's free granules go back at this boundary, once.
+        if let Some(p) = st.plan.as_mut()
+            && p.cursor.spent()
+            && !p.released
+        {
+            p.released = true;
+            release = true;
+        }
+        if release {
+            drop(st);
+            self.release_cached()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! Giving cached memory back: [`Engine::empty_cache`] (also the out-of-memory retry)
+//! and the release of holes before a new peak.
+//!
+//! A release synchronises every pending event and completes the frees, carves out
+//! every wholly free mapped unit (module `arena::release`), unmaps them after one
+//! device synchronisation with the lock released, and releases the arenas left with
+//! nothing mapped (none once a checkpoint was taken). Nothing is released while a CUDA
+//! graph capture is underway.
+//!
+//! **Release before a new peak** (opt-in, [`EngineConfig::release_before_new_peak`]):
+//! when an online arena's growth would map past the peak of reserved bytes, free whole
+//! granules of the online arenas' holes (free blocks other than an arena's free tail,
+//! including one before a gap an earlier release left), largest holes first, are
+//! given back first (one device synchronisation, then the unmaps:
+//! `Heap::carve_holes`), by as much as the growth passes the peak — never from the run
+//! that growth will map (`Heap::growth_run`): that would only make it map more. A
+//! best-fit arena's holes are what makes its peak exceed the live peak; this keeps
+//! them from adding up. The gaps a release leaves are re-mapped by a later growth
+//! when they are the cheapest place for it (growth takes the run needing the fewest
+//! granules mapped, module `arena::growth`; growth always at the lowest run, with free blocks
+//! before gaps never released, parked gigabytes on a trace whose shapes change every
+//! iteration). The cost is a synchronisation per release and re-mapping what was
+//! given back. Measured (peak reserved and utilization with and without release, per
+//! trace, and the synchronisations): BENCHMARKS.md, "Session 6: release before a new
+//! peak, fixed for changing shapes". Off by default in the engine; the torch bridge
+//! turns it on (`STWEAVER_RELEASE_AT_PEAK`, default 1).
+
+use crate::units::Bytes;
+
+#[cfg(doc)]
+use super::EngineConfig;
+use super::arena::{ArenaId, GrowthFailure, Idx, SlabFull};
+use super::{DeviceError, DeviceMemory, DevicePtr, Engine, EngineError, PoolKind, State, stats};
+
+/// A release of the online arenas' holes before a growth past the peak
+/// (`Heap::carve_holes`): about `want` bytes, none of them in `keep` (the run the growth
+/// will map).
+pub(super) struct HoleRelease {
+    want: u64,
+    keep: Option<(ArenaId, u64, u64)>,
+}
+
+impl State {
+    /// By how many bytes growing arena `a` for `rounded` bytes would map past the peak
+    /// of reserved bytes (what `carve_growth` would map, not the request's size: the
+    /// arena's free tail counts), with the range of the run that growth would map
+    /// (`Heap::growth_run`, kept out of the release); `None` if it would not. Changes
+    /// nothing.
+    pub(super) fn growth_over_peak(
+        &mut self,
+        a: ArenaId,
+        rounded: u64,
+    ) -> Result<Option<HoleRelease>, SlabFull> {
+        let reserved = self.stats.reserved_bytes[0].current as u64 + self.mapping;
+        let budget = (self.stats.reserved_bytes[0].peak as u64).saturating_sub(reserved);
+        Ok(match self.heap.carve_growth(a, rounded, budget)? {
+            Ok(carved) => {
+                for i in carved {
+                    self.heap.finish_mapping(i, false);
+                }
+                None
+            }
+            Err(GrowthFailure::OverBudget { needed }) => Some(HoleRelease {
+                want: needed - budget,
+                keep: self.heap.growth_run(a, rounded).map(|(lo, hi)| (a, lo, hi)),
+            }),
+            Err(GrowthFailure::NoRoom) => None,
+        })
+    }
+}
+
+impl<D: DeviceMemory> Engine<D> {
+    /// Gives cached memory back to the device: completes every pending free (waiting for
+    /// its events), unmaps every granule that holds nothing, and releases arenas left
+    /// with nothing mapped. Afterwards reserved memory is what live blocks need, plus the
+    /// free bytes sharing their granules (`inactive_split_bytes`).
+    pub fn empty_cache(&self) -> Result<(), EngineError> {
+        self.release_cached()
+    }
+
+    pub(super) fn release_cached(&self) -> Result<(), EngineError> {
+        self.release(None)
+    }
+
+    /// Gives cached memory back to the device: everything releasable (`holes: None`), or
+    /// (`Some`) about `want` bytes of the online arenas' holes only, outside `keep`
+    /// (`Heap::carve_holes`). Either way after a device synchronisation.
+    pub(super) fn release(&self, holes: Option<HoleRelease>) -> Result<(), EngineError> {
+        // 0. Nothing while a CUDA graph capture is underway: a synchronisation would
+        //    invalidate it (as PyTorch, which releases no cache during a capture).
+        if !self.dev.may_synchronize() {
+            return Ok(());
+        }
+        // 1. Synchronise every pending event and complete the frees.
+        let mut st = self.lock()?;
+        st.stats.num_sync_all_streams += 1;
+        let mut work = st.events.take();
+        drop(st);
+        let mut first_err: Option<DeviceError> = None;
+        for e in work.iter_mut() {
+            e.done = match self.dev.synchronize_event(e.event) {
+                Ok(()) => true,
+                Err(err) => {
+                    first_err.get_or_insert(err);
+                    false
+                }
+            };
+        }
+        let mut st = self.lock()?;
+        st.apply_events(work);
+        if let Some(e) = first_err {
+            return Err(e.into());
+        }
+        // 2. Carve out every wholly free granule.
+        let ids: Vec<ArenaId> = st.heap.arena_ids().collect();
+        let mut carved: Vec<(Idx, u64, u64, PoolKind)> = Vec::new();
+        // A plan with nothing left to serve gives its pool's free granules back too.
+        let spent_pool = st
+            .plan
+            .as_ref()
+            .filter(|p| p.cursor.spent())
+            .map(|p| p.arena);
+        let pieces = match holes {
+            None => {
+                let mut all = Vec::new();
+                for &a in &ids {
+                    all.extend(st.heap.carve_releasable_with(a, spent_pool == Some(a))?);
+                }
+                all
+            }
+            Some(h) => st.heap.carve_holes(&ids, h.want, h.keep)?,
+        };
+        for i in pieces {
+            let b = st.heap.block(i);
+            let kind = st.heap.arena(b.arena).map_or(PoolKind::Small, |x| x.kind);
+            carved.push((i, b.addr, b.size, kind));
+        }
+        st.settle_inactive();
+        // 3. Unmap them after the device has finished all queued work.
+        if !carved.is_empty() {
+            drop(st);
+            let synced = self.dev.synchronize();
+            let results: Vec<Result<(), DeviceError>> = carved
+                .iter()
+                .map(|&(_, addr, size, _)| match &synced {
+                    Ok(()) => self.dev.unmap(DevicePtr(addr), Bytes(size)),
+                    Err(e) => Err(e.clone()),
+                })
+                .collect();
+            st = self.lock()?;
+            for (&(i, _, size, kind), r) in carved.iter().zip(results) {
+                st.heap.finish_unmapping(i, r.is_ok());
+                match r {
+                    Ok(()) => {
+                        stats::decrease(&mut st.stats.reserved_bytes, kind, size);
+                        st.stats.num_device_free += 1;
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            st.settle_inactive();
+        }
+        // 4. Release arenas with nothing mapped (none once checkpointed).
+        let mut released = Vec::new();
+        let keep = st.keep_arenas;
+        for a in ids.into_iter().filter(|_| !keep) {
+            if let Some(arena) = st.heap.remove_arena(a) {
+                st.arena_of.remove(&(arena.stream, arena.kind));
+                stats::decrease(&mut st.stats.segment, arena.kind, 1);
+                released.push((arena.base, arena.len));
+            }
+        }
+        drop(st);
+        for (base, len) in released {
+            if let Err(e) = self.dev.release(DevicePtr(base), Bytes(len)) {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+}
