@@ -26,14 +26,14 @@
 //!    on its stream (a checkpoint of another engine fails here, changing nothing).
 //! 2. **Map** the granules of the checkpointed ranges that are unmapped now (they were
 //!    given back by `empty_cache` since): carved out of the arenas
-//!    (`Heap::carve_range`), checked against the memory limit, mapped with the lock
+//!    (`Arenas::carve_range`), checked against the memory limit, mapped with the lock
 //!    released. Out of memory or a refused map fails here; the engine keeps every live
 //!    block (what was mapped stays as free cached memory).
 //! 3. **Free** every block allocated now (PyTorch frees them all too and reports them
 //!    as `ptrs_freed`). A block other streams used (`record_stream`), or an earlier free
 //!    still waiting on events, needs those streams to be done: the engine then
 //!    synchronises the device once (lock released) and completes every pending free.
-//! 4. **Claim** each checkpointed range at exactly its address (`Heap::claim`): after
+//! 4. **Claim** each checkpointed range at exactly its address (`Arenas::claim`): after
 //!    steps 2 and 3 it lies in free mapped memory. Claims go in address order, so each
 //!    arena is walked once.
 //!
@@ -95,10 +95,10 @@ pub struct Restored {
 fn arena_of_block(st: &State, b: &CheckpointBlock) -> Result<ArenaId, EngineError> {
     let (lo, size) = (b.addr.get(), b.size.get());
     let hi = lo.checked_add(size);
-    st.heap
+    st.arenas
         .arena_ids()
         .find(|&a| {
-            st.heap.arena(a).is_some_and(|x| {
+            st.arenas.arena(a).is_some_and(|x| {
                 x.stream == b.stream && x.base <= lo && hi.is_some_and(|hi| hi <= x.base + x.len)
             })
         })
@@ -119,9 +119,9 @@ impl<D: DeviceMemory> Engine<D> {
         let mut blocks: Vec<CheckpointBlock> = st
             .live
             .values()
-            .filter(|&i| st.heap.block(i).state == BlockState::Allocated)
+            .filter(|&i| st.arenas.block(i).state == BlockState::Allocated)
             .map(|i| {
-                let b = st.heap.block(i);
+                let b = st.arenas.block(i);
                 CheckpointBlock {
                     addr: DevicePtr(b.addr),
                     size: Bytes(b.size),
@@ -147,11 +147,11 @@ impl<D: DeviceMemory> Engine<D> {
         let mut pieces: Vec<Idx> = Vec::new();
         for b in cp {
             let a = arena_of_block(&st, b)?;
-            match st.heap.carve_range(a, b.addr.get(), b.size.get()) {
+            match st.arenas.carve_range(a, b.addr.get(), b.size.get()) {
                 Ok(carved) => pieces.extend(carved),
                 Err(e) => {
                     for &i in &pieces {
-                        st.heap.finish_mapping(i, false);
+                        st.arenas.finish_mapping(i, false);
                     }
                     return Err(e.into());
                 }
@@ -164,7 +164,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut allocated: Vec<(u64, Idx)> = st
             .live
             .iter()
-            .filter(|&(_, i)| st.heap.block(i).state == BlockState::Allocated)
+            .filter(|&(_, i)| st.arenas.block(i).state == BlockState::Allocated)
             .collect();
         allocated.sort_unstable();
         let mut freed = Vec::with_capacity(allocated.len());
@@ -172,17 +172,17 @@ impl<D: DeviceMemory> Engine<D> {
         for &(_, i) in &allocated {
             freed.push(Self::info(&st, i));
             let kind = st.kind_of(i);
-            let (size, trace_id) = (st.heap.block(i).size, st.heap.block(i).trace_id);
+            let (size, trace_id) = (st.arenas.block(i).size, st.arenas.block(i).trace_id);
             stats::decrease(&mut st.stats.allocation, kind, 1);
             stats::decrease(&mut st.stats.allocated_bytes, kind, size);
             if let Some(r) = st.recorder.as_mut() {
                 r.free_requested(trace_id);
             }
-            if st.heap.block(i).uses.is_empty() {
+            if st.arenas.block(i).uses.is_empty() {
                 st.complete_free(i);
             } else {
                 // Completed below, once the device has passed every stream's work.
-                let b = st.heap.block_mut(i);
+                let b = st.arenas.block_mut(i);
                 b.state = BlockState::PendingFree;
                 b.uses.clear();
                 to_sync.push(i);
@@ -214,9 +214,9 @@ impl<D: DeviceMemory> Engine<D> {
         for b in cp {
             let a = arena_of_block(&st, b)?;
             let from = if hint.0 == a { hint.1 } else { NIL };
-            let Some(i) = st
-                .heap
-                .claim(a, b.addr.get(), b.size.get(), b.requested.get(), from)?
+            let Some(i) =
+                st.arenas
+                    .claim(a, b.addr.get(), b.size.get(), b.requested.get(), from)?
             else {
                 return Err(EngineError::CheckpointMismatch(format!(
                     "{} + {} is not free (the engine was used by another thread while \
@@ -240,11 +240,11 @@ impl<D: DeviceMemory> Engine<D> {
         pieces: &[Idx],
         stream: StreamId,
     ) -> Result<std::sync::MutexGuard<'a, State>, EngineError> {
-        let total: u64 = pieces.iter().map(|&i| st.heap.block(i).size).sum();
+        let total: u64 = pieces.iter().map(|&i| st.arenas.block(i).size).sum();
         let reserved = st.stats.reserved_bytes[0].current as u64;
         if reserved + st.mapping + total > st.limit {
             for &i in pieces {
-                st.heap.finish_mapping(i, false);
+                st.arenas.finish_mapping(i, false);
             }
             let s = &st.stats;
             let allocated = s.allocated_bytes[0].current as u64;

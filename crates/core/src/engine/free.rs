@@ -26,7 +26,7 @@ impl State {
     /// Completes the free of pending or allocated block `i`: it leaves `live`, goes
     /// back to its arena, and stops counting as active.
     pub(super) fn complete_free(&mut self, i: Idx) {
-        let addr = self.heap.block(i).addr;
+        let addr = self.arenas.block(i).addr;
         self.live.remove(addr);
         self.release_block(i);
     }
@@ -34,7 +34,7 @@ impl State {
     /// [`State::complete_free`] for a block already taken out of `live`.
     fn release_block(&mut self, i: Idx) {
         let kind = self.kind_of(i);
-        let b = self.heap.block(i);
+        let b = self.arenas.block(i);
         let (size, requested, trace_id) = (b.size, b.requested, b.trace_id);
         stats::decrease(&mut self.stats.active, kind, 1);
         stats::decrease(&mut self.stats.active_bytes, kind, size);
@@ -42,7 +42,7 @@ impl State {
         if let Some(r) = self.recorder.as_mut() {
             r.free_completed(trace_id);
         }
-        self.heap.free(i);
+        self.arenas.free(i);
     }
 
     /// Applies events taken out of the queue: done ones complete their blocks' frees,
@@ -51,7 +51,7 @@ impl State {
         for e in &work {
             if e.done {
                 self.events.idle.push(e.event);
-                let b = self.heap.block_mut(e.block);
+                let b = self.arenas.block_mut(e.block);
                 b.events_left -= 1;
                 if b.events_left == 0 {
                     self.complete_free(e.block);
@@ -77,7 +77,7 @@ impl<D: DeviceMemory> Engine<D> {
                 return Err(EngineError::UnknownPointer(ptr));
             };
             let i = s.live.block_at(slot);
-            let b = s.heap.block(i);
+            let b = s.arenas.block(i);
             if b.state != BlockState::Allocated {
                 return Err(not_allocated(ptr, b.state, b.tag));
             }
@@ -87,12 +87,12 @@ impl<D: DeviceMemory> Engine<D> {
             i
         };
         let kind = st.kind_of(i);
-        let (size, trace_id) = (st.heap.block(i).size, st.heap.block(i).trace_id);
+        let (size, trace_id) = (st.arenas.block(i).size, st.arenas.block(i).trace_id);
         if st.drain > 0
             && st
                 .plan
                 .as_ref()
-                .is_some_and(|p| p.arena != st.heap.block(i).arena)
+                .is_some_and(|p| p.arena != st.arenas.block(i).arena)
         {
             st.drain_pending = true;
         }
@@ -101,7 +101,7 @@ impl<D: DeviceMemory> Engine<D> {
         if let Some(r) = st.recorder.as_mut() {
             r.free_requested(trace_id);
         }
-        if st.heap.block(i).uses.is_empty() {
+        if st.arenas.block(i).uses.is_empty() {
             st.release_block(i);
             st.settle_inactive();
             return Ok(());
@@ -109,7 +109,7 @@ impl<D: DeviceMemory> Engine<D> {
         // Deferred. Phase 1 (locked): take the uses out, give them idle events.
         let mut uses = {
             let s = &mut *st;
-            let b = s.heap.block_mut(i);
+            let b = s.arenas.block_mut(i);
             b.state = BlockState::PendingFree;
             let mut uses = std::mem::take(&mut b.uses);
             b.events_left = uses.len() as u32;
@@ -151,7 +151,7 @@ impl<D: DeviceMemory> Engine<D> {
             u.recorded = false;
         }
         uses.clear();
-        st.heap.block_mut(i).uses = uses;
+        st.arenas.block_mut(i).uses = uses;
         match first_err {
             Some(e) => Err(e.into()),
             None => Ok(()),
@@ -166,12 +166,12 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(i) = st.live.get(ptr.get()) else {
             return Err(EngineError::UnknownPointer(ptr));
         };
-        let b = st.heap.block(i);
+        let b = st.arenas.block(i);
         if b.state != BlockState::Allocated {
             return Err(not_allocated(ptr, b.state, b.tag));
         }
         if st.stream_of(i) != stream {
-            add_use(&mut st.heap.block_mut(i).uses, stream);
+            add_use(&mut st.arenas.block_mut(i).uses, stream);
         }
         Ok(())
     }

@@ -57,7 +57,7 @@ impl<D: DeviceMemory> Engine<D> {
     }
 
     pub(super) fn info(st: &State, i: Idx) -> BlockInfo {
-        let b = st.heap.block(i);
+        let b = st.arenas.block(i);
         BlockInfo {
             addr: DevicePtr(b.addr),
             size: Bytes(b.size),
@@ -81,12 +81,12 @@ impl<D: DeviceMemory> Engine<D> {
     pub fn snapshot(&self) -> Result<Vec<SegmentInfo>, EngineError> {
         let st = self.lock()?;
         let mut out = Vec::new();
-        for a in st.heap.arena_ids() {
-            let Some(arena) = st.heap.arena(a) else {
+        for a in st.arenas.arena_ids() {
+            let Some(arena) = st.arenas.arena(a) else {
                 continue;
             };
             let blocks: Vec<BlockInfo> = st
-                .heap
+                .arenas
                 .arena_blocks(a)
                 .map(|(i, _)| Self::info(&st, i))
                 .collect();
@@ -114,7 +114,7 @@ impl<D: DeviceMemory> Engine<D> {
     pub fn check_invariants(&self) -> Result<(), EngineError> {
         let st = self.lock()?;
         let fail = |m: String| Err(EngineError::Inconsistent(m));
-        let totals = match st.heap.check() {
+        let totals = match st.arenas.check() {
             Ok(t) => t,
             Err(m) => return fail(m),
         };
@@ -161,7 +161,7 @@ impl<D: DeviceMemory> Engine<D> {
             ));
         }
         for (addr, i) in st.live.iter() {
-            let b = st.heap.block(i);
+            let b = st.arenas.block(i);
             if b.addr != addr
                 || !matches!(
                     b.state,
@@ -175,7 +175,7 @@ impl<D: DeviceMemory> Engine<D> {
             }
         }
         for e in st.events.iter() {
-            if st.heap.block(e.block).state != BlockState::PendingFree {
+            if st.arenas.block(e.block).state != BlockState::PendingFree {
                 return fail(format!(
                     "event {} queued for a block that is not pending",
                     e.event
@@ -183,7 +183,7 @@ impl<D: DeviceMemory> Engine<D> {
             }
         }
         for (&(stream, kind), &a) in &st.arena_of {
-            match st.heap.arena(a) {
+            match st.arenas.arena(a) {
                 Some(x) if x.stream == stream && x.kind == kind => {}
                 _ => return fail(format!("arena map entry ({stream}, {kind:?}) is stale")),
             }

@@ -64,9 +64,9 @@ impl State {
     /// Accounts for block `i`, just allocated for `size` requested bytes on `stream`.
     pub(super) fn register(&mut self, i: Idx, size: Bytes, stream: StreamId) -> DevicePtr {
         let kind = self.kind_of(i);
-        let (addr, rounded) = (self.heap.block(i).addr, self.heap.block(i).size);
+        let (addr, rounded) = (self.arenas.block(i).addr, self.arenas.block(i).size);
         self.live.insert(addr, i);
-        self.heap.block_mut(i).tag = self.pauses.tag;
+        self.arenas.block_mut(i).tag = self.pauses.tag;
         let s = &mut self.stats;
         stats::increase(&mut s.allocation, kind, 1);
         stats::increase(&mut s.allocated_bytes, kind, rounded);
@@ -75,7 +75,7 @@ impl State {
         stats::increase(&mut s.requested_bytes, kind, size.get());
         if let Some(r) = self.recorder.as_mut() {
             let id = r.alloc(size, stream, addr);
-            self.heap.block_mut(i).trace_id = id;
+            self.arenas.block_mut(i).trace_id = id;
         }
         self.settle_inactive();
         DevicePtr(addr)
@@ -93,13 +93,13 @@ impl State {
         rounded: u64,
         size: Bytes,
     ) -> Result<Option<Idx>, SlabFull> {
-        if let Some(i) = self.heap.alloc(a, rounded, size.get())? {
+        if let Some(i) = self.arenas.alloc(a, rounded, size.get())? {
             return Ok(Some(i));
         }
         if kind == PoolKind::Small
             && let Some(&la) = self.arena_of.get(&(stream, PoolKind::Large))
         {
-            return self.heap.alloc(la, rounded, size.get());
+            return self.arenas.alloc(la, rounded, size.get());
         }
         Ok(None)
     }
@@ -161,7 +161,7 @@ impl<D: DeviceMemory> Engine<D> {
                 st = guard;
                 if mapped
                     && let Some(pa) = st.plan.as_ref().map(|p| p.arena)
-                    && let Some(i) = st.heap.alloc_at(pa, addr, rounded, size.get())?
+                    && let Some(i) = st.arenas.alloc_at(pa, addr, rounded, size.get())?
                 {
                     st.planned_block(i, e.cross, stream);
                     return Ok((Some(i), st));
@@ -330,7 +330,10 @@ impl<D: DeviceMemory> Engine<D> {
             self.dev.release(base, Bytes(self.arena_size))?;
             return self.lock();
         }
-        let a = match st.heap.add_arena(stream, kind, base.get(), self.arena_size) {
+        let a = match st
+            .arenas
+            .add_arena(stream, kind, base.get(), self.arena_size)
+        {
             Ok(a) => a,
             Err(e) => {
                 drop(st);

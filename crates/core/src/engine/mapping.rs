@@ -38,7 +38,7 @@ impl<D: DeviceMemory> Engine<D> {
     ) -> Result<(Growth, MutexGuard<'a, State>), EngineError> {
         let reserved = st.stats.reserved_bytes[0].current as u64;
         let budget = st.limit.saturating_sub(reserved + st.mapping);
-        let carved = match st.heap.carve_growth(a, rounded, budget)? {
+        let carved = match st.arenas.carve_growth(a, rounded, budget)? {
             Ok(carved) => carved,
             Err(GrowthFailure::NoRoom | GrowthFailure::OverBudget { .. }) => {
                 return Ok((Growth::Refused, st));
@@ -79,9 +79,9 @@ impl<D: DeviceMemory> Engine<D> {
         let ranges: Vec<(u64, u64, bool, PoolKind)> = blocks
             .iter()
             .map(|&i| {
-                let b = st.heap.block(i);
-                let kind = st.heap.arena(b.arena).map_or(PoolKind::Large, |x| x.kind);
-                (b.addr, b.size, st.heap.whole_unit_mapping(b.arena), kind)
+                let b = st.arenas.block(i);
+                let kind = st.arenas.arena(b.arena).map_or(PoolKind::Large, |x| x.kind);
+                (b.addr, b.size, st.arenas.whole_unit_mapping(b.arena), kind)
             })
             .collect();
         let total: u64 = ranges.iter().map(|r| r.1).sum();
@@ -94,7 +94,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut st = self.lock()?;
         st.mapping -= total;
         for ((&i, &(_, size, whole, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
-            st.heap.finish_mapping_as(i, r.is_ok(), whole);
+            st.arenas.finish_mapping_as(i, r.is_ok(), whole);
             if r.is_ok() {
                 stats::increase(&mut st.stats.reserved_bytes, kind, size);
                 st.stats.num_device_alloc += 1;
@@ -105,7 +105,7 @@ impl<D: DeviceMemory> Engine<D> {
     }
 
     /// Maps `[addr, addr + size)` as one device `map` call (`whole`), or granule by
-    /// granule (the units `Heap::finish_mapping` records for the block), all or nothing.
+    /// granule (the units `Arenas::finish_mapping` records for the block), all or nothing.
     fn map_units(&self, addr: u64, size: u64, whole: bool) -> Result<(), DeviceError> {
         let g = self.granularity().get();
         if whole || size <= g {
@@ -136,8 +136,8 @@ impl<D: DeviceMemory> Engine<D> {
             let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
                 return Ok((false, st));
             };
-            let carved = st.heap.carve_range(pa, addr, rounded)?;
-            let total: u64 = carved.iter().map(|&i| st.heap.block(i).size).sum();
+            let carved = st.arenas.carve_range(pa, addr, rounded)?;
+            let total: u64 = carved.iter().map(|&i| st.arenas.block(i).size).sum();
             let reserved = st.stats.reserved_bytes[0].current as u64;
             if released || reserved + st.mapping + total <= st.limit {
                 break (carved, total, reserved);
@@ -145,7 +145,7 @@ impl<D: DeviceMemory> Engine<D> {
             // Over the limit: first give back the cached memory of the online arenas
             // (after a switch, the online phase's cache is still held), as an OOM retry.
             for i in carved {
-                st.heap.finish_mapping(i, false);
+                st.arenas.finish_mapping(i, false);
             }
             drop(st);
             self.release_cached()?;
@@ -155,7 +155,7 @@ impl<D: DeviceMemory> Engine<D> {
         };
         if reserved + st.mapping + total > st.limit {
             for i in carved {
-                st.heap.finish_mapping(i, false);
+                st.arenas.finish_mapping(i, false);
             }
             // The plan does not fit under the limit next to what is held: give it up
             // (its blocks stay until freed, its pool goes back like an online arena)

@@ -103,7 +103,7 @@ use rustc_hash::FxHashMap;
 use crate::units::{Bytes, DeviceId, StreamId};
 
 pub use self::arena::BlockState;
-use self::arena::{ALIGNMENT, ArenaId, Heap, Idx};
+use self::arena::{ALIGNMENT, ArenaId, Arenas, Idx};
 pub use self::checkpoint::{Checkpoint, CheckpointBlock, Restored};
 use self::config::limit_bytes;
 pub use self::config::{EngineConfig, GIVE_UP_ITERATIONS, MemoryLimit, PlanOptions};
@@ -125,7 +125,7 @@ pub use self::virtual_memory::VirtualMemory;
 /// Everything behind the lock.
 #[derive(Debug)]
 struct State {
-    heap: Heap,
+    arenas: Arenas,
     arena_of: FxHashMap<(StreamId, PoolKind), ArenaId>,
     /// Address -> block, for every `Allocated` or `PendingFree` block.
     live: LiveMap,
@@ -169,31 +169,31 @@ pub struct Engine<D: DeviceMemory> {
 impl State {
     #[inline]
     fn kind_of(&self, i: Idx) -> PoolKind {
-        self.heap.block(i).kind
+        self.arenas.block(i).kind
     }
 
     fn stream_of(&self, i: Idx) -> StreamId {
-        let a = self.heap.block(i).arena;
-        self.heap.arena(a).map_or(StreamId(0), |x| x.stream)
+        let a = self.arenas.block(i).arena;
+        self.arenas.arena(a).map_or(StreamId(0), |x| x.stream)
     }
 
-    /// Brings `inactive_split(_bytes)` to the heap's current non-releasable totals
+    /// Brings `inactive_split(_bytes)` to the arenas' current non-releasable totals
     /// (nothing to do unless they changed since the last time).
     #[inline]
     fn settle_inactive(&mut self) {
-        if !self.heap.take_inactive_changed() {
+        if !self.arenas.take_inactive_changed() {
             return;
         }
         for kind in [PoolKind::Small, PoolKind::Large] {
             stats::settle(
                 &mut self.stats.inactive_split_bytes,
                 kind,
-                self.heap.inactive_bytes(kind),
+                self.arenas.inactive_bytes(kind),
             );
             stats::settle(
                 &mut self.stats.inactive_split,
                 kind,
-                self.heap.inactive_count(kind),
+                self.arenas.inactive_count(kind),
             );
         }
     }
@@ -214,7 +214,7 @@ impl<D: DeviceMemory> Engine<D> {
             .max(granule);
         let arena_size = want.div_ceil(granule).saturating_mul(granule);
         let mut state = State {
-            heap: Heap::new(granule),
+            arenas: Arenas::new(granule),
             arena_of: FxHashMap::default(),
             live: LiveMap::default(),
             stats: DeviceStats::default(),
@@ -229,7 +229,7 @@ impl<D: DeviceMemory> Engine<D> {
             keep_arenas: false,
             pauses: pause::Pauses::default(),
         };
-        state.heap.set_fine_units(limit < total);
+        state.arenas.set_fine_units(limit < total);
         Ok(Engine {
             dev,
             device: config.device,
@@ -262,8 +262,8 @@ impl<D: DeviceMemory> Engine<D> {
         let bytes = limit_bytes(limit, self.total)?;
         let mut st = self.lock()?;
         st.limit = bytes;
-        // Under a limit the plan pool maps granule by granule (`Heap::set_fine_units`).
-        st.heap.set_fine_units(bytes < self.total);
+        // Under a limit the plan pool maps granule by granule (`Arenas::set_fine_units`).
+        st.arenas.set_fine_units(bytes < self.total);
         Ok(())
     }
 
@@ -282,11 +282,11 @@ impl<D: DeviceMemory> Drop for Engine<D> {
             Err(poisoned) => poisoned.into_inner(),
         };
         let _ = self.dev.synchronize();
-        let ids: Vec<ArenaId> = st.heap.arena_ids().collect();
+        let ids: Vec<ArenaId> = st.arenas.arena_ids().collect();
         for a in ids {
             let mut run: Option<(u64, u64)> = None;
             let mut runs = Vec::new();
-            for (_, b) in st.heap.arena_blocks(a) {
+            for (_, b) in st.arenas.arena_blocks(a) {
                 if b.state.is_mapped() {
                     run = Some(match run {
                         Some((s, l)) => (s, l + b.size),
@@ -300,7 +300,7 @@ impl<D: DeviceMemory> Drop for Engine<D> {
             for (addr, len) in runs {
                 let _ = self.dev.unmap(DevicePtr(addr), Bytes(len));
             }
-            if let Some(arena) = st.heap.arena(a) {
+            if let Some(arena) = st.arenas.arena(a) {
                 let _ = self.dev.release(DevicePtr(arena.base), Bytes(arena.len));
             }
         }

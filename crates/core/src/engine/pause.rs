@@ -136,14 +136,14 @@ pub struct PauseReport {
 /// One paused group with its pool and the saved bytes of its live blocks.
 #[derive(Debug)]
 struct Group {
-    heap: PausedGroup,
+    paused: PausedGroup,
     kind: PoolKind,
     saved: Vec<(u64, Vec<u8>)>,
 }
 
 impl Group {
     fn bytes(&self) -> u64 {
-        self.heap.hi - self.heap.lo
+        self.paused.hi - self.paused.lo
     }
 }
 
@@ -226,15 +226,15 @@ impl<D: DeviceMemory> Engine<D> {
         self.pause_check(&st, tag)?;
         // Find and check every group before changing anything.
         let mut chosen: Vec<(u32, UnitGroup, u32, PoolKind)> = Vec::new();
-        for a in st.heap.arena_ids() {
-            let kind = st.heap.arena(a).map_or(PoolKind::Large, |x| x.kind);
-            for g in st.heap.unit_groups(a) {
+        for a in st.arenas.arena_ids() {
+            let kind = st.arenas.arena(a).map_or(PoolKind::Large, |x| x.kind);
+            for g in st.arenas.unit_groups(a) {
                 let (addr, size) = (DevicePtr(g.lo), Bytes(g.hi - g.lo));
                 let mut anchor = None;
                 let mut other = None;
                 let mut busy = false;
                 for &i in &g.blocks {
-                    let b = st.heap.block(i);
+                    let b = st.arenas.block(i);
                     match b.state {
                         BlockState::Free => {}
                         BlockState::Allocated if matches(tag, b.tag) => {
@@ -266,15 +266,15 @@ impl<D: DeviceMemory> Engine<D> {
         }
         let mut groups: Vec<Group> = Vec::with_capacity(chosen.len());
         for (a, g, anchor, kind) in chosen {
-            match st.heap.pause_group(a, g.lo, g.hi, anchor) {
-                Ok(heap) => groups.push(Group {
-                    heap,
+            match st.arenas.pause_group(a, g.lo, g.hi, anchor) {
+                Ok(paused) => groups.push(Group {
+                    paused,
                     kind,
                     saved: Vec::new(),
                 }),
                 Err(e) => {
                     for g in &groups {
-                        st.heap.resume_group(&g.heap);
+                        st.arenas.resume_group(&g.paused);
                     }
                     st.settle_inactive();
                     return Err(e.into());
@@ -287,14 +287,14 @@ impl<D: DeviceMemory> Engine<D> {
         }
         st.mapping += total;
         st.settle_inactive();
-        // Keep the heap's view of the live blocks to copy (addresses and sizes).
+        // Keep the arenas' view of the live blocks to copy (addresses and sizes).
         let live: Vec<Vec<(u64, u64)>> = groups
             .iter()
             .map(|g| {
-                g.heap
+                g.paused
                     .blocks
                     .iter()
-                    .map(|&i| st.heap.block(i))
+                    .map(|&i| st.arenas.block(i))
                     .filter(|b| b.requested > 0)
                     .map(|b| (b.addr, b.size))
                     .collect()
@@ -319,10 +319,10 @@ impl<D: DeviceMemory> Engine<D> {
         let mut failed: Vec<(usize, DeviceError)> = Vec::new();
         if copy_err.is_none() {
             for (k, g) in groups.iter().enumerate() {
-                for (done, &(s, e)) in g.heap.units.iter().enumerate() {
+                for (done, &(s, e)) in g.paused.units.iter().enumerate() {
                     if let Err(err) = self.dev.unmap(DevicePtr(s), Bytes(e - s)) {
                         // Back as it was: the units unmapped so far, mapped and filled again.
-                        let back = self.map_and_restore(&g.heap.units[..done], &g.saved);
+                        let back = self.map_and_restore(&g.paused.units[..done], &g.saved);
                         failed.push((k, back.err().unwrap_or(err)));
                         break;
                     }
@@ -338,18 +338,18 @@ impl<D: DeviceMemory> Engine<D> {
         };
         for &k in undo.iter().rev() {
             let g = groups.remove(k);
-            st.heap.resume_group(&g.heap);
+            st.arenas.resume_group(&g.paused);
             stats::increase(&mut st.stats.reserved_bytes, g.kind, g.bytes());
         }
         let mut report = PauseReport::default();
         for g in &groups {
             report.blocks += g
-                .heap
+                .paused
                 .blocks
                 .iter()
-                .filter(|&&i| st.heap.block(i).requested > 0)
+                .filter(|&&i| st.arenas.block(i).requested > 0)
                 .count();
-            report.units += g.heap.units.len();
+            report.units += g.paused.units.len();
             report.bytes = Bytes(report.bytes.get() + g.bytes());
             report.copied =
                 Bytes(report.copied.get() + g.saved.iter().map(|s| s.1.len() as u64).sum::<u64>());
@@ -417,7 +417,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut err = None;
         let mut done = 0;
         for g in &groups {
-            if let Err(e) = self.map_and_restore(&g.heap.units, &g.saved) {
+            if let Err(e) = self.map_and_restore(&g.paused.units, &g.saved) {
                 err = Some(e);
                 break;
             }
@@ -426,7 +426,7 @@ impl<D: DeviceMemory> Engine<D> {
         if err.is_some() {
             // Back to paused: unmap what this resume mapped (contents are still saved).
             for g in &groups[..done] {
-                for &(s, e) in &g.heap.units {
+                for &(s, e) in &g.paused.units {
                     let _ = self.dev.unmap(DevicePtr(s), Bytes(e - s));
                 }
             }
@@ -446,15 +446,15 @@ impl<D: DeviceMemory> Engine<D> {
         }
         let mut report = PauseReport::default();
         for g in groups {
-            st.heap.resume_group(&g.heap);
+            st.arenas.resume_group(&g.paused);
             stats::increase(&mut st.stats.reserved_bytes, g.kind, g.bytes());
             report.blocks += g
-                .heap
+                .paused
                 .blocks
                 .iter()
-                .filter(|&&i| st.heap.block(i).state == BlockState::Allocated)
+                .filter(|&&i| st.arenas.block(i).state == BlockState::Allocated)
                 .count();
-            report.units += g.heap.units.len();
+            report.units += g.paused.units.len();
             report.bytes = Bytes(report.bytes.get() + g.bytes());
             report.copied =
                 Bytes(report.copied.get() + g.saved.iter().map(|s| s.1.len() as u64).sum::<u64>());

@@ -39,7 +39,7 @@ impl State {
         // Pending blocks meeting the range, with how many of their events are queued.
         let mut found: Vec<(Idx, u32)> = Vec::new();
         for e in self.events.iter() {
-            let b = self.heap.block(e.block);
+            let b = self.arenas.block(e.block);
             if b.arena == a && b.addr < end && addr < b.addr + b.size {
                 match found.iter_mut().find(|(i, _)| *i == e.block) {
                     Some(f) => f.1 += 1,
@@ -51,7 +51,7 @@ impl State {
             return None;
         }
         let all_queued = |&(i, n): &(Idx, u32)| {
-            let b = self.heap.block(i);
+            let b = self.arenas.block(i);
             b.state == BlockState::PendingFree && b.events_left == n
         };
         if !found.iter().all(all_queued) {
@@ -65,21 +65,21 @@ impl State {
     /// of the `PendingFree` blocks `pending`. O(log n + blocks in the range).
     fn held_only_by(&self, a: ArenaId, addr: u64, end: u64, pending: &[Idx]) -> bool {
         let ours =
-            |i: Idx| pending.contains(&i) && self.heap.block(i).state == BlockState::PendingFree;
+            |i: Idx| pending.contains(&i) && self.arenas.block(i).state == BlockState::PendingFree;
         let contains = |i: Idx| {
-            let b = self.heap.block(i);
+            let b = self.arenas.block(i);
             b.addr <= addr && addr < b.addr + b.size
         };
         let first = pending
             .iter()
             .copied()
             .find(|&i| contains(i))
-            .or_else(|| self.heap.free_block_containing(a, addr));
+            .or_else(|| self.arenas.free_block_containing(a, addr));
         let Some(mut i) = first else {
             return false;
         };
         loop {
-            let b = self.heap.block(i);
+            let b = self.arenas.block(i);
             if !(b.state == BlockState::Free || ours(i)) {
                 return false;
             }
@@ -100,7 +100,7 @@ impl State {
     /// refused as already freed).
     fn fence(&mut self, f: Idx, event: DeviceEvent) {
         let kind = self.kind_of(f);
-        let b = self.heap.block_mut(f);
+        let b = self.arenas.block_mut(f);
         b.state = BlockState::PendingFree;
         b.events_left = 1;
         let (addr, size) = (b.addr, b.size);
@@ -150,12 +150,12 @@ impl<D: DeviceMemory> Engine<D> {
         let end = addr + rounded;
         let lo = blocks
             .iter()
-            .map(|&i| st.heap.block(i).addr)
+            .map(|&i| st.arenas.block(i).addr)
             .min()
             .unwrap_or(addr);
         let hi = blocks
             .iter()
-            .map(|&i| st.heap.block(i).addr + st.heap.block(i).size)
+            .map(|&i| st.arenas.block(i).addr + st.arenas.block(i).size)
             .max()
             .unwrap_or(end);
         // The parts of the pending blocks outside the range: (start, len).
@@ -203,13 +203,13 @@ impl<D: DeviceMemory> Engine<D> {
         // [lo, hi) is now one free run: the block, then the fences beside it. (The two
         // errors below cannot happen — the lock was held since the check — and would leave
         // the range unfenced; they stop the request rather than hide a broken invariant.)
-        let Some(placed) = st.heap.alloc_at(arena, addr, rounded, size.get())? else {
+        let Some(placed) = st.arenas.alloc_at(arena, addr, rounded, size.get())? else {
             return Err(EngineError::Inconsistent(format!(
                 "the pool range {addr:#x} + {rounded} was not free after its pending frees completed"
             )));
         };
         for (&(at, len), &ev) in fences.iter().zip(&fence_events) {
-            let Some(f) = st.heap.alloc_at(arena, at, len, len)? else {
+            let Some(f) = st.arenas.alloc_at(arena, at, len, len)? else {
                 return Err(EngineError::Inconsistent(format!(
                     "the fence {at:#x} + {len} was not free after its pending free completed"
                 )));

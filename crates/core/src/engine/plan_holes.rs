@@ -152,7 +152,7 @@ impl State {
         rounded: u64,
         stream: StreamId,
     ) -> Result<Option<Idx>, SlabFull> {
-        let State { plan, heap, .. } = self;
+        let State { plan, arenas, .. } = self;
         let Some(p) = plan.as_mut() else {
             return Ok(None);
         };
@@ -169,11 +169,11 @@ impl State {
             }
             let mut key = (rounded, 0);
             for _ in 0..HOLE_CANDIDATES {
-                let b = heap.fit_at_least(p.arena, key);
+                let b = arenas.fit_at_least(p.arena, key);
                 if b == NIL {
                     break;
                 }
-                let (ba, bs) = (heap.block(b).addr, heap.block(b).size);
+                let (ba, bs) = (arenas.block(b).addr, arenas.block(b).size);
                 key = (bs, ba + 1);
                 let (lo, hi) = (ba - p.base, ba + bs - p.base);
                 let at = if gaps {
@@ -189,13 +189,13 @@ impl State {
                 if p.multi_stream() && !ps.is_some_and(|ps| p.exclusive(ps, off, off + rounded)) {
                     continue;
                 }
-                if let Some(i) = heap.alloc_at(p.arena, p.base + off, rounded, size.get())? {
+                if let Some(i) = arenas.alloc_at(p.arena, p.base + off, rounded, size.get())? {
                     // The next user of this range may be on another stream, unless the
                     // range lies wholly in what this stream plans on (other streams'
                     // requests, planned or not, never go there: they need ranges
                     // exclusive to their own stream).
                     if p.multi_stream() && !ps.is_some_and(|ps| p.own(ps, off, off + rounded)) {
-                        add_use(&mut heap.block_mut(i).uses, stream);
+                        add_use(&mut arenas.block_mut(i).uses, stream);
                     }
                     p.cursor.stats.holes += 1;
                     return Ok(Some(i));
@@ -219,9 +219,9 @@ impl State {
         if p.cursor.spent() {
             // Nothing planned any more: the pool grows as an online arena does, at
             // its lowest run of free and unmapped space.
-            return self.heap.lowest_run(p.arena, rounded);
+            return self.arenas.lowest_run(p.arena, rounded);
         }
-        let (free_start, end) = self.heap.tail_run(p.arena)?;
+        let (free_start, end) = self.arenas.tail_run(p.arena)?;
         let planned_end = p.base + p.len;
         // The free tail (and the unmapped space after it) if the next expected requests
         // do not need it, else above both the mapped end and the planned part.
@@ -230,7 +230,7 @@ impl State {
         } else {
             end.max(planned_end)
         };
-        (self.heap.placeable(p.arena, at, rounded) != Placeable::Occupied).then_some(at)
+        (self.arenas.placeable(p.arena, at, rounded) != Placeable::Occupied).then_some(at)
     }
 
     /// Places a request at `at` in the pool arena after it grew (`None` if another
@@ -245,7 +245,7 @@ impl State {
         let Some(pa) = self.plan.as_ref().map(|p| p.arena) else {
             return Ok(None);
         };
-        let placed = self.heap.alloc_at(pa, at, rounded, size.get())?;
+        let placed = self.arenas.alloc_at(pa, at, rounded, size.get())?;
         if let Some(i) = placed
             && let Some(p) = self.plan.as_mut()
         {
@@ -253,7 +253,7 @@ impl State {
             p.cursor.stats.grown += 1;
             if p.multi_stream() {
                 // As for any hole: the next user may be on another stream.
-                add_use(&mut self.heap.block_mut(i).uses, stream);
+                add_use(&mut self.arenas.block_mut(i).uses, stream);
             }
         }
         Ok(placed)

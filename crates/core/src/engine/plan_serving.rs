@@ -207,11 +207,11 @@ impl State {
         if let Some(e) = p.cursor.next(size.get(), ps) {
             let (arena, addr) = (p.arena, p.base + e.offset.get());
             // The common case first: the range is mapped and free.
-            if let Some(i) = self.heap.alloc_at(arena, addr, rounded, size.get())? {
+            if let Some(i) = self.arenas.alloc_at(arena, addr, rounded, size.get())? {
                 self.planned_block(i, e.cross, stream);
                 return Ok(PlanAnswer::Placed(i));
             }
-            if self.heap.placeable(arena, addr, rounded) == Placeable::NeedsMapping {
+            if self.arenas.placeable(arena, addr, rounded) == Placeable::NeedsMapping {
                 // First use of these granules: the caller maps them.
                 return Ok(PlanAnswer::Map { addr, e });
             }
@@ -243,7 +243,7 @@ impl State {
     pub(super) fn planned_block(&mut self, i: Idx, cross: bool, stream: StreamId) {
         if cross {
             // Another stream plans on this range: the free waits for ours.
-            add_use(&mut self.heap.block_mut(i).uses, stream);
+            add_use(&mut self.arenas.block_mut(i).uses, stream);
         }
     }
 
@@ -264,7 +264,7 @@ impl State {
         let Some(p) = self.plan.take() else {
             return false;
         };
-        self.heap.unpin(p.arena);
+        self.arenas.unpin(p.arena);
         self.drain = 0;
         self.drain_pending = false;
         if why.is_some() {
@@ -338,7 +338,7 @@ impl<D: DeviceMemory> Engine<D> {
         // The pool's arena is listed under the plan's first stream (snapshots, stats);
         // it is never reached through `arena_of`, so any stream may be served from it.
         let arena = st
-            .heap
+            .arenas
             .add_placement_arena(streams[0].0, PoolKind::Large, base.get(), vlen)
             .map_err(EngineError::from);
         let arena = match arena {

@@ -12,8 +12,8 @@
 //! granules of the online arenas' holes (free blocks other than an arena's free tail,
 //! including one before a gap an earlier release left), largest holes first, are
 //! given back first (one device synchronisation, then the unmaps:
-//! `Heap::carve_holes`), by as much as the growth passes the peak — never from the run
-//! that growth will map (`Heap::growth_run`): that would only make it map more. A
+//! `Arenas::carve_holes`), by as much as the growth passes the peak — never from the run
+//! that growth will map (`Arenas::growth_run`): that would only make it map more. A
 //! best-fit arena's holes are what makes its peak exceed the live peak; this keeps
 //! them from adding up. The gaps a release leaves are re-mapped by a later growth
 //! when they are the cheapest place for it (growth takes the run needing the fewest
@@ -33,7 +33,7 @@ use super::arena::{ArenaId, GrowthFailure, Idx, SlabFull};
 use super::{DeviceError, DeviceMemory, DevicePtr, Engine, EngineError, PoolKind, State, stats};
 
 /// A release of the online arenas' holes before a growth past the peak
-/// (`Heap::carve_holes`): about `want` bytes, none of them in `keep` (the run the growth
+/// (`Arenas::carve_holes`): about `want` bytes, none of them in `keep` (the run the growth
 /// will map).
 pub(super) struct HoleRelease {
     want: u64,
@@ -44,7 +44,7 @@ impl State {
     /// By how many bytes growing arena `a` for `rounded` bytes would map past the peak
     /// of reserved bytes (what `carve_growth` would map, not the request's size: the
     /// arena's free tail counts), with the range of the run that growth would map
-    /// (`Heap::growth_run`, kept out of the release); `None` if it would not. Changes
+    /// (`Arenas::growth_run`, kept out of the release); `None` if it would not. Changes
     /// nothing.
     pub(super) fn growth_over_peak(
         &mut self,
@@ -53,16 +53,19 @@ impl State {
     ) -> Result<Option<HoleRelease>, SlabFull> {
         let reserved = self.stats.reserved_bytes[0].current as u64 + self.mapping;
         let budget = (self.stats.reserved_bytes[0].peak as u64).saturating_sub(reserved);
-        Ok(match self.heap.carve_growth(a, rounded, budget)? {
+        Ok(match self.arenas.carve_growth(a, rounded, budget)? {
             Ok(carved) => {
                 for i in carved {
-                    self.heap.finish_mapping(i, false);
+                    self.arenas.finish_mapping(i, false);
                 }
                 None
             }
             Err(GrowthFailure::OverBudget { needed }) => Some(HoleRelease {
                 want: needed - budget,
-                keep: self.heap.growth_run(a, rounded).map(|(lo, hi)| (a, lo, hi)),
+                keep: self
+                    .arenas
+                    .growth_run(a, rounded)
+                    .map(|(lo, hi)| (a, lo, hi)),
             }),
             Err(GrowthFailure::NoRoom) => None,
         })
@@ -84,7 +87,7 @@ impl<D: DeviceMemory> Engine<D> {
 
     /// Gives cached memory back to the device: everything releasable (`holes: None`), or
     /// (`Some`) about `want` bytes of the online arenas' holes only, outside `keep`
-    /// (`Heap::carve_holes`). Either way after a device synchronisation.
+    /// (`Arenas::carve_holes`). Either way after a device synchronisation.
     pub(super) fn release(&self, holes: Option<HoleRelease>) -> Result<(), EngineError> {
         // 0. Nothing while a CUDA graph capture is underway: a synchronisation would
         //    invalidate it (as PyTorch, which releases no cache during a capture).
@@ -112,7 +115,7 @@ impl<D: DeviceMemory> Engine<D> {
             return Err(e.into());
         }
         // 2. Carve out every wholly free granule.
-        let ids: Vec<ArenaId> = st.heap.arena_ids().collect();
+        let ids: Vec<ArenaId> = st.arenas.arena_ids().collect();
         let mut carved: Vec<(Idx, u64, u64, PoolKind)> = Vec::new();
         // A plan with nothing left to serve gives its pool's free granules back too.
         let spent_pool = st
@@ -124,15 +127,15 @@ impl<D: DeviceMemory> Engine<D> {
             None => {
                 let mut all = Vec::new();
                 for &a in &ids {
-                    all.extend(st.heap.carve_releasable_with(a, spent_pool == Some(a))?);
+                    all.extend(st.arenas.carve_releasable_with(a, spent_pool == Some(a))?);
                 }
                 all
             }
-            Some(h) => st.heap.carve_holes(&ids, h.want, h.keep)?,
+            Some(h) => st.arenas.carve_holes(&ids, h.want, h.keep)?,
         };
         for i in pieces {
-            let b = st.heap.block(i);
-            let kind = st.heap.arena(b.arena).map_or(PoolKind::Small, |x| x.kind);
+            let b = st.arenas.block(i);
+            let kind = st.arenas.arena(b.arena).map_or(PoolKind::Small, |x| x.kind);
             carved.push((i, b.addr, b.size, kind));
         }
         st.settle_inactive();
@@ -149,7 +152,7 @@ impl<D: DeviceMemory> Engine<D> {
                 .collect();
             st = self.lock()?;
             for (&(i, _, size, kind), r) in carved.iter().zip(results) {
-                st.heap.finish_unmapping(i, r.is_ok());
+                st.arenas.finish_unmapping(i, r.is_ok());
                 match r {
                     Ok(()) => {
                         stats::decrease(&mut st.stats.reserved_bytes, kind, size);
@@ -166,7 +169,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut released = Vec::new();
         let keep = st.keep_arenas;
         for a in ids.into_iter().filter(|_| !keep) {
-            if let Some(arena) = st.heap.remove_arena(a) {
+            if let Some(arena) = st.arenas.remove_arena(a) {
                 st.arena_of.remove(&(arena.stream, arena.kind));
                 stats::decrease(&mut st.stats.segment, arena.kind, 1);
                 released.push((arena.base, arena.len));

@@ -22,12 +22,12 @@ impl<D: DeviceMemory> Engine<D> {
         }
         let mut rec = Recorder::new(self.device);
         let mut live: Vec<Idx> = st.live.values().collect();
-        live.sort_by_key(|&i| st.heap.block(i).addr);
+        live.sort_by_key(|&i| st.arenas.block(i).addr);
         for i in live {
-            let (requested, addr) = (st.heap.block(i).requested, st.heap.block(i).addr);
+            let (requested, addr) = (st.arenas.block(i).requested, st.arenas.block(i).addr);
             let stream = st.stream_of(i);
             let id = rec.preexisting(Bytes(requested), stream, addr);
-            st.heap.block_mut(i).trace_id = id;
+            st.arenas.block_mut(i).trace_id = id;
         }
         st.recorder = Some(rec);
         Ok(())
@@ -67,7 +67,7 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(i) = st.live.get(ptr.get()) else {
             return Ok(None);
         };
-        let b = st.heap.block(i);
+        let b = st.arenas.block(i);
         if b.state != BlockState::Allocated {
             return Ok(None);
         }
@@ -90,7 +90,7 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(i) = st.live.get(into_ptr.get()) else {
             return Ok(false);
         };
-        let b = st.heap.block(i);
+        let b = st.arenas.block(i);
         if b.state != BlockState::Allocated {
             return Ok(false);
         }

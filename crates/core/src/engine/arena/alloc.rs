@@ -1,17 +1,17 @@
 //! Serving by best fit, and giving blocks back with coalescing.
 //!
-//! - **Best fit** (`Heap::alloc`): the free blocks of an arena sit in an intrusive
+//! - **Best fit** (`Arenas::alloc`): the free blocks of an arena sit in an intrusive
 //!   treap keyed by `(size, addr)` (module `free_index`); the smallest key with
 //!   `size >= request` is the best fit, lowest address on ties (PyTorch's rule). The
 //!   block is split and the remainder goes back into the tree. Expected O(log n), no
 //!   heap allocation once the slab has grown to the workload's block count.
-//! - **Free** (`Heap::free`): coalesce with free neighbours, insert. Expected O(log n).
-//!   Unmapped blocks coalesce the same way (`Heap::settle_unmapped`, after an unmap or
+//! - **Free** (`Arenas::free`): coalesce with free neighbours, insert. Expected O(log n).
+//!   Unmapped blocks coalesce the same way (`Arenas::settle_unmapped`, after an unmap or
 //!   a refused map), indexed by address in the arena's unmapped map.
 
-use super::{ALIGNMENT, ArenaId, BlockState, Heap, Idx, NIL, SlabFull};
+use super::{ALIGNMENT, ArenaId, Arenas, BlockState, Idx, NIL, SlabFull};
 
-impl Heap {
+impl Arenas {
     /// Best fit for `size` bytes (a multiple of [`ALIGNMENT`]) in arena `a`: the block is
     /// split to exactly `size` and marked `Allocated`. `Ok(None)` when no free block is
     /// big enough.

@@ -3,9 +3,9 @@
 //! against (`Engine::check_invariants`). O(blocks + units) per arena; never on the hot
 //! path.
 
-use super::{ALIGNMENT, ArenaId, BlockState, Heap, Idx, NIL, pool_index};
+use super::{ALIGNMENT, ArenaId, Arenas, BlockState, Idx, NIL, pool_index};
 
-/// Per-pool totals computed by `Heap::check` from the blocks themselves.
+/// Per-pool totals computed by `Arenas::check` from the blocks themselves.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Totals {
     pub arenas: u64,
@@ -19,7 +19,7 @@ pub(crate) struct Totals {
     pub inactive_count: u64,
 }
 
-impl Heap {
+impl Arenas {
     /// In-order nodes of the by-address treap at `t`, checking the heap order
     /// (invariant checks only).
     fn addr_collect(&self, t: Idx, max_prio: u32, out: &mut Vec<Idx>) -> Result<(), String> {

@@ -4,10 +4,10 @@
 //! indexed, unindexed or resized.
 //!
 //! **Lazy fit index** (placement arenas: the plan pool). A plan hit is placed by
-//! address (`Heap::alloc_at`, through the by-address treap) and its free coalesces by
+//! address (`Arenas::alloc_at`, through the by-address treap) and its free coalesces by
 //! address, so the fit treap is needed only when something searches the pool by size
 //! (a hole for a request the plan does not serve). After a run of fit-treap updates
-//! with no size query (`Heap::lazy_after`: 64 plus 4 per free block), the treap is
+//! with no size query (`Arenas::lazy_after`: 64 plus 4 per free block), the treap is
 //! dropped (marked stale) and updates skip it: a plan hit or its free then costs
 //! only the by-address work. The next size query rebuilds it from the by-address
 //! treap (one insert per free block, O(n log n); a treap's shape is fixed by its keys
@@ -20,9 +20,9 @@
 //! Costs: expected O(log n) per index update and per size query on a fresh fit
 //! treap; O(1) non-releasable arithmetic (masks: the granule is a power of two).
 
-use super::{Arena, ArenaId, BlockState, Heap, Idx, NIL, pool_index};
+use super::{Arena, ArenaId, Arenas, BlockState, Idx, NIL, pool_index};
 
-impl Heap {
+impl Arenas {
     /// The `Free` block of placement arena `a` that contains `addr`, if any. O(log n).
     pub fn free_block_containing(&self, a: ArenaId, addr: u64) -> Option<Idx> {
         let root = self.arena(a)?.free_by_addr?;
@@ -35,7 +35,7 @@ impl Heap {
     /// the granules that lie wholly inside it.
     #[inline]
     pub fn non_releasable(&self, addr: u64, size: u64) -> u64 {
-        // The granule is a power of two (`Heap::new`): masks, not divisions (this runs
+        // The granule is a power of two (`Arenas::new`): masks, not divisions (this runs
         // twice per alloc/free pair on the hot path).
         let m = self.granule - 1;
         let lo = (addr + m) & !m;
@@ -182,7 +182,7 @@ impl Heap {
     }
 
     /// Takes free block `n` out of the fit treap only (the counterpart of
-    /// [`Heap::fit_insert`]); call it before changing the block's size or address.
+    /// [`Arenas::fit_insert`]); call it before changing the block's size or address.
     pub(super) fn fit_remove(&mut self, n: Idx) {
         let (addr, size) = (self.blocks[n as usize].addr, self.blocks[n as usize].size);
         debug_assert_eq!(self.blocks[n as usize].state, BlockState::Free);
@@ -197,9 +197,9 @@ impl Heap {
     }
 
     /// Moves free block `n` to `[addr, addr + size)` in the fit treap and the
-    /// non-releasable totals: [`Heap::fit_remove`], the change, [`Heap::fit_insert`],
+    /// non-releasable totals: [`Arenas::fit_remove`], the change, [`Arenas::fit_insert`],
     /// with one arena look-up and, while the treap is stale, no treap work. Its
-    /// by-address entry must stay valid (as for [`Heap::fit_insert`]).
+    /// by-address entry must stay valid (as for [`Arenas::fit_insert`]).
     pub(super) fn fit_resize(&mut self, n: Idx, addr: u64, size: u64) {
         let (oaddr, osize) = (self.blocks[n as usize].addr, self.blocks[n as usize].size);
         debug_assert_eq!(self.blocks[n as usize].state, BlockState::Free);
@@ -235,7 +235,7 @@ impl Heap {
     /// The free block of arena `a` with the smallest `(size, addr)` key that is at
     /// least `key`, or [`NIL`]. Walking it with `key = (size, addr + 1)` of the last
     /// answer lists the free blocks that fit, best fit first. O(log n) once the fit
-    /// treap is fresh (`Heap::fit_fresh`).
+    /// treap is fresh (`Arenas::fit_fresh`).
     pub fn fit_at_least(&mut self, a: ArenaId, key: (u64, u64)) -> Idx {
         self.fit_fresh(a);
         let mut t = self.arena(a).map_or(NIL, |x| x.root);

@@ -1,6 +1,6 @@
 //! Growth: where an arena maps more memory, and the `Mapping` blocks carved out for it.
 //!
-//! **Growth** (`Heap::carve_growth`): when nothing fits, take the run of free and
+//! **Growth** (`Arenas::carve_growth`): when nothing fits, take the run of free and
 //! unmapped space big enough for the request that needs the fewest bytes mapped,
 //! lowest address on ties, and carve out the granules that must be mapped — only the
 //! ones the request needs, not a fixed segment size. Until something is released the
@@ -8,17 +8,17 @@
 //! after a release, a gap it left in the middle of the arena (with the free blocks
 //! around it) is re-mapped when it is the cheaper place, instead of the tail growing.
 //! O(unmapped blocks · run length). The caller maps them with the lock released,
-//! then `Heap::finish_mapping` turns them into free memory and records their mapped
+//! then `Arenas::finish_mapping` turns them into free memory and records their mapped
 //! units (invariant 6: one per granule online, one per block in a pinned placement
-//! arena, `Heap::whole_unit_mapping`).
+//! arena, `Arenas::whole_unit_mapping`).
 //!
-//! The plan pool maps exact ranges as they are first touched (`Heap::carve_range`,
-//! O(log n + blocks carved)) and grows at its tail (`Heap::tail_run`,
-//! `Heap::lowest_run`).
+//! The plan pool maps exact ranges as they are first touched (`Arenas::carve_range`,
+//! O(log n + blocks carved)) and grows at its tail (`Arenas::tail_run`,
+//! `Arenas::lowest_run`).
 
-use super::{ArenaId, BlockState, GrowthFailure, Heap, Idx, NIL, SlabFull};
+use super::{ArenaId, Arenas, BlockState, GrowthFailure, Idx, NIL, SlabFull};
 
-impl Heap {
+impl Arenas {
     /// For an arena whose last block is unmapped: `(start of the free block before it, or
     /// the mapped end when there is none, mapped end)`. `None` when the arena's end is
     /// mapped (nothing left to grow into at the tail). O(log n).
@@ -39,7 +39,7 @@ impl Heap {
 
     /// Carves the unmapped parts of the granules covering `[addr, addr + size)` of arena
     /// `a` out as `Mapping` blocks (returned in address order), for the caller to map
-    /// and finish with `Heap::finish_mapping`. O(log n + blocks carved).
+    /// and finish with `Arenas::finish_mapping`. O(log n + blocks carved).
     pub fn carve_range(&mut self, a: ArenaId, addr: u64, size: u64) -> Result<Vec<Idx>, SlabFull> {
         let g = self.granule;
         let (lo, hi) = (addr / g * g, (addr + size).div_ceil(g) * g);
@@ -109,7 +109,7 @@ impl Heap {
     }
 
     /// The start of the lowest-addressed run of free and unmapped space in arena `a`
-    /// that holds `size` bytes (where `Heap::carve_growth` would grow), or `None`.
+    /// that holds `size` bytes (where `Arenas::carve_growth` would grow), or `None`.
     /// O(unmapped blocks + run length).
     pub fn lowest_run(&self, a: ArenaId, size: u64) -> Option<u64> {
         self.lowest_run_block(a, size)
@@ -156,7 +156,7 @@ impl Heap {
             })
     }
 
-    /// Where `Heap::carve_growth` grows arena `a` for `size` bytes: of the runs of free
+    /// Where `Arenas::carve_growth` grows arena `a` for `size` bytes: of the runs of free
     /// and unmapped blocks that hold `size` bytes (each starting at an unmapped block,
     /// or at the free block just before it), the one that needs the fewest bytes mapped,
     /// the lowest-addressed on ties. Returns its first block and the end of its last one.
@@ -172,7 +172,7 @@ impl Heap {
     }
 
     /// The address range `[lo, hi)` of the blocks that growing arena `a` for `size` bytes
-    /// would use (`Heap::carve_growth`: the free edges and the unmapped blocks of its
+    /// would use (`Arenas::carve_growth`: the free edges and the unmapped blocks of its
     /// run), or `None` if it cannot grow.
     pub fn growth_run(&self, a: ArenaId, size: u64) -> Option<(u64, u64)> {
         self.growth_run_block(a, size)
@@ -180,7 +180,7 @@ impl Heap {
     }
 
     /// Finds the run of free and unmapped blocks in arena `a` that holds `size` bytes with
-    /// the fewest bytes to map (`Heap::growth_run_block`), and carves out the granules of
+    /// the fewest bytes to map (`Arenas::growth_run_block`), and carves out the granules of
     /// it that must be mapped (`Mapping` blocks, returned in address order with their
     /// sizes). Fails if no run is big enough, or if mapping it would take more than
     /// `budget` bytes.
@@ -256,7 +256,7 @@ impl Heap {
         self.finish_mapping_as(i, mapped, whole);
     }
 
-    /// [`Heap::finish_mapping`] for a block mapped as one unit (`whole`) or granule by
+    /// [`Arenas::finish_mapping`] for a block mapped as one unit (`whole`) or granule by
     /// granule, as the caller decided when it started the mapping.
     pub fn finish_mapping_as(&mut self, i: Idx, mapped: bool, whole: bool) {
         debug_assert_eq!(self.blocks[i as usize].state, BlockState::Mapping);
@@ -286,7 +286,7 @@ impl Heap {
     /// than one unit per granule. Placement arenas (the plan pool) map whole blocks: they
     /// are pinned, so nothing is released from them while they serve. Online arenas, a
     /// placement arena no longer pinned (its plan given up or unloaded), and every arena
-    /// under a memory limit (`Heap::set_fine_units`) map granule by granule, so that a
+    /// under a memory limit (`Arenas::set_fine_units`) map granule by granule, so that a
     /// release can give back any free granule.
     pub fn whole_unit_mapping(&self, a: ArenaId) -> bool {
         !self.fine_units

@@ -18,7 +18,7 @@
 //! All blocks of all arenas live in one slab (module `slab`), addressed by `u32`
 //! indices, so steady-state allocation reuses slots and never touches the heap.
 //!
-//! # Invariants (checked by `Heap::check`, module `check`)
+//! # Invariants (checked by `Arenas::check`, module `check`)
 //!
 //! 1. The blocks of an arena tile it: each block starts where its predecessor ends
 //!    (and names the arena and its pool).
@@ -29,14 +29,14 @@
 //!    arena's by-address treap (and its free-block count) exactly its `Free` blocks.
 //!    The fit tree holds exactly the `Free` blocks whenever it is *fresh*: always in an
 //!    online arena; in a placement arena, except while it is marked stale (lazy fit
-//!    index, module `free_index`), and a size query (`Heap::fit_at_least`,
-//!    `Heap::alloc`) makes it fresh first. The non-releasable totals count every `Free`
+//!    index, module `free_index`), and a size query (`Arenas::fit_at_least`,
+//!    `Arenas::alloc`) makes it fresh first. The non-releasable totals count every `Free`
 //!    block either way.
 //! 5. Block addresses and sizes are multiples of the 512-B alignment.
 //! 6. The arena's mapped *units* tile its mapped memory exactly. A unit is the range of
 //!    one device `map` call, which is only ever unmapped whole (on CUDA, one physical
 //!    allocation): a whole mapped block in a placement arena (the plan pool), one
-//!    granule in an online arena (`Heap::whole_unit_mapping`).
+//!    granule in an online arena (`Arenas::whole_unit_mapping`).
 //!
 //! # Algorithms and costs (n = free blocks in the arena), one module each
 //!
@@ -46,8 +46,8 @@
 //!   placement arena's by-address treap and its lazy fit index, the non-releasable
 //!   totals (`inactive_split`).
 //! - `alloc`: best fit, split, free with coalescing. Expected O(log n).
-//! - `placement`: blocks at exact addresses (`Heap::alloc_at` in the plan pool,
-//!   `Heap::claim` in any arena). O(log n).
+//! - `placement`: blocks at exact addresses (`Arenas::alloc_at` in the plan pool,
+//!   `Arenas::claim` in any arena). O(log n).
 //! - `growth`: where an arena grows and the granules carved out for mapping.
 //!   O(unmapped blocks · run length).
 //! - `release`: the whole units carved out for unmapping (`empty_cache`, release of
@@ -85,7 +85,7 @@ pub(crate) type Idx = u32;
 /// The null index.
 pub(crate) const NIL: Idx = u32::MAX;
 
-/// Index of an arena in [`Heap`].
+/// Index of an arena in [`Arenas`].
 pub(crate) type ArenaId = u32;
 
 /// Every block address and size is a multiple of this (PyTorch's `kMinBlockSize`).
@@ -172,18 +172,18 @@ pub(crate) struct Arena {
     /// the next size query rebuilds it. Always `false` for an online arena.
     fit_stale: bool,
     /// Placement arenas only: fit-treap updates since the last size query. Past
-    /// `Heap::lazy_after`, the treap is dropped (`fit_stale`).
+    /// `Arenas::lazy_after`, the treap is dropped (`fit_stale`).
     fit_quiet: u64,
     /// Placement arenas only: the number of `Free` blocks (the by-address treap's).
     free_count: u64,
     /// `Unmapped` blocks by address.
     unmapped: BTreeMap<u64, Idx>,
     /// Root of the treap of `Free` blocks by address, kept only for placement arenas
-    /// (see `Heap::add_placement_arena`): `Some(NIL)` when empty. A treap threaded
+    /// (see `Arenas::add_placement_arena`): `Some(NIL)` when empty. A treap threaded
     /// through the slab rather than a `BTreeMap`, so that keeping it costs no heap
     /// allocation and about half the time on the plan-hit path.
     free_by_addr: Option<Idx>,
-    /// Never unmapped or released by `Heap::carve_releasable` / `Heap::remove_arena`.
+    /// Never unmapped or released by `Arenas::carve_releasable` / `Arenas::remove_arena`.
     pub pinned: bool,
     /// start -> end of each mapped unit: the range of one device `map` call, which is
     /// only ever unmapped whole (module `release`).
@@ -191,7 +191,7 @@ pub(crate) struct Arena {
 }
 
 /// What placing a block at a given range of a placement arena needs
-/// (`Heap::placeable`).
+/// (`Arenas::placeable`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Placeable {
     /// The range lies in one free block.
@@ -202,7 +202,7 @@ pub(crate) enum Placeable {
     Occupied,
 }
 
-/// Why `Heap::carve_growth` could not carve.
+/// Why `Arenas::carve_growth` could not carve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GrowthFailure {
     /// No run of free + unmapped space in the arena is big enough.
@@ -217,7 +217,7 @@ pub(crate) struct SlabFull;
 
 /// All arenas of an engine and the slab their blocks live in.
 #[derive(Debug)]
-pub(crate) struct Heap {
+pub(crate) struct Arenas {
     granule: u64,
     blocks: Vec<Block>,
     vacant: Idx,
@@ -226,9 +226,9 @@ pub(crate) struct Heap {
     /// (index 0 small, 1 large); maintained on every fit-tree insert and remove.
     inactive_bytes: [u64; 2],
     inactive_count: [u64; 2],
-    /// The non-releasable totals changed since `Heap::take_inactive_changed`.
+    /// The non-releasable totals changed since `Arenas::take_inactive_changed`.
     inactive_changed: bool,
-    /// Placement arenas map granule by granule too (`Heap::set_fine_units`).
+    /// Placement arenas map granule by granule too (`Arenas::set_fine_units`).
     fine_units: bool,
 }
 
@@ -240,11 +240,11 @@ fn pool_index(kind: PoolKind) -> usize {
     }
 }
 
-impl Heap {
-    /// An empty heap whose mapping unit is `granule` (a power of two ≥ [`ALIGNMENT`]).
-    pub fn new(granule: u64) -> Heap {
+impl Arenas {
+    /// No arenas yet, with mapping unit `granule` (a power of two ≥ [`ALIGNMENT`]).
+    pub fn new(granule: u64) -> Arenas {
         debug_assert!(granule.is_power_of_two() && granule >= ALIGNMENT);
-        Heap {
+        Arenas {
             granule,
             blocks: Vec::new(),
             vacant: NIL,
@@ -307,7 +307,7 @@ impl Heap {
     /// The blocks of arena `a` in address order.
     pub fn arena_blocks(&self, a: ArenaId) -> ArenaBlocks<'_> {
         ArenaBlocks {
-            heap: self,
+            arenas: self,
             at: self.arena(a).map_or(NIL, |x| x.head),
         }
     }
@@ -341,7 +341,7 @@ impl Heap {
     }
 
     /// Adds a **placement** arena over `[base, base + len)`, all unmapped: blocks are
-    /// placed at given addresses (`Heap::alloc_at`) rather than by best fit, and the
+    /// placed at given addresses (`Arenas::alloc_at`) rather than by best fit, and the
     /// arena is pinned (never unmapped by a release). Its free blocks are also indexed
     /// by address, O(log n) per insert and remove.
     pub fn add_placement_arena(
@@ -400,7 +400,7 @@ impl Heap {
         })
     }
 
-    /// Removes an empty arena (see `Heap::arena_is_empty`), returning it.
+    /// Removes an empty arena (see `Arenas::arena_is_empty`), returning it.
     pub fn remove_arena(&mut self, a: ArenaId) -> Option<Arena> {
         if !self.arena_is_empty(a) {
             return None;
@@ -413,7 +413,7 @@ impl Heap {
 
 /// Iterator over the blocks of one arena in address order.
 pub(crate) struct ArenaBlocks<'a> {
-    heap: &'a Heap,
+    arenas: &'a Arenas,
     at: Idx,
 }
 
@@ -425,7 +425,7 @@ impl<'a> Iterator for ArenaBlocks<'a> {
             return None;
         }
         let i = self.at;
-        let b = self.heap.block(i);
+        let b = self.arenas.block(i);
         self.at = b.next;
         Some((i, b))
     }

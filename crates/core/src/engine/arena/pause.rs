@@ -1,4 +1,4 @@
-//! The heap side of pause / resume (`Engine::pause`, module `engine::pause`).
+//! The arenas' side of pause / resume (`Engine::pause`, module `engine::pause`).
 //!
 //! A **group** is a maximal run of consecutive mapped units of one arena joined by a
 //! block that is not free straddling the boundary between two of them: the smallest
@@ -10,7 +10,7 @@
 //! blocks are neither free nor unmapped, so no best fit, growth, release or claim ever
 //! touches them: the addresses stay reserved and never handed out.
 
-use super::{ArenaId, BlockState, Heap, Idx, NIL, SlabFull};
+use super::{ArenaId, Arenas, BlockState, Idx, NIL, SlabFull};
 
 /// One paused group of an arena.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,7 +24,7 @@ pub(crate) struct PausedGroup {
     pub blocks: Vec<Idx>,
 }
 
-/// A group found by [`Heap::unit_groups`]: its range and the blocks meeting it.
+/// A group found by [`Arenas::unit_groups`]: its range and the blocks meeting it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Group {
     pub lo: u64,
@@ -32,7 +32,7 @@ pub(crate) struct Group {
     pub blocks: Vec<Idx>,
 }
 
-impl Heap {
+impl Arenas {
     /// The groups of arena `a` (module docs), in address order, with the blocks meeting
     /// each (a free block may meet two). Changes nothing. O(blocks · log units + units).
     pub fn unit_groups(&self, a: ArenaId) -> Vec<Group> {

@@ -1,19 +1,19 @@
-//! Blocks at exact addresses: `Heap::alloc_at` places a planned block in a placement
-//! arena (the plan pool) through its by-address treap, O(log n); `Heap::claim`
+//! Blocks at exact addresses: `Arenas::alloc_at` places a planned block in a placement
+//! arena (the plan pool) through its by-address treap, O(log n); `Arenas::claim`
 //! re-creates a checkpointed block in any arena by walking its address list from a
 //! hint, O(blocks walked + log n). Since free blocks are always coalesced, "the range
 //! lies inside one free block" is exactly "nothing live, pending, in flight or
 //! unmapped is there": the occupancy check behind invariant 1 of plan serving.
-//! `Heap::placeable` tells a free range from one that must be mapped first. A block
+//! `Arenas::placeable` tells a free range from one that must be mapped first. A block
 //! cut out of a free one keeps the rest free on either side, and the free block keeps
-//! its by-address entry whenever it only shrinks (`Heap::take_range`).
+//! its by-address entry whenever it only shrinks (`Arenas::take_range`).
 
-use super::{ALIGNMENT, ArenaId, BlockState, Heap, Idx, NIL, Placeable, SlabFull};
+use super::{ALIGNMENT, ArenaId, Arenas, BlockState, Idx, NIL, Placeable, SlabFull};
 
-impl Heap {
+impl Arenas {
     /// Whether `[addr, addr + size)` in placement arena `a` can take a block: wholly
     /// free, free and unmapped (some granules must be mapped first:
-    /// `Heap::carve_range`), or not (something allocated, pending, being mapped or
+    /// `Arenas::carve_range`), or not (something allocated, pending, being mapped or
     /// unmapped there, or outside the arena). O(log n + blocks in the range).
     pub fn placeable(&self, a: ArenaId, addr: u64, size: u64) -> Placeable {
         let Some(arena) = self.arena(a) else {

@@ -1,22 +1,22 @@
 //! Release: the whole mapped units carved out of free memory for unmapping.
 //!
-//! - **Release** (`Heap::carve_releasable`): every unit lying wholly inside a free
+//! - **Release** (`Arenas::carve_releasable`): every unit lying wholly inside a free
 //!   block is carved out for unmapping (`empty_cache`); what stays is free memory that
 //!   shares a unit with a block in use. For online arenas (granule units) that is the
 //!   *non-releasable* bytes the engine reports as `inactive_split`; in a placement
 //!   arena, a free granule of a unit still partly in use stays mapped too (counted as
 //!   releasable there: the plan pool is pinned while it serves). O(blocks · log units).
-//! - **Release of holes** (`Heap::carve_holes`, before a growth past the peak): the
+//! - **Release of holes** (`Arenas::carve_holes`, before a growth past the peak): the
 //!   whole units of free blocks other than the free tail (a free block before a gap an
 //!   earlier release left counts as a hole), largest first, until enough; never inside
-//!   the run the pending growth will map (`Heap::growth_run`). O(blocks · log blocks).
+//!   the run the pending growth will map (`Arenas::growth_run`). O(blocks · log blocks).
 //!
 //! The caller unmaps the carved `Unmapping` blocks with the lock released, then
-//! `Heap::finish_unmapping` makes them unmapped (or free again on failure).
+//! `Arenas::finish_unmapping` makes them unmapped (or free again on failure).
 
-use super::{ArenaId, BlockState, Heap, Idx, NIL, SlabFull};
+use super::{ArenaId, Arenas, BlockState, Idx, NIL, SlabFull};
 
-impl Heap {
+impl Arenas {
     /// Carves every granule that lies wholly inside a free block of arena `a` out as an
     /// `Unmapping` block (returned in address order). Free heads and tails that share a
     /// granule with something else stay free.
@@ -25,7 +25,7 @@ impl Heap {
         self.carve_releasable_with(a, false)
     }
 
-    /// `Heap::carve_releasable`, for a pinned arena too when `pinned_too` (its free
+    /// `Arenas::carve_releasable`, for a pinned arena too when `pinned_too` (its free
     /// granules go; the arena itself stays).
     pub fn carve_releasable_with(
         &mut self,
@@ -53,12 +53,12 @@ impl Heap {
         Ok(out)
     }
 
-    /// Like [`Heap::carve_releasable`] for the arenas `of` (those not pinned), but only
+    /// Like [`Arenas::carve_releasable`] for the arenas `of` (those not pinned), but only
     /// from their *holes* (free blocks with anything after them but the arena's unmapped
     /// end: not the free tail that growth extends; a free block before an unmapped gap
     /// that an earlier release left is a hole too) and only until `want` bytes are
     /// carved, largest holes first (fewest blocks cut). `keep` (an arena and an address
-    /// range: the run a pending growth will map, `Heap::growth_run`) is left alone:
+    /// range: the run a pending growth will map, `Arenas::growth_run`) is left alone:
     /// releasing it would only make that growth map more. O(blocks · log blocks).
     pub fn carve_holes(
         &mut self,

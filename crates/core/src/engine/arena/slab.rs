@@ -6,7 +6,7 @@
 //! fails with [`SlabFull`] (callers take their slots before changing anything, so a
 //! full slab leaves everything as it was).
 
-use super::{ArenaId, Block, BlockState, Heap, Idx, NIL, SlabFull};
+use super::{ArenaId, Arenas, Block, BlockState, Idx, NIL, SlabFull};
 use crate::engine::stats::PoolKind;
 
 /// splitmix64 finaliser: treap priorities independent of slot order.
@@ -17,7 +17,7 @@ fn mix(i: u64) -> u32 {
     (z ^ (z >> 31)) as u32
 }
 
-impl Heap {
+impl Arenas {
     pub(super) fn new_block(
         &mut self,
         addr: u64,
@@ -56,7 +56,7 @@ impl Heap {
             i
         };
         // The head block of a new arena is made before the arena is in place:
-        // `Heap::add_arena_with` sets its kind.
+        // `Arenas::add_arena_with` sets its kind.
         let kind = self
             .arenas
             .get(arena as usize)

@@ -8,15 +8,15 @@ use std::collections::BTreeSet;
 const G: u64 = 4096;
 const BASE: u64 = 1 << 30;
 
-fn heap_with_arena(len: u64) -> (Heap, ArenaId) {
-    let mut h = Heap::new(G);
+fn one_arena(len: u64) -> (Arenas, ArenaId) {
+    let mut h = Arenas::new(G);
     let a = h
         .add_arena(StreamId(0), PoolKind::Small, BASE, len)
         .unwrap();
     (h, a)
 }
 
-fn grow(h: &mut Heap, a: ArenaId, size: u64) -> u64 {
+fn grow(h: &mut Arenas, a: ArenaId, size: u64) -> u64 {
     let carved = h.carve_growth(a, size, u64::MAX).unwrap().unwrap();
     let mut mapped = 0;
     for b in carved {
@@ -28,7 +28,7 @@ fn grow(h: &mut Heap, a: ArenaId, size: u64) -> u64 {
 
 #[test]
 fn best_fit_prefers_smallest_then_lowest_address() {
-    let (mut h, a) = heap_with_arena(16 * G);
+    let (mut h, a) = one_arena(16 * G);
     assert_eq!(grow(&mut h, a, 4 * G), 4 * G);
     // Carve [x0:512][gap 1024][x1:512][gap 512][x2:512][gap 1024][rest]
     let sizes = [512, 1024, 512, 512, 512, 1024, 512];
@@ -51,7 +51,7 @@ fn best_fit_prefers_smallest_then_lowest_address() {
 
 #[test]
 fn growth_maps_only_needed_granules_and_reuses_a_free_tail() {
-    let (mut h, a) = heap_with_arena(64 * G);
+    let (mut h, a) = one_arena(64 * G);
     assert_eq!(grow(&mut h, a, 512), G);
     let x = h.alloc(a, 512, 1).unwrap().unwrap();
     // 3.5 granules free at the tail are not enough for 2G + ...: run = free tail
@@ -81,7 +81,7 @@ fn growth_maps_only_needed_granules_and_reuses_a_free_tail() {
 fn release_takes_whole_units_only() {
     // In a placement arena, one mapping of 4 granules is one unit: never unmapped
     // in part.
-    let mut h = Heap::new(G);
+    let mut h = Arenas::new(G);
     let a = h
         .add_placement_arena(StreamId(0), PoolKind::Large, BASE, 8 * G)
         .unwrap();
@@ -127,7 +127,7 @@ fn release_takes_whole_units_only() {
 
 #[test]
 fn carve_holes_takes_the_largest_holes_until_enough_and_never_the_tail() {
-    let (mut h, a) = heap_with_arena(16 * G);
+    let (mut h, a) = one_arena(16 * G);
     grow(&mut h, a, 8 * G);
     // [x 512][h1: 3G][y 512][h2: 2G + ...][z 512][free tail ...]
     let x = h.alloc(a, 512, 512).unwrap().unwrap();
@@ -160,7 +160,7 @@ fn carve_holes_takes_the_largest_holes_until_enough_and_never_the_tail() {
 
 #[test]
 fn carve_holes_takes_a_free_block_before_a_released_gap_but_not_the_kept_run() {
-    let (mut h, a) = heap_with_arena(16 * G);
+    let (mut h, a) = one_arena(16 * G);
     grow(&mut h, a, 8 * G);
     // [x 512][a1: 2G - 512][a2: 2G][y 512][t: the rest of the mapped 8G][unmapped]
     let _x = h.alloc(a, 512, 512).unwrap().unwrap();
@@ -199,7 +199,7 @@ fn carve_holes_takes_a_free_block_before_a_released_gap_but_not_the_kept_run() {
 
 #[test]
 fn growth_maps_the_run_needing_the_fewest_granules() {
-    let (mut h, a) = heap_with_arena(16 * G);
+    let (mut h, a) = one_arena(16 * G);
     grow(&mut h, a, 8 * G);
     // [x 512][hole 4G][y 512][free tail 4G - 1024][unmapped]
     let _x = h.alloc(a, 512, 512).unwrap().unwrap();
@@ -225,7 +225,7 @@ fn growth_maps_the_run_needing_the_fewest_granules() {
 
 #[test]
 fn release_keeps_partial_granules_and_over_budget_is_refused() {
-    let (mut h, a) = heap_with_arena(8 * G);
+    let (mut h, a) = one_arena(8 * G);
     // Four units of one granule each.
     for k in 0..4 {
         for b in h.carve_range(a, BASE + k * G, G).unwrap() {
@@ -260,8 +260,8 @@ fn release_keeps_partial_granules_and_over_budget_is_refused() {
     h.check().unwrap();
 }
 
-fn placement_arena(len: u64) -> (Heap, ArenaId) {
-    let mut h = Heap::new(G);
+fn placement_arena(len: u64) -> (Arenas, ArenaId) {
+    let mut h = Arenas::new(G);
     let a = h
         .add_placement_arena(StreamId(0), PoolKind::Large, BASE, len)
         .unwrap();
@@ -289,14 +289,14 @@ fn alloc_at_places_exactly_and_refuses_occupied_ranges() {
     assert_eq!((t[1].mapped, t[1].allocated), (16 * G, 0));
     assert!(!h.arena_is_empty(a) && h.remove_arena(a).is_none());
     // Not a placement arena: never places.
-    let (mut h2, b) = heap_with_arena(4 * G);
+    let (mut h2, b) = one_arena(4 * G);
     grow(&mut h2, b, 4 * G);
     assert_eq!(h2.alloc_at(b, BASE, 512, 1).unwrap(), None);
 }
 
 #[test]
 fn claim_takes_exact_ranges_of_any_arena_and_refuses_the_rest() {
-    let (mut h, a) = heap_with_arena(16 * G);
+    let (mut h, a) = one_arena(16 * G);
     grow(&mut h, a, 4 * G);
     let x = h.claim(a, BASE + G, 1024, 1000, NIL).unwrap().unwrap();
     assert_eq!(
@@ -335,12 +335,12 @@ fn claim_takes_exact_ranges_of_any_arena_and_refuses_the_rest() {
 
 proptest! {
     /// `claim` succeeds exactly when the range lies in free mapped memory, from any
-    /// starting hint, and the heap stays consistent.
+    /// starting hint, and the arenas stay consistent.
     #[test]
     fn claim_matches_an_interval_model(
         ops in proptest::collection::vec((0u64..64, 1u64..=8, any::<bool>(), any::<u8>()), 1..200)
     ) {
-        let (mut h, a) = heap_with_arena(16 * G);
+        let (mut h, a) = one_arena(16 * G);
         grow(&mut h, a, 8 * G);
         let mut live: Vec<(u64, u64, Idx)> = Vec::new();
         for (slot, len, free, hint) in ops {
@@ -428,10 +428,10 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     /// The treap agrees with a `BTreeSet` of (size, addr) on every best fit, and the
-    /// heap's invariants hold after every step.
+    /// arenas' invariants hold after every step.
     #[test]
-    fn heap_matches_a_set_model(ops in proptest::collection::vec(op(), 1..200)) {
-        let (mut h, a) = heap_with_arena(64 * G);
+    fn arenas_match_a_set_model(ops in proptest::collection::vec(op(), 1..200)) {
+        let (mut h, a) = one_arena(64 * G);
         let mut live: Vec<Idx> = Vec::new();
         for op in ops {
             match op {

@@ -8,9 +8,9 @@
 //! O(log n) per operation; no heap allocation (the nodes are the slab's blocks).
 //! Which blocks are in which treap, and when: module `free_index`.
 
-use super::{Heap, Idx, NIL};
+use super::{Arenas, Idx, NIL};
 
-impl Heap {
+impl Arenas {
     #[inline]
     pub(super) fn key(&self, i: Idx) -> (u64, u64) {
         let b = &self.blocks[i as usize];
