@@ -16,7 +16,6 @@
 //! a scan of the event queue per conflict, one device wait per event, one record per
 //! fence. The engine replay checks every reuse of memory freed behind other streams
 //! against the fake device's stream order (`FakeEvents::ordered_after`).
-//!
 
 use std::sync::MutexGuard;
 

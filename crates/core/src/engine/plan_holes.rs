@@ -14,10 +14,9 @@
 //! arena): it goes at the high end of the free tail of the pool plus new granules if
 //! the next expected requests do not need that range, else wholly above the mapped end,
 //! where nothing is planned. Only small requests without a hole, and requests on
-//! streams the plan does not know, go to the online arenas. The placement goes through the same
-//! occupancy-checked `alloc_at`, so it can never alias; at worst it makes a later
-//! planned request a conflict, which then takes a hole or goes online in turn.
-//!
+//! streams the plan does not know, go to the online arenas. The placement goes through
+//! the same occupancy-checked `alloc_at`, so it can never alias; at worst it makes a
+//! later planned request a conflict, which then takes a hole or goes online in turn.
 
 use crate::units::{Bytes, StreamId};
 

@@ -3,12 +3,13 @@
 //! [`Engine::load_plan`] reserves a verified plan's pool as one more arena beside the
 //! online ones: a *placement* arena (blocks go at given offsets, not by best fit;
 //! pinned, so `empty_cache` leaves it mapped). Its granules are mapped when a request
-//! first needs them, so reserved memory follows what the run has reached of the plan. Each request on one of the plan's
-//! streams is first offered to the plan's cursor (module `cursor`: a small beam of
-//! alignments between the run and the plan's request sequence, look-ahead across
-//! section ends, resynchronisation at `mark_iteration`); a planned offset is handed out
-//! only if its whole range lies inside one free block of the pool — since free blocks
-//! are always coalesced, that is exactly "nothing live occupies it" (invariant 1).
+//! first needs them, so reserved memory follows what the run has reached of the plan.
+//! Each request on one of the plan's streams is first offered to the plan's cursor
+//! (module `cursor`: a small beam of alignments between the run and the plan's request
+//! sequence, look-ahead across section ends, resynchronisation at `mark_iteration`); a
+//! planned offset is handed out only if its whole range lies inside one free block of
+//! the pool — since free blocks are always coalesced, that is exactly "nothing live
+//! occupies it" (invariant 1).
 //!
 //! What the plan does not serve at its planned offset takes a hole of the pool or
 //! grows it (module `plan_holes`), or waits for the pending frees that alone hold its
