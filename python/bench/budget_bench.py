@@ -399,7 +399,9 @@ def row_details(r: dict) -> List[str]:
         p = r["planner"]
         o = p.get("offload") or {}
         out.append(f"planner: pool {p.get('pool')} tensors {o.get('tensors')} bytes/it {o.get('bytes_per_iteration')} "
-                   f"stalls {o.get('stalls')} error {str(p.get('error'))[:200] if p.get('error') else None}")
+                   f"planned copy-out wait {o.get('copy_out_wait_us')} us, copy-back stalls {o.get('stalls')} "
+                   f"({o.get('stall_us')} us) timing {o.get('timing')} "
+                   f"error {str(p.get('error'))[:200] if p.get('error') else None}")
     o = r.get("offload") or {}
     if o:
         keep = {k: v for k, v in o.items() if k not in ("last_iteration", "current_iteration")}
@@ -467,6 +469,17 @@ def spawn(spec: dict, tmp: str, timeout: float) -> dict:
         with open(log_path) as f:
             res["log_tail"] = f.read()[-3000:]
     return res
+
+
+def clock_args(phases: dict) -> List[str]:
+    """`stweaver plan` options for the offload schedule's clock from the device time per
+    phase of a run without offload: the iteration's duration and forward's share of it.
+    Nothing when the phases were not measured (the planner then uses its defaults)."""
+    fwd = phases.get("device_forward")
+    total = sum(phases.get("device_" + k) or 0 for k in ("forward", "backward", "optimizer"))
+    if not fwd or not total:
+        return []
+    return ["--iteration-ms", f"{total:.3f}", "--forward-share", f"{fwd / total:.4f}"]
 
 
 def derive(row: dict, ref: dict, link: dict) -> dict:
@@ -625,8 +638,13 @@ def main(argv=None) -> int:
                         continue
                     cmd = [args.stweaver_bin, "plan", src, "--budget", str(budget), "--link-gbps",
                            str(args.link_gbps), "--json", "-o", plan_path,
-                           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy",
-                           "--timing", "trace" if row == "stweaver_plan_devtime" else "spread"]
+                           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy"]
+                    if row == "stweaver_plan_devtime":
+                        cmd += ["--timing", "trace"]
+                    else:
+                        # The schedule's clock: the unlimited run's device time per
+                        # iteration and forward's share of it (CUDA events).
+                        cmd += clock_args(ref.get("phases_ms") or {})
                     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                     try:
                         planned = json.loads(cp.stdout)

@@ -16,18 +16,36 @@
 //! - the **back** request, of the same size, live from the prefetch *trigger* until the
 //!   original free (the copy back lands there before the unpack needs it).
 //!
-//! Timing comes from the trace's `time_us` over the first steady iteration and a link
-//! bandwidth ([`DEFAULT_LINK_GBPS`] per direction, a conservative half of the 55 GB/s
-//! pinned measured on an H100). Copies are serialised per direction: copies out in
-//! pack order, copies back in the order their unpacks need them, a copy back starting
-//! at `max(trigger, its copy out done, the previous copy back done)`. The trigger is
-//! the latest unpack (of another tensor, after the last pack that precedes the
-//! tensor's own unpack) from which the copy back still completes before the unpack;
-//! when none does, the copy back starts right after that last pack (the end of
-//! forward, [`stweaver_core::OffloadEntry::prefetch_after_unpack`] `None`) and the
-//! unpack waits: a *stall*, reported. A trace without usable times (`time_us` 0 or
-//! going backwards in the iteration) is timed by event counts instead, at
-//! [`US_PER_REQUEST_WITHOUT_TIMES`] µs per allocator request.
+//! **Clock.** The host runs ahead of the device, so a trace's time stamps are not the
+//! device's. By default ([`Timing::SpreadPhases`]) an iteration lasts
+//! [`OffloadOptions::iteration_us`] (given: e.g. the step time measured without offload;
+//! else the fastest iteration between two iteration markers of the trace, an upper
+//! bound), forward (up to the iteration's first unpack) takes
+//! [`OffloadOptions::forward_share`] of it ([`DEFAULT_FORWARD_SHARE`], a third) and
+//! each phase is spread evenly over its requests. [`Timing::TraceTimes`] takes the time
+//! stamps as they are; a trace without usable times is timed by event counts
+//! ([`US_PER_REQUEST_WITHOUT_TIMES`] µs per request). Copies move at a link bandwidth
+//! ([`DEFAULT_LINK_GBPS`] per direction, a conservative half of the 55 GB/s pinned
+//! measured on an H100), serialised per direction: copies out in pack order, copies back
+//! in the order their unpacks need them, a copy back starting at `max(trigger, its copy
+//! out done, the previous copy back done)`. The trigger is the latest unpack (of another
+//! tensor, after the last pack that precedes the tensor's own unpack) from which the
+//! copy back still completes before the unpack; when none does, the copy back starts
+//! right after that last pack (the end of forward,
+//! [`stweaver_core::OffloadEntry::prefetch_after_unpack`] `None`) and the unpack waits:
+//! a *stall*, reported.
+//!
+//! **Reuse** ([`OutReuse`]): by default an offloaded tensor's memory is reused only once
+//! its copy out is done on that clock, so compute does not wait for it. When the link
+//! cannot move the bytes the peak needs out before the peak (forward too short), the
+//! plan makes compute **wait** there: the selection below fails at a request where no
+//! candidate's copy is done, and a wait is inserted at that request (every later event
+//! happens that much later, copies go on), the shortest that lets the selection past it
+//! (binary search); at most eight such points. The
+//! run waits the same way: the engine makes a planned request wait on the copy stream's
+//! event of a range still being copied out. The planned wait is
+//! [`OffloadReport::copy_out_wait_us`]. A copy back that cannot be in time for a window
+//! to cover a peak is likewise started at the first trigger past it, stalling its unpack.
 //!
 //! # The transform
 //!
@@ -63,9 +81,9 @@
 //! drop, largest first, every chosen tensor whose removal keeps the peak under the
 //! target (removing one only widens the others' windows), and simulate once more.
 //!
-//! **Minimum**: the peak with every candidate offloaded on its standalone window. No
-//! choice and no schedule in this model does better (contention only narrows
-//! windows), and the pool is at least the peak, so a budget below it is refused
+//! **Minimum**: the peak with every candidate offloaded on its widest window (free from
+//! its pack to its last trigger: any wait at all). No choice and no schedule in this
+//! model does better, and the pool is at least the peak, so a budget below it is refused
 //! ([`OffloadError::BelowMinimum`], naming what holds it).
 //!
 //! # Cost
@@ -97,6 +115,24 @@ pub const DEFAULT_LINK_GBPS: f64 = 25.0;
 /// rather than on memory).
 pub const US_PER_REQUEST_WITHOUT_TIMES: f64 = 20.0;
 
+/// The share of a training iteration's device time spent in forward, by default: a
+/// backward pass does twice a forward's arithmetic (the gradients of both operands of
+/// every matmul), so forward is about a third of forward + backward. Measured on an H100
+/// without recomputation (device time from CUDA events, `budget_bench.py`'s phases):
+/// Llama 1B 91 of 290 ms (0.31), GPT-2 XL 60 of 178 ms (0.34), optimizer step included.
+/// Spreading the period evenly over the requests instead gave forward about half of the
+/// iteration on Llama 1B: the schedule then expected its copies out to be done long before
+/// the device got there, and compute waited for them.
+pub const DEFAULT_FORWARD_SHARE: f64 = 1.0 / 3.0;
+
+/// Copy-out waits searched before a budget is declared out of reach: the binary search
+/// over the planned wait ([`OffloadReport::copy_out_wait_us`]) stops at this relative
+/// precision.
+const WAIT_SEARCH_STEPS: usize = 14;
+
+/// Points of an iteration where a plan may make compute wait for copies out.
+const MAX_WAIT_POINTS: usize = 8;
+
 /// Plans tried before giving up on a budget the selection should reach.
 pub const MAX_ATTEMPTS: usize = 5;
 
@@ -113,9 +149,17 @@ pub struct OffloadOptions {
     /// [`OutReuse::AfterCopy`]).
     pub reuse: OutReuse,
     /// Time events by the trace's host `time_us` as they are ([`Timing::TraceTimes`])
-    /// instead of the iteration's period spread over its requests
-    /// ([`Timing::SpreadPeriod`], the default).
+    /// instead of the iteration's period spread over its requests.
     pub host_times: bool,
+    /// The share of the steady iteration's duration that forward takes on the device
+    /// (from the iteration's start to its first unpack), each phase's time spread over
+    /// its requests ([`Timing::SpreadPhases`]); `None`: the whole period spread evenly
+    /// ([`Timing::SpreadPeriod`]). Default [`DEFAULT_FORWARD_SHARE`].
+    pub forward_share: Option<f64>,
+    /// The device time of one iteration, µs (spread timings): what the schedule's copies
+    /// are timed against. `None`: the fastest iteration between two iteration markers of
+    /// the trace (the trace's host clock: an upper bound, as recording slows the host).
+    pub iteration_us: Option<f64>,
 }
 
 impl OffloadOptions {
@@ -126,6 +170,8 @@ impl OffloadOptions {
             plan: PlanOptions::default(),
             reuse: OutReuse::AfterCopy,
             host_times: false,
+            forward_share: Some(DEFAULT_FORWARD_SHARE),
+            iteration_us: None,
         }
     }
 }
@@ -181,6 +227,10 @@ pub enum Timing {
     /// the copies take device (link) time; spreading the period is the device's pace, to
     /// first order.
     SpreadPeriod,
+    /// The period split between forward (up to the iteration's first unpack) and the rest
+    /// by [`OffloadOptions::forward_share`], each part spread evenly over its requests:
+    /// the default.
+    SpreadPhases,
     /// Event counts ([`US_PER_REQUEST_WITHOUT_TIMES`]).
     EventCounts,
 }
@@ -190,6 +240,7 @@ impl Timing {
         match self {
             Timing::TraceTimes => "trace_times",
             Timing::SpreadPeriod => "spread_period",
+            Timing::SpreadPhases => "spread_phases",
             Timing::EventCounts => "event_counts",
         }
     }
@@ -211,9 +262,15 @@ pub struct OffloadReport {
     pub candidate_bytes: Bytes,
     /// The model's minimum peak (every candidate offloaded); 0 when no offload was needed.
     pub minimum: Bytes,
-    /// Copies back that finish after their unpack, and the total wait per iteration.
+    /// Copies back that finish after their unpack, and the iteration's delay from them
+    /// (the longest: a stall delays every later unpack as well).
     pub stalls: usize,
     pub stall_us: f64,
+    /// The planned wait for copies out per iteration: when the link cannot move enough
+    /// bytes out before the peak (forward too short for them), compute waits there this
+    /// long for the copies the peak needs done (the engine makes it wait on the copy
+    /// stream's events); 0 when the budget is met without.
+    pub copy_out_wait_us: f64,
     pub timing: Timing,
     pub link_gbps: f64,
     pub reuse: OutReuse,
@@ -365,6 +422,7 @@ pub fn plan_with_budget(
         minimum: Bytes::ZERO,
         stalls: 0,
         stall_us: 0.0,
+        copy_out_wait_us: 0.0,
         timing: Timing::TraceTimes,
         link_gbps: opts.link_gbps,
         reuse: opts.reuse,
@@ -397,22 +455,31 @@ pub fn plan_with_budget(
         });
     }
 
-    let a = Analysis::new(
-        trace,
-        &base.classification,
-        opts.link_gbps,
-        opts.reuse,
-        opts.host_times,
+    let clock = Clock::new(trace, &base.classification, opts);
+    let (p, l) = (
+        base.classification.prologue_len,
+        base.classification.iteration_len.max(1),
     );
-    report.candidates = a.cands.len();
-    report.candidate_bytes = a.cands.iter().map(|c| c.bytes).sum();
-    report.timing = a.timing;
+    let analysis =
+        |waits: &[(u64, f64)]| Analysis::new(trace, &base.classification, opts, &clock, waits);
+    let a0 = analysis(&[]);
+    report.candidates = a0.cands.len();
+    report.candidate_bytes = a0.cands.iter().map(|c| c.bytes).sum();
+    report.timing = a0.timing;
+    // The longest copy-out wait worth planning at one point: every candidate's copy,
+    // back to back.
+    let max_wait = match opts.reuse {
+        OutReuse::AfterCopy => report.candidate_bytes.get() as f64 * a0.us_per_byte,
+        OutReuse::AtPack => 0.0,
+    };
 
-    // The minimum: every candidate on its standalone window.
-    let mut tree = a.base_profile();
-    for c in &a.cands {
-        let w = a.standalone(c);
-        a.apply(&mut tree, c, w, -1);
+    // The minimum: every candidate free from its pack to its last trigger (any wait at
+    // all, every copy back as late as it may start).
+    let a_min = &a0;
+    let mut tree = a_min.base_profile();
+    for c in &a_min.cands {
+        let w = a_min.widest(c);
+        a_min.apply(&mut tree, c, w, -1);
     }
     // The smallest budget: that peak and what serving needs beside the pool.
     let (minimum, at) = tree.max();
@@ -421,24 +488,86 @@ pub fn plan_with_budget(
         return Err(OffloadError::BelowMinimum {
             budget,
             minimum: report.minimum,
-            candidates: a.cands.len(),
-            at: a.minimum_at(at as u64, minimum),
+            candidates: a_min.cands.len(),
+            at: a_min.minimum_at(at as u64, minimum),
         });
     }
+
+    // The selection for `target` with the fewest copy-out waits: where the selection
+    // finds no tensor free (its copy not done by then), compute is made to wait there
+    // (the engine waits on the copy stream), the shortest wait that lets the selection
+    // past that request (binary search: a longer wait only moves copy completions
+    // earlier on the plan clock); repeated at the next such request.
+    let choose = |target: u64| -> Result<Chosen<'_>, String> {
+        let mut waits: Vec<(u64, f64)> = Vec::new();
+        let mut a = analysis(&waits);
+        for _ in 0..MAX_WAIT_POINTS {
+            let unmet = match a.select(target) {
+                Ok(c) => {
+                    let total = waits.iter().map(|w| w.1).sum();
+                    return Ok((a, c, total));
+                }
+                Err(u) => u,
+            };
+            let Some(at) = unmet.at.filter(|&t| t >= p && max_wait > 0.0) else {
+                return Err(unmet.why);
+            };
+            let rel = |t: u64| (t >= p).then(|| (t - p) % l);
+            // A wait where the selection fails; when even the longest wait there makes it
+            // fail earlier (another peak, before copies could be done), the wait goes to
+            // that earlier request instead (it delays both).
+            let failed = (at - p) % l;
+            let mut gap = failed;
+            loop {
+                let mut w = waits.clone();
+                w.push((gap, max_wait));
+                match analysis(&w).select(target) {
+                    Err(u) => match u.at.and_then(rel) {
+                        Some(g) if g < gap => gap = g,
+                        Some(g) if g > gap => break,
+                        None if u.at.is_none() => break,
+                        _ => return Err(unmet.why),
+                    },
+                    Ok(_) => break,
+                }
+            }
+            let past = |u: &Unmet| u.at.is_none_or(|t| rel(t).is_some_and(|g| g > failed));
+            let with = |us: f64| {
+                let mut w = waits.clone();
+                w.push((gap, us));
+                w
+            };
+            let (mut lo, mut hi) = (0.0f64, max_wait);
+            for _ in 0..WAIT_SEARCH_STEPS {
+                let mid = 0.5 * (lo + hi);
+                let r = analysis(&with(mid)).select(target);
+                match r {
+                    Err(u) if !past(&u) => lo = mid,
+                    _ => hi = mid,
+                }
+            }
+            waits = with(hi);
+            a = analysis(&waits);
+        }
+        Err(format!(
+            "more than {MAX_WAIT_POINTS} points where compute would wait for copies out"
+        ))
+    };
 
     let mut target = fit.get();
     let mut best_pool = pool_without_offload;
     let mut reason = String::new();
     for attempt in 1..=MAX_ATTEMPTS {
         report.attempts = attempt + 1;
-        let chosen = match a.select(target) {
-            Ok(c) => c,
+        let (a, (chosen, forced), wait) = match choose(target) {
+            Ok(x) => x,
             Err(why) => {
                 reason = why;
                 break;
             }
         };
-        let sched = a.simulate(&chosen);
+        report.copy_out_wait_us = wait;
+        let sched = a.simulate(&chosen, &forced);
         let (rewritten, backs) = a.rewrite(&chosen, &sched);
         let mut out = plan_trace(&rewritten, &opts.plan)?;
         best_pool = best_pool.min(out.plan.pool_size);
@@ -468,7 +597,8 @@ pub fn plan_with_budget(
         report.tensors = chosen.len();
         report.bytes_per_iteration = chosen.iter().map(|&c| a.cands[c].bytes).sum();
         report.stalls = sched.iter().filter(|s| s.stall_us > 0.0).count();
-        report.stall_us = sched.iter().map(|s| s.stall_us).sum();
+        // A stall delays every later unpack too: the iteration's delay is the longest.
+        report.stall_us = sched.iter().map(|s| s.stall_us).fold(0.0, f64::max);
         return Ok(BudgetOutcome {
             outcome: out,
             offload: report,
@@ -497,6 +627,21 @@ pub fn serving_headroom(plan: &stweaver_core::Plan) -> u64 {
         0
     };
     granule + dynamic
+}
+
+/// Per chosen candidate (index into `cands`), the earliest trigger (index into its
+/// `triggers`) it may take.
+type Forced = FxHashMap<usize, usize>;
+
+/// A selection with its analysis (the clock with its waits) and the total planned wait.
+type Chosen<'a> = (Analysis<'a>, (Vec<usize>, Forced), f64);
+
+/// Why a selection did not reach its target, and the request (a tick of the whole
+/// trace) where no offloadable tensor was free.
+#[derive(Debug)]
+struct Unmet {
+    why: String,
+    at: Option<u64>,
 }
 
 /// One offloadable tensor (an iteration slot).
@@ -539,6 +684,116 @@ struct Window {
     hi: u64,
 }
 
+/// The schedule's clock over the first steady iteration (module docs, "The model"): how
+/// an event's time is estimated, and where a copy-out wait goes.
+struct Clock {
+    /// Plan-clock tick of every event, and their count.
+    ticks: Vec<u64>,
+    total: u64,
+    timing: Timing,
+    /// The first steady iteration's first event time (trace times).
+    t0: u64,
+    period_us: f64,
+    /// Relative tick of the iteration's first unpack (the end of forward), and the share
+    /// of the period before it ([`Timing::SpreadPhases`]).
+    forward_end: u64,
+    forward_share: f64,
+    iteration_len: u64,
+}
+
+impl Clock {
+    fn new(trace: &Trace, c: &Classification, opts: &OffloadOptions) -> Clock {
+        let (ticks, total) = plan_clock(trace);
+        let (p, l) = (c.prologue_len, c.iteration_len);
+        let in_iter0 = |e: usize| ticks[e] >= p && ticks[e] < p + l;
+        // Event times of the first steady iteration: usable when set and not going back.
+        let window: Vec<usize> = (0..trace.events.len()).filter(|&e| in_iter0(e)).collect();
+        let usable = !window.is_empty()
+            && window.iter().all(|&e| trace.events[e].time_us > 0)
+            && window
+                .windows(2)
+                .all(|w| trace.events[w[0]].time_us <= trace.events[w[1]].time_us);
+        let t0 = window.first().map_or(0, |&e| trace.events[e].time_us);
+        // The period: from the iteration's first request to the next iteration's first
+        // event (else its own last event).
+        let next = (0..trace.events.len())
+            .find(|&e| ticks[e] >= p + l && trace.events[e].time_us >= t0)
+            .or(window.last().copied());
+        let first_period = next.map_or(0, |e| trace.events[e].time_us.saturating_sub(t0)) as f64;
+        // The device's pace: the given iteration time, else the fastest iteration between
+        // two iteration markers (the first steady one may carry warm-up; noise only adds
+        // time), else the first steady iteration's.
+        let marked: Vec<u64> = trace
+            .events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.kind,
+                    EventKind::Marker {
+                        kind: MarkerKind::IterationBegin | MarkerKind::IterationEnd,
+                        ..
+                    }
+                )
+            })
+            .map(|e| e.time_us)
+            .collect();
+        let fastest = marked
+            .windows(2)
+            .filter(|w| w[1] > w[0])
+            .map(|w| (w[1] - w[0]) as f64)
+            .min_by(f64::total_cmp);
+        let period_us = match (opts.iteration_us, fastest) {
+            (Some(us), _) if us > 0.0 => us,
+            (_, Some(us)) if first_period > 0.0 => us.min(first_period),
+            _ => first_period,
+        };
+        let forward_end = window
+            .iter()
+            .find(|&&e| matches!(trace.events[e].kind, EventKind::SavedUnpack(_)))
+            .map(|&e| ticks[e] - p);
+        let share = opts.forward_share.filter(|f| *f > 0.0 && *f < 1.0);
+        let timing = if !usable || period_us <= 0.0 {
+            Timing::EventCounts
+        } else if opts.host_times {
+            Timing::TraceTimes
+        } else if share.is_some() && forward_end.is_some_and(|f| f > 0 && f < l) {
+            Timing::SpreadPhases
+        } else {
+            Timing::SpreadPeriod
+        };
+        Clock {
+            ticks,
+            total,
+            timing,
+            t0,
+            period_us,
+            forward_end: forward_end.unwrap_or(0),
+            forward_share: share.unwrap_or(DEFAULT_FORWARD_SHARE),
+            iteration_len: l,
+        }
+    }
+
+    /// Event `e`'s time (µs from the iteration's start) without waits; `g` its relative
+    /// tick.
+    fn time_of(&self, trace: &Trace, e: usize, g: u64) -> f64 {
+        let l = self.iteration_len.max(1);
+        let g = g.min(l);
+        match self.timing {
+            Timing::TraceTimes => (trace.events[e].time_us.max(self.t0) - self.t0) as f64,
+            Timing::SpreadPeriod => g as f64 * self.period_us / l as f64,
+            Timing::SpreadPhases => {
+                let (f, fe) = (self.forward_share * self.period_us, self.forward_end as f64);
+                if (g as f64) < fe {
+                    g as f64 * f / fe
+                } else {
+                    f + (g as f64 - fe) * (self.period_us - f) / (l as f64 - fe)
+                }
+            }
+            Timing::EventCounts => g as f64 * US_PER_REQUEST_WITHOUT_TIMES,
+        }
+    }
+}
+
 struct Analysis<'a> {
     trace: &'a Trace,
     c: &'a Classification,
@@ -558,47 +813,30 @@ struct Analysis<'a> {
 }
 
 impl<'a> Analysis<'a> {
+    /// The analysis with copy-out waits `(gap, µs)` inserted: every event of the
+    /// iteration at or after a wait's gap happens that much later (copies go on).
     fn new(
         trace: &'a Trace,
         c: &'a Classification,
-        link_gbps: f64,
-        reuse: OutReuse,
-        host_times: bool,
+        opts: &OffloadOptions,
+        clock: &Clock,
+        waits: &[(u64, f64)],
     ) -> Self {
-        let (ticks, total) = plan_clock(trace);
+        let (link_gbps, reuse) = (opts.link_gbps, opts.reuse);
+        let ticks = clock.ticks.clone();
+        let total = clock.total;
+        let timing = clock.timing;
         let (p, l) = (c.prologue_len, c.iteration_len);
         let in_iter0 = |e: usize| ticks[e] >= p && ticks[e] < p + l;
-        // Event times of the first steady iteration: usable when set and not going back.
         let window: Vec<usize> = (0..trace.events.len()).filter(|&e| in_iter0(e)).collect();
-        let usable = !window.is_empty()
-            && window.iter().all(|&e| trace.events[e].time_us > 0)
-            && window
-                .windows(2)
-                .all(|w| trace.events[w[0]].time_us <= trace.events[w[1]].time_us);
-        let t0 = window.first().map_or(0, |&e| trace.events[e].time_us);
-        // The period: from the iteration's first request to the next iteration's first
-        // event (else its own last event).
-        let next = (0..trace.events.len())
-            .find(|&e| ticks[e] >= p + l && trace.events[e].time_us >= t0)
-            .or(window.last().copied());
-        let period_us = next.map_or(0, |e| trace.events[e].time_us.saturating_sub(t0)) as f64;
-        let timing = if !usable || period_us <= 0.0 {
-            Timing::EventCounts
-        } else if host_times {
-            Timing::TraceTimes
-        } else {
-            Timing::SpreadPeriod
-        };
         let time_of = |e: usize| -> f64 {
-            match timing {
-                Timing::TraceTimes => (trace.events[e].time_us.max(t0) - t0) as f64,
-                Timing::SpreadPeriod => {
-                    ticks[e].saturating_sub(p).min(l) as f64 * period_us / l.max(1) as f64
-                }
-                Timing::EventCounts => {
-                    ticks[e].saturating_sub(p) as f64 * US_PER_REQUEST_WITHOUT_TIMES
-                }
-            }
+            let g = ticks[e].saturating_sub(p);
+            clock.time_of(trace, e, g)
+                + waits
+                    .iter()
+                    .filter(|&&(at, _)| g >= at)
+                    .map(|&(_, us)| us)
+                    .sum::<f64>()
         };
         // Gap g's time: that of request p + g (the end of the window for g = L).
         let mut gap_time = vec![f64::NAN; l as usize + 1];
@@ -774,6 +1012,16 @@ impl<'a> Analysis<'a> {
         }
     }
 
+    /// The longest freed window `c` can have: from its pack (compute waiting for its copy
+    /// out) to its last trigger (its unpack waiting for the copy back).
+    fn widest(&self, c: &Cand) -> Window {
+        let hi = c.triggers.last().map_or(c.r_pack, |t| t.1);
+        Window {
+            lo: c.r_pack,
+            hi: hi.saturating_sub(1).max(c.r_pack),
+        }
+    }
+
     fn standalone(&self, c: &Cand) -> Window {
         self.window_of(c, self.standalone_sched(c))
     }
@@ -792,8 +1040,10 @@ impl<'a> Analysis<'a> {
         (!c.triggers.is_empty()).then(|| (0, finish(c.triggers[0].2) - c.t_unpack))
     }
 
-    /// The two copy queues for the chosen set (module docs).
-    fn simulate(&self, chosen: &[usize]) -> Vec<Sched> {
+    /// The two copy queues for the chosen set (module docs); `forced`: the earliest
+    /// trigger a candidate may take (one whose window must cover a peak, at the price of
+    /// a stall).
+    fn simulate(&self, chosen: &[usize], forced: &Forced) -> Vec<Sched> {
         let mut out = vec![
             Sched {
                 r_done: 0,
@@ -838,7 +1088,8 @@ impl<'a> Analysis<'a> {
             let k = (0..c.triggers.len())
                 .rev()
                 .find(|&k| c.triggers[k].2 <= start)
-                .unwrap_or(0);
+                .unwrap_or(0)
+                .max(forced.get(&chosen[x]).copied().unwrap_or(0));
             out[x].trigger = k;
             end = start.min(c.triggers[k].2.max(done[x]));
         }
@@ -917,25 +1168,28 @@ impl<'a> Analysis<'a> {
     }
 
     /// The greedy selection for `target` (module docs): indices into `cands`.
-    fn select(&self, target: u64) -> Result<Vec<usize>, String> {
+    fn select(&self, target: u64) -> Result<(Vec<usize>, Forced), Unmet> {
         let mut tree = self.base_profile();
+        let mut forced: Forced = FxHashMap::default();
         let standalone: Vec<Window> = self.cands.iter().map(|c| self.standalone(c)).collect();
         let mut chosen: Vec<usize> = Vec::new();
         let mut is_chosen = vec![false; self.cands.len()];
         // The window applied to the tree for each chosen candidate.
         let mut applied: FxHashMap<usize, Window> = FxHashMap::default();
-        let resim =
-            |tree: &mut MaxTree, chosen: &[usize], applied: &mut FxHashMap<usize, Window>| {
-                let sched = self.simulate(chosen);
-                for (&c, s) in chosen.iter().zip(&sched) {
-                    let w = self.window_of(&self.cands[c], *s);
-                    let old = applied.insert(c, w).expect("applied");
-                    if old != w {
-                        self.apply(tree, &self.cands[c], old, 1);
-                        self.apply(tree, &self.cands[c], w, -1);
-                    }
+        let resim = |tree: &mut MaxTree,
+                     chosen: &[usize],
+                     applied: &mut FxHashMap<usize, Window>,
+                     forced: &Forced| {
+            let sched = self.simulate(chosen, forced);
+            for (&c, s) in chosen.iter().zip(&sched) {
+                let w = self.window_of(&self.cands[c], *s);
+                let old = applied.insert(c, w).expect("applied");
+                if old != w {
+                    self.apply(tree, &self.cands[c], old, 1);
+                    self.apply(tree, &self.cands[c], w, -1);
                 }
-            };
+            }
+        };
         for _round in 0..=self.cands.len() + 1 {
             // Greedy picks on standalone windows.
             loop {
@@ -963,19 +1217,68 @@ impl<'a> Analysis<'a> {
                             .then(a.2.cmp(&b.2))
                             .then(y.cmp(&x))
                     });
-                let Some(k) = best else {
-                    return Err(format!(
-                        "{} live at request {at} over the target {}, and no offloadable tensor is freed there",
-                        Bytes(peak),
-                        Bytes(target)
-                    ));
+                if let Some(k) = best {
+                    // Its window must keep covering `at` when the copy-back queue is
+                    // simulated: its copy back may start no earlier than the first
+                    // trigger past `at` (a stall, if the queue cannot be in time).
+                    let c = &self.cands[k];
+                    let w = standalone[k];
+                    if let Some(&(_, b)) = c
+                        .copies
+                        .iter()
+                        .find(|&&(_, b)| b + w.lo <= at as u64 && (at as u64) < b + w.hi)
+                    {
+                        let rel = at as u64 - b;
+                        if let Some(ti) = c.triggers.iter().position(|t| t.1 > rel + 1) {
+                            forced.insert(k, ti);
+                        }
+                    }
+                    is_chosen[k] = true;
+                    chosen.push(k);
+                    applied.insert(k, standalone[k]);
+                    self.apply(&mut tree, &self.cands[k], standalone[k], -1);
+                    continue;
+                }
+                // No tensor's copy back can wait past `at` and still be in time: take the
+                // one whose copy out is done by `at` whose copy back, started at the first
+                // trigger past `at`, stalls its unpack least per byte it frees there.
+                let late = (0..self.cands.len())
+                    .filter(|&k| !is_chosen[k])
+                    .filter_map(|k| {
+                        let c = &self.cands[k];
+                        let w = standalone[k];
+                        let &(_, b) = c.copies.iter().find(|&&(_, b)| {
+                            b + w.lo <= at as u64 && (at as u64) < b + c.r_unpack
+                        })?;
+                        let rel = at as u64 - b;
+                        let ti = c.triggers.iter().position(|t| t.1 > rel + 1)?;
+                        let dur = c.bytes.get() as f64 * self.us_per_byte;
+                        let done = c.t_pack + dur;
+                        let stall = (c.triggers[ti].2.max(done) + dur - c.t_unpack).max(0.0);
+                        let win = Window {
+                            lo: w.lo,
+                            hi: c.triggers[ti].1.saturating_sub(1).max(w.lo),
+                        };
+                        Some((k, ti, win, stall / c.padded.min(excess) as f64))
+                    })
+                    .min_by(|a, b| a.3.total_cmp(&b.3).then(a.0.cmp(&b.0)));
+                let Some((k, ti, win, _)) = late else {
+                    return Err(Unmet {
+                        why: format!(
+                            "{} live at request {at} over the target {}, and no offloadable tensor is freed there",
+                            Bytes(peak),
+                            Bytes(target)
+                        ),
+                        at: Some(at as u64),
+                    });
                 };
                 is_chosen[k] = true;
                 chosen.push(k);
-                applied.insert(k, standalone[k]);
-                self.apply(&mut tree, &self.cands[k], standalone[k], -1);
+                forced.insert(k, ti);
+                applied.insert(k, win);
+                self.apply(&mut tree, &self.cands[k], win, -1);
             }
-            resim(&mut tree, &chosen, &mut applied);
+            resim(&mut tree, &chosen, &mut applied, &forced);
             if tree.max().0 > target {
                 continue;
             }
@@ -987,19 +1290,23 @@ impl<'a> Analysis<'a> {
                 self.apply(&mut tree, &self.cands[k], w, 1);
                 if tree.max().0 <= target {
                     applied.remove(&k);
+                    forced.remove(&k);
                     is_chosen[k] = false;
                     chosen.retain(|&x| x != k);
                 } else {
                     self.apply(&mut tree, &self.cands[k], w, -1);
                 }
             }
-            resim(&mut tree, &chosen, &mut applied);
+            resim(&mut tree, &chosen, &mut applied, &forced);
             if tree.max().0 <= target {
                 chosen.sort_unstable();
-                return Ok(chosen);
+                return Ok((chosen, forced));
             }
         }
-        Err("the copy queues keep the peak over the target".to_owned())
+        Err(Unmet {
+            why: "the copy queues keep the peak over the target".to_owned(),
+            at: None,
+        })
     }
 
     /// The rewritten trace (module docs) and the back allocation of every rewritten

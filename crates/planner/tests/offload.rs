@@ -127,10 +127,11 @@ fn transformer_at_0_8_lb_moves_far_fewer_bytes_than_everything() {
     let trace = build(&transformer(), 1000, true);
     let lb = trace.lower_bound().bytes;
     let budget = Bytes(lb.get() * 8 / 10);
-    // The default times the iteration by its period spread over its requests; this
-    // synthetic trace's times are the device's already (one request per ms).
+    // The default times the iteration by its period split between forward and backward
+    // and spread over their requests; this synthetic trace's times are the device's
+    // already (one request per ms).
     let spread = plan_with_budget(&trace, &OffloadOptions::new(budget)).expect("fits");
-    assert_eq!(spread.offload.timing, Timing::SpreadPeriod);
+    assert_eq!(spread.offload.timing, Timing::SpreadPhases);
     assert!(spread.outcome.plan.pool_size <= budget);
     let mut opts = OffloadOptions::new(budget);
     opts.host_times = true;
@@ -253,14 +254,22 @@ fn a_slow_link_stalls_and_event_counts_time_a_trace_without_times() {
     let untimed = build(&transformer(), 0, true);
     let budget = Bytes(untimed.lower_bound().bytes.get() * 8 / 10);
     // 20 µs per request: at 25 GB/s a 64 MiB copy needs 134 requests, more than all
-    // of forward, so nothing can go; at 1 TB/s it needs 4.
-    let e = plan_with_budget(&untimed, &OffloadOptions::new(budget)).unwrap_err();
-    assert!(matches!(e, OffloadError::BelowMinimum { .. }), "{e}");
+    // of forward, so compute must wait for the copies (planned waits); at 1 TB/s it
+    // needs 4, and nothing waits.
+    let o = plan_with_budget(&untimed, &OffloadOptions::new(budget)).expect("fits, waiting");
+    assert_eq!(o.offload.timing, Timing::EventCounts);
+    assert!(
+        o.offload.copy_out_wait_us > 0.0 || o.offload.stalls > 0,
+        "{:?}",
+        o.offload
+    );
+    assert!(o.outcome.plan.pool_size <= budget);
     let mut opts = OffloadOptions::new(budget);
     opts.link_gbps = 1000.0;
     let o = plan_with_budget(&untimed, &opts).expect("fits");
     assert_eq!(o.offload.timing, Timing::EventCounts);
     assert!(o.outcome.plan.pool_size <= budget);
+    assert_eq!((o.offload.copy_out_wait_us, o.offload.stalls), (0.0, 0));
 }
 
 #[test]
@@ -446,8 +455,8 @@ proptest! {
 /// device at the iteration's end (100 ms). In host time every copy back would have to
 /// start in forward (its 2.7 ms at 25 GB/s is longer than the whole backward's 1 ms
 /// of host time), so nothing offloaded is free at the peak at the start of backward;
-/// the default timing spreads the iteration's period over its requests, the device's
-/// pace, and finds a schedule without stalls.
+/// the default timing spreads the iteration's period over forward and backward, the
+/// device's pace, and finds a schedule without stalls.
 #[test]
 fn a_host_that_runs_ahead_is_timed_by_the_iteration_period() {
     let mut trace = build(&transformer(), 10, true);
@@ -469,8 +478,9 @@ fn a_host_that_runs_ahead_is_timed_by_the_iteration_period() {
     trace.validate().unwrap();
     let budget = Bytes(trace.lower_bound().bytes.get() * 8 / 10);
     let o = plan_with_budget(&trace, &OffloadOptions::new(budget)).expect("fits");
-    assert_eq!(o.offload.timing, Timing::SpreadPeriod);
+    assert_eq!(o.offload.timing, Timing::SpreadPhases);
     assert_eq!(o.offload.stalls, 0, "{:?}", o.offload);
+    assert_eq!(o.offload.copy_out_wait_us, 0.0, "{:?}", o.offload);
     assert!(o.outcome.plan.pool_size <= budget);
     verify_plan(&o.outcome.plan).unwrap();
     let mut host = OffloadOptions::new(budget);
@@ -483,4 +493,25 @@ fn a_host_that_runs_ahead_is_timed_by_the_iteration_period() {
             h.offload
         ),
     }
+}
+
+/// A device too fast for the link: forward ends before the copies out the peak needs
+/// can be done. The schedule still fits the budget, with compute planned to wait at the
+/// peak for them (`copy_out_wait_us`, the shortest such wait the search finds); a slower
+/// device (a longer iteration) leaves the copies time and needs no wait.
+#[test]
+fn a_forward_shorter_than_its_copies_out_plans_a_wait_at_the_peak() {
+    let trace = build(&transformer(), 10, true);
+    let budget = Bytes(trace.lower_bound().bytes.get() * 8 / 10);
+    let mut waits = Vec::new();
+    for iteration_us in [1e3, 1e4, 1e5, 1e6] {
+        let mut o = OffloadOptions::new(budget);
+        o.iteration_us = Some(iteration_us);
+        let r = plan_with_budget(&trace, &o).unwrap_or_else(|e| panic!("{iteration_us}: {e}"));
+        verify_plan(&r.outcome.plan).unwrap();
+        assert!(r.outcome.plan.pool_size <= budget);
+        waits.push(r.offload.copy_out_wait_us);
+    }
+    assert!(waits[0] > 0.0, "{waits:?}");
+    assert_eq!(*waits.last().unwrap(), 0.0, "{waits:?}");
 }

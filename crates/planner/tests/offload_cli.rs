@@ -68,7 +68,8 @@ fn plan_with_a_budget_reports_and_writes_the_schedule() {
     assert_eq!(j["offload"]["bytes_per_iteration"], 3 * 32 * MIB);
     assert_eq!(j["offload"]["candidates"], 8);
     assert_eq!(j["offload"]["stalls"], 0);
-    assert_eq!(j["offload"]["timing"], "spread_period");
+    assert_eq!(j["offload"]["timing"], "spread_phases");
+    assert_eq!(j["offload"]["copy_out_wait_us"], 0.0);
     let plan = read_plan_file(&out).unwrap();
     assert_eq!(plan.budget, Some(Bytes(280 * MIB)));
     assert_eq!(plan.offload.len(), 3);

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod compare;
 mod convert;
 mod inspect;
+mod offload_args;
 mod plan;
 mod verify;
 mod viz;

@@ -61,21 +61,9 @@ pub struct PlanArgs {
     /// device memory is a runtime notion and is refused here.
     #[arg(long, value_name = "SIZE")]
     pub budget: Option<String>,
-    /// Host link bandwidth per direction for the offload schedule, GB/s.
-    #[arg(long, value_name = "G", default_value_t = stweaver_planner::offload::DEFAULT_LINK_GBPS)]
-    pub link_gbps: f64,
-    /// When an offloaded tensor's device memory may be reused: `after-copy` (once its
-    /// copy to host is done in the schedule's time: compute never waits on a copy out) or
-    /// `at-pack` (right away: compute waits on the device for the copy; longer freed
-    /// windows).
-    #[arg(long, value_name = "WHEN", default_value = "after-copy")]
-    pub reuse_offloaded: stweaver_planner::offload::OutReuse,
-    /// The offload schedule's clock: `spread` (the steady iteration's duration spread
-    /// evenly over its requests: the device's pace to first order, for traces whose host
-    /// ran ahead of the device) or `trace` (the trace's time stamps as they are: for a
-    /// trace recorded with the host in step with the device, e.g. `CUDA_LAUNCH_BLOCKING=1`).
-    #[arg(long, value_name = "CLOCK", default_value = "spread", value_parser = ["spread", "trace"])]
-    pub timing: String,
+    /// How saved activations are scheduled to host memory under `--budget`.
+    #[command(flatten)]
+    pub offload: crate::offload_args::OffloadArgs,
     /// Print the summary as one JSON object.
     #[arg(long)]
     pub json: bool,

@@ -10,7 +10,7 @@ use stweaver_core::plan_file::write_plan_file;
 use stweaver_core::{Bytes, DeviceId, Trace};
 use stweaver_planner::classify::{DynamicReason, Steady};
 use stweaver_planner::input::load_traces;
-use stweaver_planner::offload::{OffloadOptions, OffloadReport, parse_budget, plan_with_budget};
+use stweaver_planner::offload::{OffloadReport, parse_budget, plan_with_budget};
 use stweaver_planner::planning::{PlanOptions, PlanOutcome, plan_trace};
 
 use super::{PlanArgs, Spinner, interrupted, solve_options};
@@ -82,17 +82,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             (outcome, None)
         }
         Some(budget) => {
-            let result = plan_with_budget(
-                &trace,
-                &OffloadOptions {
-                    budget,
-                    link_gbps: args.link_gbps,
-                    reuse: args.reuse_offloaded,
-                    host_times: args.timing == "trace",
-                    plan: opts,
-                    ..OffloadOptions::new(budget)
-                },
-            );
+            let result = plan_with_budget(&trace, &args.offload.options(budget, opts));
             spinner.stop();
             let b = result.with_context(|| {
                 format!(
@@ -133,6 +123,7 @@ fn offload_json(r: &OffloadReport) -> serde_json::Value {
         "pool_without_offload": r.pool_without_offload.get(),
         "stalls": r.stalls,
         "stall_us": r.stall_us,
+        "copy_out_wait_us": r.copy_out_wait_us,
         "timing": r.timing.id(),
         "link_gbps": r.link_gbps,
         "reuse_offloaded": r.reuse.id(),
@@ -159,6 +150,10 @@ fn print_offload(r: &OffloadReport) {
         r.candidate_bytes,
         r.pool_without_offload,
         r.minimum
+    );
+    println!(
+        "  copy-out wait    {:.0} µs per iteration (compute waits at the peak for copies the link cannot finish before it)",
+        r.copy_out_wait_us
     );
     println!(
         "  copy stalls      {} ({:.0} µs per iteration; link {} GB/s per direction, timed by {}, memory reused {})",
