@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use stweaver_core::Trace;
 use stweaver_planner::engine_replay::{
-    EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations, replay_engine,
+    AutoSchedule, EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations,
+    replay_engine,
 };
 use stweaver_planner::planning::{PlanOptions, plan_trace};
 
@@ -107,7 +108,7 @@ fn main() -> anyhow::Result<()> {
     let r = replay_engine(
         &trace,
         &ServeMode::Auto {
-            record_iterations: k,
+            schedule: AutoSchedule::At(k),
             planner: &planner,
         },
         &opts,
