@@ -249,7 +249,6 @@ pub fn run(args: CompareArgs) -> Result<()> {
                     solve: offline.options.clone(),
                     ..PlanOptions::default()
                 },
-                ..OffloadOptions::new(b)
             },
         );
         (b, cmp.fits(b), offload)

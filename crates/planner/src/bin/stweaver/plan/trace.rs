@@ -90,7 +90,6 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                     reuse: args.reuse_offloaded,
                     host_times: args.timing == "trace",
                     plan: opts,
-                    ..OffloadOptions::new(budget)
                 },
             );
             spinner.stop();
