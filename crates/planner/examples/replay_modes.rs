@@ -1,6 +1,7 @@
 //! Serves one trace with the engine in every mode and prints peak reserved against the
-//! lower bound: online, plan (from the first iterations, the whole trace served) and
-//! auto (record the first iterations online, plan them, switch).
+//! lower bound: online, plan (from the first iterations, the whole trace served), auto
+//! (record the first iterations online, plan them, switch at once) and auto as the runtime
+//! runs it (`stweaver_planner::auto`: 4 iterations recorded, switch two boundaries later).
 //!
 //!     [LAG=K] [RELEASE_AT_PEAK=1] [LOG_ITERATIONS=1] [SHARE_STREAMS=1] [NO_PLAN_WAIT=1] cargo run --release -p stweaver-planner --example replay_modes -- TRACE [ITERATIONS]
 //!
@@ -9,8 +10,10 @@
 use std::time::Instant;
 
 use stweaver_core::Trace;
+use stweaver_planner::auto::{auto_plan_options, plan_recording};
 use stweaver_planner::engine_replay::{
-    EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations, replay_engine,
+    AutoSchedule, EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations,
+    replay_engine,
 };
 use stweaver_planner::planning::{PlanOptions, plan_trace};
 
@@ -107,11 +110,28 @@ fn main() -> anyhow::Result<()> {
     let r = replay_engine(
         &trace,
         &ServeMode::Auto {
-            record_iterations: k,
+            schedule: AutoSchedule::At(k),
             planner: &planner,
         },
         &opts,
     )?;
     show(&r, t.elapsed().as_secs_f64());
+    // Auto mode as the runtime runs it (`stweaver compare`'s row, there with release at
+    // a new peak on): record DEFAULT_AUTO_ITERATIONS, plan at the next boundary with the
+    // runtime's planner settings, switch one boundary later.
+    let planner = |recorded: &Trace| plan_recording(recorded, &auto_plan_options(false));
+    let t = Instant::now();
+    let r = replay_engine(
+        &trace,
+        &ServeMode::Auto {
+            schedule: AutoSchedule::runtime_default(),
+            planner: &planner,
+        },
+        &opts,
+    )?;
+    show(&r, t.elapsed().as_secs_f64());
+    if let Some(o) = &r.auto {
+        println!("        runtime schedule: {o}");
+    }
     Ok(())
 }

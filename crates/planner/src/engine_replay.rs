@@ -23,11 +23,20 @@
 //!   [`plan_first_iterations`] from the first iterations of the same trace: "plan from
 //!   the first iterations, serve the whole run"); a plan the engine refuses is
 //!   reported ([`EngineReplayReport::plan_error`]) and the run is served online;
-//! - **auto**: the engine records its own trace online ([`Engine::start_trace`]) for the
-//!   first `record_iterations` boundaries, a planner callback turns that recording into
-//!   a plan (in a real run: a background thread), and the engine switches to it at that
-//!   boundary ([`Engine::switch_to_plan`]), the allocations of the online phase staying
-//!   where they are.
+//! - **auto**: the engine records its own trace online ([`Engine::start_trace`]) until an
+//!   iteration boundary, a planner callback turns that recording into a plan (in a real
+//!   run: a background thread), and the engine switches to it at a later boundary
+//!   ([`Engine::switch_to_plan`]), the allocations of the online phase staying where
+//!   they are. [`AutoSchedule`] says when: [`AutoSchedule::Runtime`] is the runtime's
+//!   algorithm ([`crate::auto`]: the runtime and this replay share its constants and its
+//!   planner call): plan at the boundary after `auto_iterations` recorded iterations,
+//!   switch at the next one (the earliest the runtime can: it looks at the finished
+//!   planner at the following step), empty the online cache one boundary after the
+//!   switch; a planner error or a refused plan leaves the run online.
+//!   [`AutoSchedule::At`] plans and switches at the same boundary (a planner that takes
+//!   no time). The report's [`AutoOutcome`] says whether and where the switch came,
+//!   whether the engine gave the plan up later, or why the run stayed online (the trace
+//!   ended first, the planner failed, the engine refused).
 //!
 //! # What is measured and checked
 //!
@@ -43,12 +52,22 @@
 //! consistency check ([`Engine::check_invariants`]) runs at every iteration boundary
 //! and at the end.
 //!
-//! # The compare row
+//! # The compare rows
 //!
-//! [`EngineReplayRow`] is the "stweaver (engine replay)" row of `stweaver compare`:
-//! the plan of the first iterations ([`plan_first_iterations`]; all but the last
-//! iteration, at most [`EngineReplayRow::iterations`]), loaded before the first
-//! request, the whole trace served.
+//! [`EngineReplayRow`] makes the engine rows of `stweaver compare`, with the runtime's
+//! serving defaults ([`crate::auto::RELEASE_AT_PEAK`], the engine's default
+//! [`ServeOptions`]):
+//! - `stweaver (auto)`, the default and the headline: auto mode as the runtime runs it
+//!   ([`AutoSchedule::Runtime`] with [`crate::auto::DEFAULT_AUTO_ITERATIONS`], the
+//!   planner call [`crate::auto::plan_recording`] with
+//!   [`crate::auto::auto_plan_options`]); the row's peak is the whole run's (the online
+//!   phase included) and its outcome is the [`AutoOutcome`];
+//! - `stweaver (online)`: the engine alone;
+//! - `stweaver (plan mode)`: the plan of the first iterations ([`plan_first_iterations`];
+//!   all but the last iteration, at most [`EngineReplayRow::iterations`]), refused as
+//!   the runtime's plan mode refuses it when it is mostly left to dynamic serving
+//!   ([`servable_from_start`]: then served online), else loaded before the first
+//!   request, the whole trace served.
 //!
 //! Cost: O(events · log live) for the overlap map on top of the engine's own cost
 //! (O(log n) per request), plus O(blocks) per boundary for the invariant check; a
@@ -59,12 +78,16 @@ use std::sync::Arc;
 
 use stweaver_core::engine::{
     DevicePtr, Engine, EngineConfig, EngineError, FakeEvents, PlanOptions as ServeOptions,
-    PlanStats, VirtualMemory,
+    PlanStats, VirtualMemory, servable_from_start,
 };
 use stweaver_core::{
     AllocId, Allocation, Bytes, Event, EventKind, MarkerKind, Plan, StreamId, Trace, TraceError,
 };
 
+use crate::auto::{
+    DEFAULT_AUTO_ITERATIONS, RELEASE_AT_PEAK, SWITCH_DELAY_STEPS, auto_plan_options,
+    plan_recording, planning_step,
+};
 use crate::iteration::detect_period;
 use crate::planning::{PlanBuildError, PlanOptions, PlanOutcome, plan_trace};
 use crate::report::{CompareRow, ReportError, RowKind, StweaverRow};
@@ -78,12 +101,90 @@ pub enum ServeMode<'a> {
     Online,
     /// `plan` loaded before the first request.
     Plan(&'a Plan),
-    /// Online while recording the first `record_iterations` iterations, then the plan
-    /// `planner` makes of that recording, switched in at that boundary.
+    /// Online while recording, then the plan `planner` makes of the recording, switched
+    /// in at an iteration boundary ([`AutoSchedule`] says which).
     Auto {
-        record_iterations: usize,
+        schedule: AutoSchedule,
         planner: &'a dyn Fn(&Trace) -> Result<Plan, String>,
     },
+}
+
+/// When auto mode plans its recording and switches to the plan (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AutoSchedule {
+    /// Planned at the `n`-th iteration boundary and switched to there, at once (a
+    /// planner that takes no time); the cache is not emptied again afterwards.
+    At(usize),
+    /// As the runtime runs it ([`crate::auto`]): planned at boundary
+    /// [`planning_step`]`(auto_iterations)`, switched to [`SWITCH_DELAY_STEPS`]
+    /// boundaries later, the online cache emptied one boundary after the switch.
+    Runtime { auto_iterations: u64 },
+}
+
+impl AutoSchedule {
+    /// Auto mode as the runtime runs it by default ([`DEFAULT_AUTO_ITERATIONS`]).
+    pub fn runtime_default() -> AutoSchedule {
+        AutoSchedule::Runtime {
+            auto_iterations: DEFAULT_AUTO_ITERATIONS,
+        }
+    }
+
+    /// The boundary (1-based) at which the recording is planned.
+    pub fn planning_boundary(self) -> usize {
+        match self {
+            AutoSchedule::At(n) => n,
+            AutoSchedule::Runtime { auto_iterations } => planning_step(auto_iterations) as usize,
+        }
+    }
+
+    /// Boundaries between planning and the switch.
+    pub fn switch_delay(self) -> usize {
+        match self {
+            AutoSchedule::At(_) => 0,
+            AutoSchedule::Runtime { .. } => SWITCH_DELAY_STEPS as usize,
+        }
+    }
+
+    /// Whether the online cache is emptied one boundary after the switch.
+    pub fn settles(self) -> bool {
+        matches!(self, AutoSchedule::Runtime { .. })
+    }
+}
+
+/// What auto mode did over a replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AutoOutcome {
+    /// Switched to the plan at iteration boundary `boundary` (1-based), before event
+    /// `event`; `gave_up`: why the engine gave the plan up later, if it did.
+    Switched {
+        boundary: usize,
+        event: usize,
+        gave_up: Option<String>,
+    },
+    /// Served online from start to end, and why.
+    Online(String),
+}
+
+impl std::fmt::Display for AutoOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AutoOutcome::Switched {
+                boundary,
+                event,
+                gave_up,
+            } => {
+                write!(
+                    f,
+                    "switched to the plan at iteration {boundary} (event {event})"
+                )?;
+                match gave_up {
+                    Some(why) => write!(f, ", then gave it up and served online: {why}"),
+                    None => Ok(()),
+                }
+            }
+            AutoOutcome::Online(why) => write!(f, "stayed online: {why}"),
+        }
+    }
 }
 
 impl ServeMode<'_> {
@@ -193,6 +294,8 @@ pub struct EngineReplayReport {
     pub iterations_marked: usize,
     /// Event index where the plan was switched in (auto mode), if it was.
     pub switched_at: Option<usize>,
+    /// Auto mode: whether and where it switched to its plan, or why it stayed online.
+    pub auto: Option<AutoOutcome>,
     /// Why the run was served online although a plan was given, if it was: the
     /// engine refused the plan (plan mode), or the planner failed or the engine refused
     /// its plan (auto mode).
@@ -679,6 +782,11 @@ pub fn replay_engine(
     let mut marked = 0;
     let mut switched_at = None;
     let mut before_switch: Option<(u64, u64, u64)> = None;
+    // Auto mode: the planner's result and the boundary it is switched to at; the
+    // boundary at which the online cache is emptied again; the outcome.
+    let mut planned: Option<(Result<Plan, String>, usize)> = None;
+    let mut settle_at: Option<usize> = None;
+    let mut auto: Option<AutoOutcome> = None;
     for (i, e) in trace.events.iter().enumerate() {
         if let Some(k) = opts.event_lag
             && k > 0
@@ -708,38 +816,64 @@ pub fn replay_engine(
             r.engine
                 .check_invariants()
                 .map_err(Replayer::err(i, "check its invariants"))?;
-            if let ServeMode::Auto {
-                record_iterations,
-                planner,
-            } = mode
-                && marked == *record_iterations
-            {
-                // Peaks before the switch; the engine's peaks restart after it, so
-                // that what serving the plan costs is seen on its own.
-                let s = r.engine.stats().map_err(Replayer::err(i, "read stats"))?;
-                let pre = (
-                    s.reserved_bytes[0].peak as u64,
-                    s.allocated_bytes[0].peak as u64,
-                    s.requested_bytes[0].peak as u64,
-                );
-                let recorded = r
-                    .engine
-                    .take_trace()
-                    .map_err(Replayer::err(i, "hand over its trace"))?
-                    .unwrap_or_default();
-                match planner(&recorded) {
-                    Err(e) => plan_error = Some(e),
-                    Ok(plan) => match r.engine.switch_to_plan(&plan, opts.serve) {
-                        Ok(()) => {
-                            switched_at = Some(i);
-                            r.plan_base = r.pool()?;
-                            before_switch = Some(pre);
-                            r.engine
-                                .reset_peak_stats()
-                                .map_err(Replayer::err(i, "reset its peaks"))?;
+            if let ServeMode::Auto { schedule, planner } = mode {
+                if settle_at == Some(marked) {
+                    // The previous iteration's online blocks are gone: their memory goes
+                    // back (the runtime's settle step).
+                    r.engine
+                        .empty_cache()
+                        .map_err(Replayer::err(i, "empty its cache"))?;
+                }
+                if planned.is_none() && auto.is_none() && marked == schedule.planning_boundary() {
+                    let recorded = r
+                        .engine
+                        .take_trace()
+                        .map_err(Replayer::err(i, "hand over its trace"))?
+                        .unwrap_or_default();
+                    planned = Some((planner(&recorded), marked + schedule.switch_delay()));
+                }
+                if let Some((result, at)) = planned.take_if(|(_, at)| *at == marked) {
+                    debug_assert_eq!(at, marked);
+                    match result {
+                        Err(e) => {
+                            auto = Some(AutoOutcome::Online(format!("planning failed: {e}")));
+                            plan_error = Some(e);
                         }
-                        Err(e) => plan_error = Some(e.to_string()),
-                    },
+                        Ok(plan) => {
+                            // Peaks before the switch; the engine's peaks restart after
+                            // it, so that what serving the plan costs is seen on its own.
+                            let s = r.engine.stats().map_err(Replayer::err(i, "read stats"))?;
+                            let pre = (
+                                s.reserved_bytes[0].peak as u64,
+                                s.allocated_bytes[0].peak as u64,
+                                s.requested_bytes[0].peak as u64,
+                            );
+                            match r.engine.switch_to_plan(&plan, opts.serve) {
+                                Ok(()) => {
+                                    switched_at = Some(i);
+                                    auto = Some(AutoOutcome::Switched {
+                                        boundary: marked,
+                                        event: i,
+                                        gave_up: None,
+                                    });
+                                    r.plan_base = r.pool()?;
+                                    before_switch = Some(pre);
+                                    r.engine
+                                        .reset_peak_stats()
+                                        .map_err(Replayer::err(i, "reset its peaks"))?;
+                                    if schedule.settles() {
+                                        settle_at = Some(marked + 1);
+                                    }
+                                }
+                                Err(e) => {
+                                    auto = Some(AutoOutcome::Online(format!(
+                                        "the engine refused the plan: {e}"
+                                    )));
+                                    plan_error = Some(e.to_string());
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -787,7 +921,35 @@ pub fn replay_engine(
         .engine
         .plan_abandoned()
         .map_err(Replayer::err(end, "read plan state"))?;
+    let auto = match (mode, auto, planned) {
+        (
+            ServeMode::Auto { .. },
+            Some(AutoOutcome::Switched {
+                boundary, event, ..
+            }),
+            _,
+        ) => Some(AutoOutcome::Switched {
+            boundary,
+            event,
+            gave_up: plan_abandoned.clone(),
+        }),
+        (ServeMode::Auto { .. }, Some(online), _) => Some(online),
+        (ServeMode::Auto { schedule, .. }, None, Some((_, at))) => {
+            Some(AutoOutcome::Online(format!(
+                "planned at iteration {}, the trace ends after {marked} iteration \
+                 boundaries, before the switch at iteration {at}",
+                schedule.planning_boundary()
+            )))
+        }
+        (ServeMode::Auto { schedule, .. }, None, None) => Some(AutoOutcome::Online(format!(
+            "the trace ends after {marked} iteration boundaries, before auto mode plans its \
+             recording at the {}",
+            ordinal(schedule.planning_boundary())
+        ))),
+        _ => None,
+    };
     Ok(EngineReplayReport {
+        auto,
         device_counters: r.dev.counters(),
         mode: mode.id(),
         plan_abandoned,
@@ -810,69 +972,177 @@ pub fn replay_engine(
     })
 }
 
-/// The "stweaver (engine replay)" row of `stweaver compare` (module docs).
-#[derive(Debug, Clone)]
-pub struct EngineReplayRow {
-    /// Plan from at most this many first iterations (never the last one: the row
-    /// shows a run served beyond what was planned).
-    pub iterations: usize,
-    pub plan: PlanOptions,
-    pub replay: EngineReplayOptions,
+/// "1st", "2nd", "3rd", "4th", ...
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
 }
 
-impl Default for EngineReplayRow {
-    fn default() -> Self {
-        EngineReplayRow {
-            iterations: 3,
-            plan: PlanOptions::default(),
-            replay: EngineReplayOptions::default(),
+/// Which mode an engine row of `stweaver compare` replays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineRowMode {
+    /// Auto mode as the runtime runs it ([`AutoSchedule::Runtime`]): the default.
+    Auto,
+    /// The online engine alone.
+    Online,
+    /// A plan of the first iterations ([`plan_first_iterations`]) loaded before the
+    /// first request, the whole trace served, as plan mode serves a plan file.
+    Plan,
+}
+
+impl EngineRowMode {
+    /// The row's label.
+    pub fn label(self) -> &'static str {
+        match self {
+            EngineRowMode::Auto => "stweaver (auto)",
+            EngineRowMode::Online => "stweaver (online)",
+            EngineRowMode::Plan => "stweaver (plan mode)",
+        }
+    }
+
+    /// The row's kind.
+    pub fn kind(self) -> RowKind {
+        match self {
+            EngineRowMode::Auto => RowKind::StweaverAuto,
+            EngineRowMode::Online => RowKind::StweaverOnline,
+            EngineRowMode::Plan => RowKind::StweaverPlanMode,
         }
     }
 }
 
-impl EngineReplayRow {
-    const LABEL: &'static str = "stweaver (engine replay)";
+/// An engine row of `stweaver compare` (module docs): the trace replayed through the
+/// engine in one mode, with the runtime's serving defaults.
+#[derive(Debug, Clone)]
+pub struct EngineReplayRow {
+    pub mode: EngineRowMode,
+    /// Auto mode: iterations recorded before planning (the runtime's
+    /// `STWEAVER_AUTO_ITERATIONS`).
+    pub auto_iterations: u64,
+    /// Auto mode: the planner's settings ([`auto_plan_options`], as the runtime's).
+    pub auto_plan: PlanOptions,
+    /// Plan mode: plan from at most this many first iterations (never the last one: the
+    /// row shows a run served beyond what was planned).
+    pub iterations: usize,
+    /// Plan mode: the planner's settings.
+    pub plan: PlanOptions,
+    pub replay: EngineReplayOptions,
+}
 
-    /// The iterations planned for `trace`: all but the last, at most `self.iterations`,
-    /// at least one.
+impl EngineReplayRow {
+    /// The row of `mode` with the runtime's defaults ([`crate::auto`]).
+    pub fn new(mode: EngineRowMode) -> EngineReplayRow {
+        EngineReplayRow {
+            mode,
+            auto_iterations: DEFAULT_AUTO_ITERATIONS,
+            auto_plan: auto_plan_options(false),
+            iterations: 3,
+            plan: PlanOptions::default(),
+            replay: EngineReplayOptions {
+                release_before_new_peak: RELEASE_AT_PEAK,
+                ..EngineReplayOptions::default()
+            },
+        }
+    }
+
+    /// Plan mode: the iterations planned for `trace`: all but the last, at most
+    /// `self.iterations`, at least one.
     pub fn planned_iterations(&self, trace: &Trace) -> usize {
         let bounds = iteration_boundaries(trace).len();
         self.iterations.min(bounds.saturating_sub(1)).max(1)
+    }
+
+    /// The replay behind the row, and what the mode decided (the row's outcome).
+    pub fn replay(&self, trace: &Trace) -> Result<(EngineReplayReport, String), String> {
+        let e = |e: EngineReplayError| e.to_string();
+        match self.mode {
+            EngineRowMode::Online => {
+                let r = replay_engine(trace, &ServeMode::Online, &self.replay).map_err(e)?;
+                Ok((r, "served online".into()))
+            }
+            EngineRowMode::Auto => {
+                let planner = |recorded: &Trace| plan_recording(recorded, &self.auto_plan);
+                let mode = ServeMode::Auto {
+                    schedule: AutoSchedule::Runtime {
+                        auto_iterations: self.auto_iterations,
+                    },
+                    planner: &planner,
+                };
+                let r = replay_engine(trace, &mode, &self.replay).map_err(e)?;
+                let outcome = match (&r.auto, r.peak_reserved_after_switch) {
+                    (Some(o @ AutoOutcome::Switched { gave_up: None, .. }), Some(after)) => {
+                        format!(
+                            "{o}; peak reserved from there {} ({:.4} x LB)",
+                            after.human(),
+                            after.ratio(r.lower_bound)
+                        )
+                    }
+                    (Some(o), _) => o.to_string(),
+                    (None, _) => "no outcome".into(),
+                };
+                Ok((r, outcome))
+            }
+            EngineRowMode::Plan => {
+                let k = self.planned_iterations(trace);
+                let (outcome, cut) =
+                    plan_first_iterations(trace, k, &self.plan).map_err(|e| e.to_string())?;
+                let what = format!(
+                    "a plan of the first {k} iteration(s) (events 0..{cut} of {}, pool {})",
+                    trace.events.len(),
+                    outcome.plan.pool_size
+                );
+                // As the runtime's plan mode: a one-shot plan mostly left to dynamic
+                // serving is refused, and the run is served online.
+                if let Err(why) = servable_from_start(&outcome.plan) {
+                    let r = replay_engine(trace, &ServeMode::Online, &self.replay).map_err(e)?;
+                    return Ok((r, format!("refused {what}, served online: {why}")));
+                }
+                let r = replay_engine(trace, &ServeMode::Plan(&outcome.plan), &self.replay)
+                    .map_err(e)?;
+                let outcome = match (&r.plan_error, &r.plan_abandoned) {
+                    (Some(why), _) => format!("the engine refused {what}, served online: {why}"),
+                    (None, Some(why)) => format!("served {what}, then gave it up: {why}"),
+                    (None, None) => format!("served {what}"),
+                };
+                Ok((r, outcome))
+            }
+        }
     }
 }
 
 impl StweaverRow for EngineReplayRow {
     fn row(&self, trace: &Trace) -> Result<Option<CompareRow>, ReportError> {
-        let fail = |problem: String| ReportError::Row {
-            row: Self::LABEL,
+        let label = self.mode.label();
+        let (r, outcome) = self.replay(trace).map_err(|problem| ReportError::Row {
+            row: label,
             problem,
-        };
-        let k = self.planned_iterations(trace);
-        let (outcome, cut) =
-            plan_first_iterations(trace, k, &self.plan).map_err(|e| fail(e.to_string()))?;
-        let r = replay_engine(trace, &ServeMode::Plan(&outcome.plan), &self.replay)
-            .map_err(|e| fail(e.to_string()))?;
-        if let Some(e) = &r.plan_error {
-            return Err(fail(format!("the engine refused the plan: {e}")));
-        }
+        })?;
         Ok(Some(CompareRow {
-            kind: RowKind::StweaverEngine,
-            label: Self::LABEL.into(),
+            kind: self.mode.kind(),
+            label: label.into(),
             peak_reserved: r.peak_reserved,
             peak_allocated: r.peak_allocated,
             detail: format!(
-                "the online engine over an accounting-only device ({} granules), serving a plan \
-                 of the first {k} iteration(s) (events 0..{cut} of {}, pool {}) over the whole \
-                 trace: {} requests at their planned offset, {} in pool holes, {} online; no \
-                 overlap in {} checks",
+                "the engine over an accounting-only device ({} granules, release at a new \
+                 peak {}): {} requests at their planned offset, {} in pool holes, {} online; \
+                 no overlap in {} checks",
                 self.replay.granule,
-                trace.events.len(),
-                outcome.plan.pool_size,
+                if self.replay.release_before_new_peak {
+                    "on"
+                } else {
+                    "off"
+                },
                 r.counts.plan,
                 r.counts.hole,
                 r.counts.online,
                 r.overlap_checks
             ),
+            outcome: Some(outcome),
             seconds: 0.0,
         }))
     }

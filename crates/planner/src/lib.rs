@@ -5,6 +5,7 @@
 //! `stweaver` binary (`src/bin/stweaver`) is a thin CLI over this library.
 //! This crate links neither CUDA nor torch.
 
+pub mod auto;
 pub mod classify;
 pub mod engine_replay;
 pub mod input;

@@ -94,6 +94,7 @@ impl StweaverRow for OfflinePlanRow {
                     None => String::new(),
                 }
             ),
+            outcome: None,
             seconds: 0.0,
         }))
     }

@@ -6,9 +6,15 @@
 //! 2. **PyTorch native**: a replay ([`crate::replay`]) with the recorded settings (or the
 //!    ones given), `expandable_segments` off.
 //! 3. **PyTorch expandable segments**: the same settings with `expandable_segments:True`.
-//! 4. **stweaver** rows, each produced by a [`StweaverRow`] source (the offline plan of
-//!    the whole trace today; the online engine's replay when it lands). A source that is
-//!    not available adds no row rather than a made-up one.
+//! 4. **stweaver** rows, each produced by a [`StweaverRow`] source: the engine replayed
+//!    in auto mode, the runtime's default (`stweaver compare`'s only stweaver row unless
+//!    asked for more), in online and in plan mode
+//!    ([`crate::engine_replay::EngineReplayRow`]), and the offline plan of the whole
+//!    trace ([`crate::offline::OfflinePlanRow`]). A source that is not available adds no
+//!    row rather than a made-up one.
+//!
+//! A row's outcome (auto mode: switched to its plan at which iteration, or stayed online
+//! and why) is printed under the table and is the `outcome` key of its JSON row.
 //!
 //! Columns: peak reserved, peak allocated, utilization (allocated / reserved), bytes
 //! wasted (reserved − lower bound) and bytes saved against the native row.
@@ -31,8 +37,14 @@ pub enum RowKind {
     PytorchExpandable,
     /// stweaver's offline plan of the whole trace.
     StweaverOfflinePlan,
-    /// stweaver's online engine replayed over the trace.
-    StweaverEngine,
+    /// stweaver's engine replayed over the trace in auto mode, the runtime's default
+    /// (record, plan, switch or stay online).
+    StweaverAuto,
+    /// stweaver's engine replayed over the trace in online mode.
+    StweaverOnline,
+    /// stweaver's engine replayed over the trace in plan mode (a plan of the first
+    /// iterations, loaded before the first request).
+    StweaverPlanMode,
 }
 
 impl RowKind {
@@ -43,7 +55,9 @@ impl RowKind {
             RowKind::PytorchNative => "pytorch_native",
             RowKind::PytorchExpandable => "pytorch_expandable",
             RowKind::StweaverOfflinePlan => "stweaver_offline_plan",
-            RowKind::StweaverEngine => "stweaver_engine",
+            RowKind::StweaverAuto => "stweaver_auto",
+            RowKind::StweaverOnline => "stweaver_online",
+            RowKind::StweaverPlanMode => "stweaver_plan_mode",
         }
     }
 }
@@ -58,6 +72,9 @@ pub struct CompareRow {
     pub peak_allocated: Bytes,
     /// How the row was obtained (config string, solver stage, ...).
     pub detail: String,
+    /// What the mode decided over the run, if it decides anything (auto mode: switched
+    /// to its plan at iteration k, or stayed online and why); printed under the table.
+    pub outcome: Option<String>,
     /// Wall-clock seconds spent computing the row.
     pub seconds: f64,
 }
@@ -113,6 +130,7 @@ pub fn compare(
         peak_reserved: lb,
         peak_allocated: lb,
         detail: "peak of live requested bytes".into(),
+        outcome: None,
         seconds: t0.elapsed().as_secs_f64(),
     }];
     let run = |cfg: &AllocatorConfig| {
@@ -138,6 +156,7 @@ pub fn compare(
             "replay of PyTorch 2.11's caching allocator, {}",
             native_cfg.label()
         ),
+        outcome: None,
         seconds,
     });
     let exp_cfg = AllocatorConfig {
@@ -154,6 +173,7 @@ pub fn compare(
             "replay of PyTorch 2.11's caching allocator, {}",
             exp_cfg.label()
         ),
+        outcome: None,
         seconds,
     });
     for s in stweaver {
@@ -264,6 +284,11 @@ impl Comparison {
         for row in &cells {
             line(&mut out, row);
         }
+        for r in &self.rows {
+            if let Some(o) = &r.outcome {
+                let _ = writeln!(out, "{}: {o}", r.label);
+            }
+        }
         out.push('\n');
         for r in &self.rows {
             let _ = writeln!(out, "  {}: {} ({:.3} s)", r.label, r.detail, r.seconds);
@@ -290,6 +315,7 @@ impl Comparison {
                     "kind": r.kind.id(),
                     "label": r.label,
                     "detail": r.detail,
+                    "outcome": r.outcome,
                     "seconds": r.seconds,
                     "peak_reserved": r.peak_reserved.get(),
                     "peak_allocated": r.peak_allocated.get(),
@@ -338,6 +364,7 @@ mod tests {
                 peak_reserved: self.0,
                 peak_allocated: Bytes(35 * M),
                 detail: "test".into(),
+                outcome: None,
                 seconds: 0.0,
             }))
         }

@@ -3,8 +3,9 @@
 //! `compare` with no argument uses the snapshot bundled into the binary; its PyTorch
 //! rows must be the figures PyTorch reported for that run (`ground_truth.json`,
 //! gpt2xl_rcp: native 11 337 203 712 B exactly; expandable 10 263 461 888 B, which the
-//! replay also hits exactly), and the stweaver row must be a plan between the lower
-//! bound and the native figure.
+//! replay also hits exactly). The stweaver row is the engine in auto mode, the runtime's
+//! default, within 1 % of the lower bound; `--all-modes` adds the engine online and in
+//! plan mode and the offline plan of the whole trace.
 
 mod cli;
 
@@ -27,22 +28,48 @@ fn stdout(o: &Output) -> String {
 
 #[test]
 fn compare_without_input_uses_the_bundled_snapshot() {
-    let out = stdout(&stweaver(&["compare", "--plan-budget", "1"]));
+    let out = stdout(&stweaver(&["compare"]));
     assert!(out.contains("bundled snap_gpt2xl_rcp.pickle.gz"), "{out}");
     for row in [
         "lower bound (peak live bytes)",
         "PyTorch native",
         "PyTorch expandable segments",
-        "stweaver (offline plan)",
+        "stweaver (auto)",
     ] {
         assert!(out.contains(row), "missing row {row}:\n{out}");
     }
+    // The outcome line: the snapshot's 4 iterations end before auto mode plans (after
+    // 4 recorded iterations, at the 5th boundary).
+    assert!(
+        out.contains("stweaver (auto): stayed online: the trace ends after 4 iteration boundaries"),
+        "{out}"
+    );
+    for other in ["stweaver (online)", "stweaver (plan mode)", "offline plan"] {
+        assert!(!out.contains(other), "{other} is behind --modes:\n{out}");
+    }
     assert!(out.contains("10.56 GiB"), "{out}");
+    // Fewer recorded iterations: auto mode plans at the 3rd boundary, switches at the 4th.
+    let out = stdout(&stweaver(&["compare", "--auto-iterations", "2"]));
+    assert!(
+        out.contains("stweaver (auto): switched to the plan at iteration 4"),
+        "{out}"
+    );
+    let o = stweaver(&["compare", "--auto-iterations", "0"]);
+    assert!(!o.status.success());
+    let o = stweaver(&["compare", "--modes", "auto,nope"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nope"));
 }
 
 #[test]
 fn compare_json_has_the_ground_truth_figures() {
-    let out = stdout(&stweaver(&["compare", "--json", "--plan-budget", "1"]));
+    let out = stdout(&stweaver(&[
+        "compare",
+        "--json",
+        "--all-modes",
+        "--plan-budget",
+        "1",
+    ]));
     let j: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     let row = |kind: &str| {
         j["rows"]
@@ -69,25 +96,63 @@ fn compare_json_has_the_ground_truth_figures() {
         st["saved_vs_native"].as_i64().unwrap(),
         11_337_203_712 - reserved as i64
     );
-    // The engine replay row: a plan of the first iterations served by the engine.
-    let en = row("stweaver_engine");
-    let reserved = en["peak_reserved"].as_u64().unwrap();
+    // The engine rows: auto mode (the default; the trace ends before it plans, so it is
+    // the online row), online, and plan mode (a plan of the first iterations).
+    let auto = row("stweaver_auto");
+    let reserved = auto["peak_reserved"].as_u64().unwrap();
     assert!(
         reserved >= lb && (reserved as f64) <= 1.01 * lb as f64,
-        "{en}"
+        "{auto}"
     );
-    // --no-plan and --no-engine leave the stweaver rows out.
-    let out = stdout(&stweaver(&["compare", "--json", "--no-plan"]));
-    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(j["rows"].as_array().unwrap().len(), 4);
-    let out = stdout(&stweaver(&[
-        "compare",
-        "--json",
-        "--no-plan",
-        "--no-engine",
-    ]));
-    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(j["rows"].as_array().unwrap().len(), 3);
+    assert_eq!(row("stweaver_online")["peak_reserved"], reserved);
+    assert!(
+        auto["outcome"]
+            .as_str()
+            .unwrap()
+            .starts_with("stayed online"),
+        "{auto}"
+    );
+    let plan = row("stweaver_plan_mode");
+    let reserved = plan["peak_reserved"].as_u64().unwrap();
+    assert!(
+        reserved >= lb && (reserved as f64) <= 1.001 * lb as f64,
+        "{plan}"
+    );
+    assert!(
+        plan["outcome"]
+            .as_str()
+            .unwrap()
+            .starts_with("served a plan of the first 3 iteration(s)"),
+        "{plan}"
+    );
+    assert_eq!(row("lower_bound")["outcome"], serde_json::Value::Null);
+    // The default: one stweaver row, auto.
+    let rows = |args: &[&str]| -> Vec<String> {
+        let out = stdout(&stweaver(&[&["compare", "--json"], args].concat()));
+        let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+        j["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["kind"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let base = ["lower_bound", "pytorch_native", "pytorch_expandable"];
+    assert_eq!(rows(&[]), [&base[..], &["stweaver_auto"]].concat());
+    assert_eq!(
+        rows(&["--modes", "online,auto"]),
+        [&base[..], &["stweaver_auto", "stweaver_online"]].concat()
+    );
+    // --no-plan and --no-engine leave the offline and the engine rows out.
+    assert_eq!(
+        rows(&["--all-modes", "--no-plan"]),
+        [
+            &base[..],
+            &["stweaver_auto", "stweaver_online", "stweaver_plan_mode"]
+        ]
+        .concat()
+    );
+    assert_eq!(rows(&["--no-engine"]), base);
 }
 
 #[test]

@@ -22,7 +22,8 @@ use stweaver_core::Trace;
 use stweaver_core::engine::PlanOptions as ServeOptions;
 use stweaver_core::trace_file::trace_from_bytes;
 use stweaver_planner::engine_replay::{
-    EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations, replay_engine,
+    AutoSchedule, EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations,
+    replay_engine,
 };
 use stweaver_planner::planning::{PlanOptions, plan_trace};
 
@@ -54,7 +55,7 @@ fn auto_replay_after(
             .map_err(|e| e.to_string())
     };
     let mode = ServeMode::Auto {
-        record_iterations: record,
+        schedule: AutoSchedule::At(record),
         planner: &planner,
     };
     replay_engine(trace, &mode, opts).unwrap()

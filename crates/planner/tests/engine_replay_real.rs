@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use stweaver_core::Trace;
 use stweaver_planner::engine_replay::{
-    EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations, replay_engine,
+    AutoSchedule, EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations,
+    replay_engine,
 };
 use stweaver_planner::planning::PlanOptions;
 use stweaver_planner::snapshot::load_snapshot;
@@ -148,7 +149,7 @@ fn llama_auto_mode_records_plans_and_switches() {
     // Three optimizer steps: the first (optimizer state created) and two steady ones,
     // the fewest from which a steady state is detected.
     let mode = ServeMode::Auto {
-        record_iterations: 3,
+        schedule: AutoSchedule::At(3),
         planner: &planner,
     };
     let r = replay_engine(&trace, &mode, &EngineReplayOptions::default()).unwrap();

@@ -7,7 +7,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use stweaver_core::Plan;
 use stweaver_core::engine::PlanOptions as EnginePlanOptions;
@@ -17,9 +16,9 @@ use stweaver_core::plan_file::{read_plan_file, write_plan_file};
 use stweaver_core::trace::{EventKind, Trace};
 use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::units::{AllocId, Bytes, DeviceId};
+use stweaver_planner::auto::{auto_plan_options, plan_recording, plans_at_step};
 use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
-use stweaver_planner::planning::{PlanOptions as PlannerOptions, plan_trace};
-use stweaver_planner::solver::SolveOptions;
+use stweaver_planner::planning::PlanOptions as PlannerOptions;
 
 use super::{Core, Mode, Settings, is_default, lock};
 use crate::dist::PlanSource;
@@ -164,12 +163,12 @@ fn plan_in_background(
     budget: Option<u64>,
     has_packs: bool,
 ) -> PlanResult {
-    let plain = |trace: &Trace| plan_trace(trace, opts).map(|o| o.plan);
+    let plain = |trace: &Trace| plan_recording(trace, opts);
     let Some(budget) = budget else {
-        return plain(trace).map(|p| (p, None)).map_err(|e| e.to_string());
+        return plain(trace).map(|p| (p, None));
     };
     if !has_packs {
-        let plan = plain(trace).map_err(|e| e.to_string())?;
+        let plan = plain(trace)?;
         let outcome = (plan.pool_size.get() > budget).then(|| OffloadOutcome::NotPlanned {
             budget,
             reason: format!(
@@ -281,7 +280,7 @@ impl Core {
             return Ok(());
         }
         match pc.stage {
-            PlanStage::Recording if n > self.settings.auto_iterations => {
+            PlanStage::Recording if plans_at_step(n, self.settings.auto_iterations) => {
                 let share_streams = self.settings.share_streams;
                 let mut jobs = Vec::new();
                 for slot in self.slots()? {
@@ -308,20 +307,9 @@ impl Core {
                     let handle = std::thread::Builder::new()
                         .name(format!("stweaver-plan-cuda{}", slot.ordinal))
                         .spawn(move || {
-                            // The greedy stage alone: tens of milliseconds on a real
-                            // trace (37 ms for 1802 allocations, within 0.7 % of the
-                            // lower bound), so the switch comes a few iterations after
-                            // recording; the improvement stage took 0.5 s there, longer
-                            // than whole short runs.
-                            let opts = PlannerOptions {
-                                share_streams,
-                                solve: SolveOptions {
-                                    improve: false,
-                                    time_budget: Some(Duration::from_secs(5)),
-                                    ..SolveOptions::default()
-                                },
-                                ..PlannerOptions::default()
-                            };
+                            // The greedy stage alone (auto_plan_options), the settings
+                            // the engine replay's auto mode plans with too.
+                            let opts = auto_plan_options(share_streams);
                             plan_in_background(&trace, &opts, budget, has_packs)
                         })
                         .map_err(|e| {

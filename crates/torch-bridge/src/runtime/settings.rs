@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use stweaver_planner::auto::RELEASE_AT_PEAK;
+
 use crate::budget::Budget;
 use crate::dist::{self, PlanSource, RankInfo};
 use crate::error::{BridgeError, Result};
@@ -27,8 +29,9 @@ pub enum Mode {
     Auto,
 }
 
-/// Iterations `auto` records before it plans, unless `STWEAVER_AUTO_ITERATIONS` says.
-pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
+/// Iterations `auto` records before it plans, unless `STWEAVER_AUTO_ITERATIONS` says (one
+/// constant with the engine replay's auto mode: `stweaver_planner::auto`).
+pub use stweaver_planner::auto::DEFAULT_AUTO_ITERATIONS;
 
 /// Validated install settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,7 +101,7 @@ impl Settings {
             Err(_) => DEFAULT_AUTO_ITERATIONS,
         };
         let rank = RankInfo::from_env().map_err(BridgeError::Settings)?;
-        let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", true)?;
+        let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", RELEASE_AT_PEAK)?;
         let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
         let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
         let budget = match std::env::var("STWEAVER_BUDGET") {

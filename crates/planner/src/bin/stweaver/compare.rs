@@ -1,6 +1,12 @@
 //! `stweaver compare [INPUT]`: lower bound, PyTorch native, expandable segments and
 //! stweaver side by side (the logic is `stweaver_planner::report`).
 //!
+//! The stweaver row is what the runtime's default mode does on the trace: the engine
+//! replayed in auto mode (record the first iterations online, plan them, switch to the
+//! plan at an iteration boundary or stay online; `stweaver_planner::auto`), with the
+//! outcome printed under the table. `--modes` / `--all-modes` add the engine in online
+//! and in plan mode and the offline plan of the whole trace.
+//!
 //! With no INPUT it runs on the snapshot bundled into the binary
 //! (`data/traces/snap_gpt2xl_rcp.pickle.gz`, a real GPT-2 XL training run on an H200), so it
 //! works anywhere.
@@ -10,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use stweaver_core::Trace;
-use stweaver_planner::engine_replay::EngineReplayRow;
+use stweaver_planner::auto::DEFAULT_AUTO_ITERATIONS;
+use stweaver_planner::engine_replay::{EngineReplayRow, EngineRowMode};
 use stweaver_planner::input::LoadedInput;
 use stweaver_planner::offline::OfflinePlanRow;
 use stweaver_planner::offload::{parse_budget, plan_with_budget};
@@ -42,13 +49,33 @@ pub struct CompareArgs {
     /// Device whose trace to compare (default: the first device with allocations).
     #[arg(long, value_name = "N")]
     pub device: Option<i32>,
-    /// Seconds the offline solver may spend on the stweaver row.
+    /// stweaver rows, comma-separated: `auto` (the engine in auto mode, the runtime's
+    /// default: record, plan, switch or stay online), `online` (the engine alone),
+    /// `plan` (plan mode: a plan of the first iterations served over the whole trace),
+    /// `offline` (the offline solver's plan of the whole trace).
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "auto"
+    )]
+    pub modes: Vec<ModeRow>,
+    /// Every stweaver row (`--modes auto,online,plan,offline`).
+    #[arg(long, conflicts_with = "modes")]
+    pub all_modes: bool,
+    /// Auto mode: iterations recorded before planning (the runtime's
+    /// `STWEAVER_AUTO_ITERATIONS`).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_AUTO_ITERATIONS,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub auto_iterations: u64,
+    /// Seconds the offline solver may spend on the offline plan row and on the plan of
+    /// the plan mode row.
     #[arg(long, value_name = "SECS", default_value_t = 2.0)]
     pub plan_budget: f64,
     /// Leave out the stweaver (offline plan) row.
     #[arg(long)]
     pub no_plan: bool,
-    /// Leave out the stweaver (engine replay) row.
+    /// Leave out the engine rows (auto, online, plan mode).
     #[arg(long)]
     pub no_engine: bool,
     /// A device memory budget (`16GiB`, `512MiB`, bytes): says which rows fit under
@@ -59,6 +86,24 @@ pub struct CompareArgs {
     /// How saved activations are scheduled to host memory under `--budget`.
     #[command(flatten)]
     pub offload: crate::offload_args::OffloadArgs,
+}
+
+/// A stweaver row of `compare` (`--modes`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModeRow {
+    Auto,
+    Online,
+    Plan,
+    Offline,
+}
+
+impl ModeRow {
+    const ALL: [ModeRow; 4] = [
+        ModeRow::Auto,
+        ModeRow::Online,
+        ModeRow::Plan,
+        ModeRow::Offline,
+    ];
 }
 
 /// A trace ready to compare or draw.
@@ -132,8 +177,8 @@ pub fn run(args: CompareArgs) -> Result<()> {
         None => None,
     };
     let t0 = Instant::now();
-    // stweaver rows: the offline plan of the whole trace, and the online engine serving
-    // a plan of the first iterations over the whole trace.
+    // stweaver rows, in the order of ModeRow::ALL: the engine in auto mode (the
+    // default), online and in plan mode; the offline plan of the whole trace.
     let offline = OfflinePlanRow {
         options: SolveOptions {
             threads: 0,
@@ -141,14 +186,37 @@ pub fn run(args: CompareArgs) -> Result<()> {
             ..SolveOptions::default()
         },
     };
-    let engine = EngineReplayRow::default();
-    let mut sources: Vec<&dyn StweaverRow> = Vec::new();
-    if !args.no_plan {
-        sources.push(&offline);
-    }
-    if !args.no_engine {
-        sources.push(&engine);
-    }
+    let engine = |mode| EngineReplayRow {
+        auto_iterations: args.auto_iterations,
+        ..EngineReplayRow::new(mode)
+    };
+    let (auto, online) = (engine(EngineRowMode::Auto), engine(EngineRowMode::Online));
+    let planned = EngineReplayRow {
+        plan: PlanOptions {
+            solve: offline.options.clone(),
+            ..PlanOptions::default()
+        },
+        ..engine(EngineRowMode::Plan)
+    };
+    let wanted = |m: ModeRow| {
+        (args.all_modes || args.modes.contains(&m))
+            && match m {
+                ModeRow::Offline => !args.no_plan,
+                _ => !args.no_engine,
+            }
+    };
+    let sources: Vec<&dyn StweaverRow> = ModeRow::ALL
+        .into_iter()
+        .filter(|&m| wanted(m))
+        .map(|m| -> &dyn StweaverRow {
+            match m {
+                ModeRow::Auto => &auto,
+                ModeRow::Online => &online,
+                ModeRow::Plan => &planned,
+                ModeRow::Offline => &offline,
+            }
+        })
+        .collect();
     let cmp = report::compare(
         &loaded.source,
         &loaded.trace,

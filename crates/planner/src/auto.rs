@@ -1,0 +1,99 @@
+//! Auto mode's policy, in one place for the runtime that runs it
+//! (`crates/torch-bridge/src/runtime/plan.rs`) and the engine replay that reproduces it
+//! on a CPU ([`crate::engine_replay`], the `stweaver (auto)` row of `stweaver compare`).
+//!
+//! # The algorithm
+//!
+//! The runtime counts iteration boundaries (`stweaver.step()`, called by the optimizer
+//! hook at the end of each optimizer step): the `n`-th boundary is *step* `n`.
+//!
+//! 1. **Record.** From the first request on, the default pool's engine serves online
+//!    (best fit over growable arenas) and records its own trace.
+//! 2. **Plan.** At the first step `n` with [`plans_at_step`]`(n, auto_iterations)`
+//!    (`n > auto_iterations`: the recording then holds `auto_iterations` whole
+//!    iterations after the first step, [`DEFAULT_AUTO_ITERATIONS`] unless
+//!    `STWEAVER_AUTO_ITERATIONS` says) the recording is taken from the engine and
+//!    planned in the background with [`plan_recording`] (the planner's greedy stage only,
+//!    [`auto_plan_options`]). Serving stays online meanwhile.
+//! 3. **Switch.** At the first later step at which the planner has finished (in the
+//!    replay: the next one, [`SWITCH_DELAY_STEPS`], the earliest the runtime can), the
+//!    engine switches to the plan's steady iteration (`Engine::switch_to_plan`: the online
+//!    cache is released first, the online allocations stay where they are). A planner
+//!    error or a plan the engine refuses means the run stays online, for good.
+//! 4. **Settle.** One step after the switch the online cache is emptied again: the
+//!    previous iteration's online blocks are gone by then.
+//!
+//! From the switch on the engine may still give the plan up (its ranges stay busy, or
+//! its pool hits the memory limit): serving is online from there.
+//!
+//! Serving defaults of the runtime that the replay shares: [`RELEASE_AT_PEAK`].
+
+use std::time::Duration;
+
+use stweaver_core::{Plan, Trace};
+
+use crate::planning::{PlanOptions, plan_trace};
+use crate::solver::SolveOptions;
+
+/// Iterations auto mode records before it plans, unless `STWEAVER_AUTO_ITERATIONS` says.
+pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
+
+/// Steps between the one that starts the planner and the earliest one that can switch to
+/// its plan: the runtime looks at the finished planner at the following step.
+pub const SWITCH_DELAY_STEPS: u64 = 1;
+
+/// The runtime's default for `EngineConfig::release_before_new_peak` (its
+/// `STWEAVER_RELEASE_AT_PEAK`, on unless set to `0`): an online arena about to set a new
+/// reserved peak first gives the largest holes of the cache back.
+pub const RELEASE_AT_PEAK: bool = true;
+
+/// Whether auto mode, still recording, plans at step `step` (module docs, step 2).
+pub fn plans_at_step(step: u64, auto_iterations: u64) -> bool {
+    step > auto_iterations
+}
+
+/// The first step at which auto mode plans.
+pub fn planning_step(auto_iterations: u64) -> u64 {
+    auto_iterations + 1
+}
+
+/// The planner settings of auto mode's background planning: the greedy stage alone,
+/// tens of milliseconds on a real trace (37 ms for 1802 allocations, within 0.7 % of the
+/// lower bound), so the switch comes a few iterations after recording; the improvement
+/// stage took 0.5 s there, longer than whole short runs. `share_streams`:
+/// `STWEAVER_SHARE_STREAMS`.
+pub fn auto_plan_options(share_streams: bool) -> PlanOptions {
+    PlanOptions {
+        share_streams,
+        solve: SolveOptions {
+            improve: false,
+            time_budget: Some(Duration::from_secs(5)),
+            ..SolveOptions::default()
+        },
+        ..PlanOptions::default()
+    }
+}
+
+/// Auto mode's plan of a recording without a memory budget: [`plan_trace`] with `opts`
+/// (normally [`auto_plan_options`]). The error is the text the runtime reports.
+pub fn plan_recording(trace: &Trace, opts: &PlanOptions) -> Result<Plan, String> {
+    plan_trace(trace, opts)
+        .map(|o| o.plan)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_once_the_iterations_are_recorded() {
+        let k = DEFAULT_AUTO_ITERATIONS;
+        assert!(!plans_at_step(k, k));
+        assert!(plans_at_step(planning_step(k), k));
+        assert_eq!(planning_step(k), k + 1);
+        let o = auto_plan_options(true);
+        assert!(o.share_streams && !o.solve.improve);
+        assert_eq!(o.solve.time_budget, Some(Duration::from_secs(5)));
+    }
+}
