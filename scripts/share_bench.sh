@@ -11,7 +11,7 @@
 #    of 1, 10 and 40 GiB against PyTorch's empty_cache + reallocation, a ctypes cuMemUnmap /
 #    cuMemMap loop and torch_memory_saver (third_party/ wheel, installed into a temporary
 #    folder when it does not import), then two trainers taking turns on the GPU. It writes
-#    $OUT/share_bench.json and $OUT/share_bench.txt and prints its table last (about 5 min
+#    $OUT/share_bench.json and $OUT/share_bench.txt and prints its table last (about 7.5 min
 #    with the defaults; --deadline-s bounds it).
 set -uo pipefail
 cd "$(dirname "$0")/.."

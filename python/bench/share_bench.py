@@ -59,9 +59,11 @@ reserved and their sum against the GPU's total, the step time alone and shared (
 step after a resume apart: it maps its activations' memory again) and the throughput (steps /
 seconds of the train calls alone; steps / seconds of the train, pause and resume calls shared).
 
-Time: about 5 minutes on one H100 with the defaults (estimate; not run yet): ``--deadline-s``
-(345) stops what is left and still prints the table, and the speed part leaves
-``--share-reserve-s`` (150) of it to part 2; ``--parts speed`` or ``--parts share`` runs one
+Time: about 7.5 minutes on one H100 with the defaults: ``--deadline-s`` (460) stops what is
+left and still prints the table (part 2 stops at a turn boundary when the next turn would not
+fit, and says so), and the speed part leaves ``--share-reserve-s`` (190) of it to part 2 (first
+H100 run, 6 rounds: the speed part took 170 s, part 2 about 30 s for the two calibrations and
+builds, 18 s of training per trainer alone and about 10 s per turn shared, 5 s of it the pause); ``--parts speed`` or ``--parts share`` runs one
 part, ``--rounds``, ``--steps``, ``--sizes``, ``--reps`` and ``--kinds`` shrink them. Every
 row runs on its own: a failing row prints its error and the rest go on. JSON goes to ``--out``
 (default ``$OUT`` or .) as share_bench.json, the table to share_bench.txt and last on stdout
@@ -298,11 +300,29 @@ class _TmsSess(_Sess):
         self.x = None
         gc.collect()
         # A live MemPool keeps its cached blocks through empty_cache: drop torch_memory_saver's
-        # pools (as its own disable() does with its pool) so that the memory goes back.
+        # pools (as its own disable() does with its pool) so that the memory goes back. Its
+        # torch-mode free (tms_torch_free) aborts the process ("only support interesting
+        # region") when called outside a region on CUDA, and destroying a pool frees its
+        # blocks: so the flag is set around the teardown (thread-local; only this pool's
+        # pointers go through that free).
+        cdll = None
         try:
-            self.tms._impl._mem_pools.clear()
-        except Exception as e:  # private attribute: report, the next size may then not fit
-            self.info["pool_clear_error"] = str(e)
+            cdll = self.tms._impl._binary_wrapper.cdll
+            was = bool(cdll.tms_get_interesting_region())
+            cdll.tms_set_interesting_region(True)
+        except Exception as e:  # private attributes: report, and leave the pools alone
+            self.info["pool_clear_error"] = f"region flag: {type(e).__name__}: {e}"
+            cdll = None
+        if cdll is not None:
+            try:
+                self.tms._impl._mem_pools.clear()
+                gc.collect()
+                self.torch.cuda.synchronize()
+                self.torch.cuda.empty_cache()
+            except Exception as e:  # the next size may then not fit
+                self.info["pool_clear_error"] = f"{type(e).__name__}: {e}"
+            finally:
+                cdll.tms_set_interesting_region(was)
         gc.collect()
         self.torch.cuda.empty_cache()
         self.keep = None
@@ -1035,8 +1055,18 @@ def run_share(args, tmp: str, doc: dict, deadline: float, save) -> None:
         built_b = False
         after_resume = {"A": sh["A"].setdefault("first_after_resume_s", []),
                         "B": sh["B"].setdefault("first_after_resume_s", [])}
+        turn_max = 0.0  # the longest turn so far (resume + train + pause calls)
         for r in range(args.rounds):
             for who, p in (("A", sa), ("B", sb)):
+                # At a turn boundary after round 0 both trainers are paused: stop here when
+                # this turn and the closing resumes would not fit before the deadline (the
+                # table then says so, instead of a reply timing out mid-turn).
+                if r > 0 and left() < 1.5 * turn_max + 20:
+                    share["cut"] = (f"deadline: stopped before round {r} {who} "
+                                    f"({left():.0f} s left, turns take up to {turn_max:.0f} s)")
+                    print(f"share: {share['cut']}", flush=True)
+                    break
+                t_turn = time.time()
                 rs = None
                 if who == "A" and r > 0 or who == "B" and built_b:
                     rs = timed_call(p, "resume")
@@ -1049,6 +1079,7 @@ def run_share(args, tmp: str, doc: dict, deadline: float, save) -> None:
                     p.call("calibrate", left(), batches=batches)
                     p.call("build", left(), batch=batch)
                     built_b = True
+                    t_turn = time.time()  # a turn is resume + train + pause
                 tr = timed_call(p, "train", steps=args.steps)
                 sh[who]["losses"] += tr["losses"]
                 sh[who]["step_s"] += tr["step_s"]
@@ -1062,7 +1093,10 @@ def run_share(args, tmp: str, doc: dict, deadline: float, save) -> None:
                       + f"{args.steps} steps (median {_s(_median(tr['step_s']))} s, first {_s(tr['step_s'][0])} s), "
                       f"pause {ps['s']:.3f} s {ps['report']}, device free after {_gib(ps['after'].get('free'))}",
                       flush=True)
+                turn_max = max(turn_max, time.time() - t_turn)
             save()
+            if share.get("cut"):
+                break
         phase_wall = busy
         for who, p in (("A", sa), ("B", sb)):
             rs = p.call("resume", left())
@@ -1211,6 +1245,8 @@ def fmt_table(doc: dict) -> str:
                      f"per pause A {_gib((d.get('A') or {}).get('copied_bytes'))} B "
                      f"{_gib((d.get('B') or {}).get('copied_bytes'))}; failed frees "
                      f"A {(d.get('A') or {}).get('failed_frees')} B {(d.get('B') or {}).get('failed_frees')}")
+        if share.get("cut"):
+            lines.append(f"share cut short: {share['cut']}")
         if share.get("error"):
             lines.append(f"share ERROR: {share['error'][:600]}")
     return "\n".join(lines).strip("\n")
@@ -1233,9 +1269,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child-budget-s", type=float, default=45.0,
                     help="a speed child runs no repetition after a row's first past this, and no "
                          "new row past twice this")
-    ap.add_argument("--share-reserve-s", type=float, default=150.0,
+    ap.add_argument("--share-reserve-s", type=float, default=190.0,
                     help="seconds of --deadline-s the speed part leaves to the share part")
-    ap.add_argument("--rounds", type=int, default=6, help="turns of each trainer")
+    ap.add_argument("--rounds", type=int, default=4, help="turns of each trainer")
     ap.add_argument("--steps", type=int, default=5, help="training steps per turn")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=0, help="micro-batch (0: calibrated to --share-frac)")
@@ -1244,7 +1280,7 @@ def main(argv=None) -> int:
                     help="calibration batches (two; large enough that activations, not the optimizer "
                          "step, make the peak)")
     ap.add_argument("--same-seed", action="store_true", help="A and B the same trainer (seed 0)")
-    ap.add_argument("--deadline-s", type=float, default=345.0,
+    ap.add_argument("--deadline-s", type=float, default=460.0,
                     help="total seconds: what is left after it is skipped, the table still printed")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
