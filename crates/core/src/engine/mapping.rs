@@ -160,8 +160,22 @@ impl<D: DeviceMemory> Engine<D> {
             // The plan does not fit under the limit next to what is held: give it up
             // (its blocks stay until freed, its pool goes back like an online arena)
             // and serve online from now on.
+            // What was served outside the plan so far says why (a prologue that did not
+            // match the recorded one leaves online memory beside the pool).
+            let served = st.plan.as_ref().map_or(String::new(), |p| {
+                let s = &p.cursor.stats;
+                format!(
+                    "; {} allocated; served so far: {} planned, {} conflicts, {} unplanned ({} in pool holes), {} iterations",
+                    Bytes(st.stats.allocated_bytes[0].current as u64),
+                    s.hits,
+                    s.conflicts,
+                    s.unplanned,
+                    s.holes,
+                    s.iterations
+                )
+            });
             let why = format!(
-                "mapping {} of the plan's pool would exceed the memory limit {} ({} reserved)",
+                "mapping {} of the plan's pool would exceed the memory limit {} ({} reserved{served})",
                 Bytes(total),
                 Bytes(st.limit),
                 Bytes(reserved)
