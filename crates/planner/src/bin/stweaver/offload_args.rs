@@ -31,6 +31,10 @@ pub struct OffloadArgs {
     /// time of a run without offload). Default: the fastest iteration of the trace.
     #[arg(long, value_name = "MS")]
     pub iteration_ms: Option<f64>,
+    /// Share of the budget left free beside the plan's pool, for what a run holds outside
+    /// it.
+    #[arg(long, value_name = "F", default_value_t = stweaver_planner::offload::DEFAULT_MARGIN)]
+    pub margin: f64,
 }
 
 impl OffloadArgs {
@@ -42,6 +46,7 @@ impl OffloadArgs {
         o.host_times = self.timing == "trace";
         o.forward_share = (self.timing == "phases").then_some(self.forward_share);
         o.iteration_us = self.iteration_ms.map(|ms| ms * 1e3);
+        o.margin = self.margin;
         o.plan = plan;
         o
     }
