@@ -27,34 +27,13 @@
 //! `share_streams` off) is as large as its online phase; auto_offload, recorded under
 //! offload, ends before the switch.
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
+mod common;
+use common::{snapshot, trace_file};
 
 use stweaver_core::Trace;
-use stweaver_core::trace_file::trace_from_bytes;
 use stweaver_planner::engine_replay::{
     AutoOutcome, EngineReplayRow, EngineRowMode, ServeMode, replay_engine,
 };
-use stweaver_planner::snapshot::load_snapshot;
-
-fn repo(rel: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")).join(rel)
-}
-
-fn snapshot(name: &str) -> Trace {
-    let path = repo(&format!("data/traces/snap_{name}.pickle.gz"));
-    let mut s = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
-    s.traces.swap_remove(0)
-}
-
-fn trace_file(rel: &str) -> Trace {
-    let path = repo(rel);
-    let mut bytes = Vec::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(&path).expect("trace"))
-        .read_to_end(&mut bytes)
-        .expect("gzip");
-    trace_from_bytes(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
 
 /// What auto mode is expected to do on a trace.
 enum Expect {

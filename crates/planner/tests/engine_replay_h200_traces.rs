@@ -15,12 +15,10 @@
 //!   0.49 GiB every iteration: each copy of that tensor grew the pool, because the
 //!   pool's gap search ignored other streams' ranges and every gap it found was refused.
 
-use std::io::Read;
-use std::path::Path;
+mod common;
 
 use stweaver_core::Trace;
 use stweaver_core::engine::PlanOptions as ServeOptions;
-use stweaver_core::trace_file::trace_from_bytes;
 use stweaver_planner::engine_replay::{
     AutoSchedule, EngineReplayOptions, EngineReplayReport, ServeMode, plan_first_iterations,
     replay_engine,
@@ -28,14 +26,7 @@ use stweaver_planner::engine_replay::{
 use stweaver_planner::planning::{PlanOptions, plan_trace};
 
 fn load(name: &str) -> Trace {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/h200")
-        .join(name);
-    let mut bytes = Vec::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(&path).expect("trace"))
-        .read_to_end(&mut bytes)
-        .expect("gzip");
-    trace_from_bytes(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    common::trace_file(&format!("crates/planner/tests/data/h200/{name}"))
 }
 
 /// Auto mode: the first three iterations recorded, planned, switched to.

@@ -5,7 +5,7 @@
 //! block for overlap at every step; on top, at least 95 % of the requests the plan
 //! served in the unperturbed run must still be served from the plan.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 use stweaver_core::{AllocId, Allocation, Bytes, Event, EventKind, Trace};
 use stweaver_planner::engine_replay::{
@@ -13,15 +13,6 @@ use stweaver_planner::engine_replay::{
     replay_engine, with_iteration_markers,
 };
 use stweaver_planner::planning::PlanOptions;
-use stweaver_planner::snapshot::load_snapshot;
-
-fn load(name: &str) -> Trace {
-    let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces"))
-        .join(format!("snap_{name}.pickle.gz"));
-    let path: PathBuf = path;
-    let mut s = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
-    s.traces.swap_remove(0)
-}
 
 /// xorshift64*: a seeded, dependency-free generator.
 struct Rng(u64);
@@ -222,7 +213,7 @@ fn perturb(trace: &Trace, seed: u64, rate_per_10k: u64) -> Perturbed {
 
 #[test]
 fn a_perturbed_run_with_an_eval_pass_still_follows_the_plan() {
-    let base = load("llama1b_rcp");
+    let base = common::snapshot("llama1b_rcp");
     let marked = with_iteration_markers(&base, &iteration_boundaries(&base));
     let (outcome, _) = plan_first_iterations(&marked, 3, &PlanOptions::default()).unwrap();
     let opts = EngineReplayOptions::default();

@@ -3,7 +3,9 @@
 //! what is wrong, and the run is served online — through `read_plan_file`,
 //! `check_plan_matches` and `Engine::load_plan`, as the runtime does it.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use stweaver_core::plan_file::{check_plan_matches, read_plan_file, write_plan_file};
 use stweaver_core::trace_file::trace_digest;
@@ -13,14 +15,6 @@ use stweaver_planner::engine_replay::{
     plan_first_iterations, replay_engine, trace_prefix, with_iteration_markers,
 };
 use stweaver_planner::planning::PlanOptions;
-use stweaver_planner::snapshot::load_snapshot;
-
-fn load(name: &str) -> Trace {
-    let path: PathBuf = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces"))
-        .join(format!("snap_{name}.pickle.gz"));
-    let mut s = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
-    s.traces.swap_remove(0)
-}
 
 /// What the runtime does with `STWEAVER_PLAN=path`: read and verify the file, check it
 /// belongs to this device and workload, load it; any refusal is reported and the run
@@ -49,7 +43,7 @@ fn serve_from_file(
 
 #[test]
 fn bad_plan_files_are_refused_and_the_run_is_served_online() {
-    let trace = load("llama1b_rcp");
+    let trace = common::snapshot("llama1b_rcp");
     let bounds = iteration_boundaries(&trace);
     let (outcome, cut) = plan_first_iterations(&trace, 3, &PlanOptions::default()).unwrap();
     // The workload the plan belongs to: the trace it was made from.

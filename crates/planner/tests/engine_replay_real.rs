@@ -2,7 +2,8 @@
 //! plan from the first iterations, the whole trace served, against the lower bound and
 //! PyTorch's expandable segments measured on the GPU.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{ground_truth, snapshot as load};
 
 use stweaver_core::Trace;
 use stweaver_planner::engine_replay::{
@@ -10,23 +11,6 @@ use stweaver_planner::engine_replay::{
     replay_engine,
 };
 use stweaver_planner::planning::PlanOptions;
-use stweaver_planner::snapshot::load_snapshot;
-
-fn shared(name: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
-}
-
-fn load(name: &str) -> Trace {
-    let path = shared(&format!("snap_{name}.pickle.gz"));
-    let mut s = load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"));
-    s.traces.swap_remove(0)
-}
-
-fn ground_truth(key: &str) -> serde_json::Value {
-    let text = std::fs::read_to_string(shared("ground_truth.json")).expect("ground_truth.json");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    v[key].clone()
-}
 
 fn show(name: &str, r: &EngineReplayReport) {
     eprintln!(

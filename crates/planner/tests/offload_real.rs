@@ -8,9 +8,8 @@
 //! bytes than offloading every saved tensor. (Before the copies back were scheduled
 //! as late as possible, 0.8 and 0.7 were refused: "no offloadable tensor is freed there".)
 
-use std::io::Read;
+mod common;
 
-use stweaver_core::trace_file::trace_from_bytes;
 use stweaver_core::verify::verify_plan;
 use stweaver_core::{Bytes, Trace};
 use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
@@ -26,12 +25,10 @@ fn trace() -> Trace {
 }
 
 fn load(path: &str) -> Trace {
-    let gz = std::fs::read(path).expect("the vendored trace");
-    let mut bytes = Vec::new();
-    flate2::read::GzDecoder::new(&gz[..])
-        .read_to_end(&mut bytes)
-        .expect("gunzip");
-    trace_from_bytes(&bytes).expect("a valid trace file")
+    common::trace_file(
+        path.strip_prefix(concat!(env!("CARGO_MANIFEST_DIR"), "/../../"))
+            .expect("in the repository"),
+    )
 }
 
 #[test]

@@ -1,26 +1,19 @@
 //! The real PyTorch snapshots of `data/traces/`: lower bounds against the ground
 //! truth, and iteration periods against the `Optimizer.step` annotations.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 use stweaver_core::{EventKind, MarkerKind, Trace};
 use stweaver_planner::iteration::{PeriodSource, detect_period};
-use stweaver_planner::snapshot::{Snapshot, load_snapshot};
-
-fn shared(name: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/traces")).join(name)
-}
+use stweaver_planner::snapshot::Snapshot;
 
 fn load(name: &str) -> Snapshot {
-    let path = shared(name);
-    load_snapshot(&path).unwrap_or_else(|e| panic!("{e}"))
+    common::snapshot_file(name)
 }
 
 /// `lower_bound_bytes` of `ground_truth.json`.
 fn ground_truth_lb(key: &str) -> u64 {
-    let text = std::fs::read_to_string(shared("ground_truth.json")).expect("ground_truth.json");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    v[key]["lower_bound_bytes"]
+    common::ground_truth(key)["lower_bound_bytes"]
         .as_u64()
         .expect("lower_bound_bytes")
 }
