@@ -68,6 +68,7 @@ for _p in (HERE, PY_DIR):
         sys.path.insert(0, _p)
 
 import gpu_bench as gb  # noqa: E402  (model configs and builder; imports no torch)
+from gpubench.common import stweaver_stats  # noqa: E402
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -381,10 +382,7 @@ def run_row(spec: dict) -> dict:
     else:
         res["max_reserved"] = res["max_allocated"] = 0
     if st is not None:
-        try:
-            res["stweaver"] = st.stats()
-        except Exception as e:  # report, do not lose the run
-            res["stweaver"] = {"error": str(e)}
+        res["stweaver"] = stweaver_stats(st)
     return res
 
 

@@ -17,6 +17,7 @@ try:
 except ImportError:  # not on Linux: no per-thread context-switch counts
     resource = None
 
+from . import common
 from .common import PY_DIR
 from .workloads import WARMUP
 
@@ -422,10 +423,7 @@ def run_spec(spec: dict) -> dict:
         elif steady_from is not None:
             res["steady_max_reserved"] = res["steady_max_allocated"] = 0
     if st is not None:
-        try:
-            res["stweaver"] = st.stats()
-        except Exception as e:  # report, do not lose the run
-            res["stweaver"] = {"error": str(e)}
+        res["stweaver"] = common.stweaver_stats(st)
         if alloc == "trace":
             res["trace_files"] = st.flush_trace()
     return res

@@ -21,3 +21,12 @@ GiB = float(1 << 30)
 
 
 MiB = float(1 << 20)
+
+
+def stweaver_stats(st) -> dict:
+    """``st.stats()`` (stweaver's counters), or the error that stopped it: a run's report
+    never loses its other numbers to it."""
+    try:
+        return st.stats()
+    except Exception as e:  # report, do not lose the run
+        return {"error": str(e)}
