@@ -68,7 +68,7 @@ for _p in (HERE, PY_DIR):
         sys.path.insert(0, _p)
 
 import gpu_bench as gb  # noqa: E402  (model configs and builder; imports no torch)
-from gpubench.common import stweaver_stats  # noqa: E402
+from gpubench.common import stweaver_stats, write_json, write_table  # noqa: E402
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -592,9 +592,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "budget_bench.json")
 
     def save():
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(path, doc)
 
     doc["link"] = spawn(dict(base, row="link"), tmp, args.timeout_s)
     print(f"link: {doc['link']}", flush=True)
@@ -691,8 +689,7 @@ def main(argv=None) -> int:
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()
     table = fmt_table(doc)
-    with open(os.path.join(args.out, "budget_bench.txt"), "w") as fh:
-        fh.write(table + "\n")
+    write_table(args.out, "budget_bench", table)
     print(f"\nwritten: {path}\n")
     print(table)
     return 0

@@ -94,6 +94,7 @@ for _p in (HERE, PY_DIR):
         sys.path.insert(0, _p)
 
 import gpu_bench as gb  # noqa: E402  (model configs, builder, child environment; no torch)
+from gpubench.common import write_json, write_table  # noqa: E402
 
 GiB = float(1 << 30)
 MiB = 1 << 20
@@ -398,9 +399,7 @@ def speed_child(spec: dict) -> dict:
     res: dict = {"kind": kind, "ok": False, "rows": []}
 
     def save():
-        with open(spec["result"] + ".tmp", "w") as f:
-            json.dump(res, f)
-        os.replace(spec["result"] + ".tmp", spec["result"])
+        write_json(spec["result"], res, indent=None)
 
     tms = None
     if kind == "stweaver":
@@ -1320,9 +1319,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "share_bench.json")
 
     def save():
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(path, doc)
 
     print(f"share_bench: parts {parts}, logs in {tmp}", flush=True)
     if "speed" in parts:
@@ -1340,8 +1337,7 @@ def main(argv=None) -> int:
     doc["wall_s"] = time.time() - t_start
     save()
     table = fmt_table(doc)
-    with open(os.path.join(args.out, "share_bench.txt"), "w") as f:
-        f.write(table + "\n")
+    write_table(args.out, "share_bench", table)
     print(f"\nwritten: {path} ({doc['wall_s']:.0f} s)\n")
     print(table)
     return 0

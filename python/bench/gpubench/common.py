@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Optional
 
 
 # python/bench (this package's parent), the repository, its python/ folder.
@@ -30,3 +32,19 @@ def stweaver_stats(st) -> dict:
         return st.stats()
     except Exception as e:  # report, do not lose the run
         return {"error": str(e)}
+
+
+def write_json(path: str, doc, indent: Optional[int] = 1) -> None:
+    """Writes ``doc`` to ``path`` whole or not at all (a ``.tmp`` beside it, then renamed):
+    a benchmark killed mid-write leaves its last complete results."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=indent)
+    os.replace(path + ".tmp", path)
+
+
+def write_table(out_dir: str, stem: str, table: str) -> str:
+    """The benchmark's short table as ``<out_dir>/<stem>.txt``; its path."""
+    path = os.path.join(out_dir, stem + ".txt")
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    return path

@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .common import ENTRY, GiB, PY_DIR
+from .common import ENTRY, GiB, PY_DIR, write_json
 from .workloads import ALLOCATORS, CAP_ALLOCATORS, CAP_BYTES, CAP_WORKLOADS, DRY_CAPS, WARMUP, WORKLOADS, dry_workloads
 from .child import _median
 from .stats import finalize_workload, noise_note, paired_ratios, round_times, steady_indices, steady_median
@@ -209,10 +209,7 @@ class Driver:
         return self.deadline - time.time()
 
     def save(self):
-        path = os.path.join(self.out, "gpu_bench.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.doc, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(os.path.join(self.out, "gpu_bench.json"), self.doc)
 
     def run_one(self, workload: dict, alloc: str, est_s: float, extra: Optional[dict] = None) -> dict:
         if self.remaining() < est_s + 15:
