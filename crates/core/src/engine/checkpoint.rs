@@ -246,22 +246,7 @@ impl<D: DeviceMemory> Engine<D> {
             for &i in pieces {
                 st.arenas.finish_mapping(i, false);
             }
-            let s = &st.stats;
-            let allocated = s.allocated_bytes[0].current as u64;
-            let free_reserved = reserved.saturating_sub(s.active_bytes[0].current as u64);
-            let limit = st.limit;
-            drop(st);
-            let device_free = self.dev.free_memory().unwrap_or(Bytes::ZERO);
-            return Err(EngineError::OutOfMemory {
-                requested: Bytes(total),
-                rounded: Bytes(total),
-                stream,
-                allocated: Bytes(allocated),
-                reserved: Bytes(reserved),
-                free_reserved: Bytes(free_reserved),
-                limit: Bytes(limit),
-                device_free,
-            });
+            return Err(self.out_of_memory_error(st, Bytes(total), total, stream));
         }
         let (results, st) = self.map_blocks(st, pieces)?;
         let first_err = results.into_iter().find_map(Result::err);

@@ -295,6 +295,19 @@ impl<D: DeviceMemory> Engine<D> {
         stream: StreamId,
     ) -> EngineError {
         st.stats.num_ooms += 1;
+        self.out_of_memory_error(st, size, rounded, stream)
+    }
+
+    /// What was asked and what is held, when `size` (`rounded`) does not fit (the lock
+    /// released before the device is asked for its free memory).
+    #[cold]
+    pub(super) fn out_of_memory_error(
+        &self,
+        st: MutexGuard<'_, State>,
+        size: Bytes,
+        rounded: u64,
+        stream: StreamId,
+    ) -> EngineError {
         let s = &st.stats;
         let allocated = s.allocated_bytes[0].current as u64;
         let reserved = s.reserved_bytes[0].current as u64;
