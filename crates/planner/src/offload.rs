@@ -483,7 +483,7 @@ pub fn plan_with_budget(
     let a0 = analysis(&[]);
     report.candidates = a0.cands.len();
     report.candidate_bytes = a0.cands.iter().map(|c| c.bytes).sum();
-    report.timing = a0.timing;
+    report.timing = clock.timing;
     // The longest copy-out wait worth planning at one point: every candidate's copy,
     // back to back.
     let max_wait = match opts.reuse {
@@ -493,11 +493,10 @@ pub fn plan_with_budget(
 
     // The minimum: every candidate free from its pack to its last trigger (any wait at
     // all, every copy back as late as it may start).
-    let a_min = &a0;
-    let mut tree = a_min.base_profile();
-    for c in &a_min.cands {
-        let w = a_min.widest(c);
-        a_min.apply(&mut tree, c, w, -1);
+    let mut tree = a0.base_profile();
+    for c in &a0.cands {
+        let w = a0.widest(c);
+        a0.apply(&mut tree, c, w, -1);
     }
     // The smallest budget: that peak and what serving needs beside the pool.
     let (minimum, at) = tree.max();
@@ -506,8 +505,8 @@ pub fn plan_with_budget(
         return Err(OffloadError::BelowMinimum {
             budget,
             minimum: report.minimum,
-            candidates: a_min.cands.len(),
-            at: a_min.minimum_at(at as u64, minimum),
+            candidates: a0.cands.len(),
+            at: a0.minimum_at(at as u64, minimum),
         });
     }
 
@@ -522,7 +521,8 @@ pub fn plan_with_budget(
         for _ in 0..MAX_WAIT_POINTS {
             let unmet = match a.select(target) {
                 Ok(c) => {
-                    let total = waits.iter().map(|w| w.1).sum();
+                    // From +0: an empty f64 `sum` is -0.0, printed "-0".
+                    let total = waits.iter().fold(0.0, |t, w| t + w.1);
                     return Ok((a, c, total));
                 }
                 Err(u) => u,
@@ -815,12 +815,12 @@ impl Clock {
 struct Analysis<'a> {
     trace: &'a Trace,
     c: &'a Classification,
-    /// Plan-clock tick of every event.
-    ticks: Vec<u64>,
-    total: u64,
-    /// Time (µs, relative) of each gap `0..=L` of the first steady iteration.
+    /// Plan-clock ticks and how times are estimated (shared by every analysis of one
+    /// planning, whatever its waits).
+    clock: &'a Clock,
+    /// Time (µs, relative) of each gap `0..=L` of the first steady iteration, waits
+    /// included.
     gap_time: Vec<f64>,
-    timing: Timing,
     /// Microseconds per byte on the link.
     us_per_byte: f64,
     /// [`OffloadOptions::reuse`].
@@ -837,13 +837,11 @@ impl<'a> Analysis<'a> {
         trace: &'a Trace,
         c: &'a Classification,
         opts: &OffloadOptions,
-        clock: &Clock,
+        clock: &'a Clock,
         waits: &[(u64, f64)],
     ) -> Self {
         let (link_gbps, reuse) = (opts.link_gbps, opts.reuse);
-        let ticks = clock.ticks.clone();
-        let total = clock.total;
-        let timing = clock.timing;
+        let ticks = &clock.ticks;
         let (p, l) = (c.prologue_len, c.iteration_len);
         let in_iter0 = |e: usize| ticks[e] >= p && ticks[e] < p + l;
         let window: Vec<usize> = (0..trace.events.len()).filter(|&e| in_iter0(e)).collect();
@@ -977,10 +975,8 @@ impl<'a> Analysis<'a> {
         Analysis {
             trace,
             c,
-            ticks,
-            total,
+            clock,
             gap_time,
-            timing,
             us_per_byte: 1.0 / (link_gbps * 1e3),
             reuse,
             cands,
@@ -1125,14 +1121,17 @@ impl<'a> Analysis<'a> {
 
     /// `V[t]`: live padded bytes of the planned allocations after request `t`.
     fn base_profile(&self) -> MaxTree {
-        let n = self.total.max(1) as usize;
+        let n = self.clock.total.max(1) as usize;
         let mut diff = vec![0i64; n + 1];
         for (i, l) in self.trace.lifetimes().iter().enumerate() {
             if !self.c.classes[i].is_planned() {
                 continue;
             }
-            let s = l.start.map_or(0, |e| self.ticks[e.index()]) as usize;
-            let e = l.end.map_or(n, |e| self.ticks[e.index()] as usize).min(n);
+            let s = l.start.map_or(0, |e| self.clock.ticks[e.index()]) as usize;
+            let e = l
+                .end
+                .map_or(n, |e| self.clock.ticks[e.index()] as usize)
+                .min(n);
             if s < e {
                 let b = pad(self.trace.allocations[i].size) as i64;
                 diff[s] += b;
@@ -1171,8 +1170,8 @@ impl<'a> Analysis<'a> {
             if self.c.classes[i] != AllocClass::Persistent {
                 continue;
             }
-            let s = l.start.map_or(0, |e| self.ticks[e.index()]);
-            let e = l.end.map_or(u64::MAX, |e| self.ticks[e.index()]);
+            let s = l.start.map_or(0, |e| self.clock.ticks[e.index()]);
+            let e = l.end.map_or(u64::MAX, |e| self.clock.ticks[e.index()]);
             if s <= tick && tick < e {
                 persistent += pad(self.trace.allocations[i].size);
             }
@@ -1376,7 +1375,7 @@ impl<'a> Analysis<'a> {
         let mut time = 0;
         for (e, ev) in self.trace.events.iter().enumerate() {
             time = ev.time_us;
-            let t = self.ticks[e];
+            let t = self.clock.ticks[e];
             let request = ev.kind.is_request();
             if request && let Some(v) = late.remove(&t) {
                 events.extend(v.into_iter().map(|i| Event {
