@@ -5,6 +5,17 @@ use stweaver_core::Bytes;
 use stweaver_planner::offload::{OffloadOptions, OutReuse};
 use stweaver_planner::planning::PlanOptions;
 
+/// `--timing`: the offload schedule's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ClockArg {
+    /// Forward `--forward-share` of the iteration, backward the rest, each spread evenly.
+    Phases,
+    /// The whole iteration spread evenly over its requests.
+    Spread,
+    /// The trace's time stamps as they are.
+    Trace,
+}
+
 /// Flattened into each command that plans under a budget.
 #[derive(Debug, Clone, clap::Args)]
 pub struct OffloadArgs {
@@ -22,8 +33,8 @@ pub struct OffloadArgs {
     /// backward, each spread evenly over its requests; `spread` spreads the whole
     /// iteration evenly; `trace` takes the time stamps as they are (a trace recorded with
     /// the host in step with the device).
-    #[arg(long, value_name = "CLOCK", default_value = "phases", value_parser = ["phases", "spread", "trace"])]
-    pub timing: String,
+    #[arg(long, value_name = "CLOCK", value_enum, default_value_t = ClockArg::Phases)]
+    pub timing: ClockArg,
     /// Forward's share of an iteration's device time (`--timing phases`).
     #[arg(long, value_name = "F", default_value_t = stweaver_planner::offload::DEFAULT_FORWARD_SHARE)]
     pub forward_share: f64,
@@ -43,8 +54,8 @@ impl OffloadArgs {
         let mut o = OffloadOptions::new(budget);
         o.link_gbps = self.link_gbps;
         o.reuse = self.reuse_offloaded;
-        o.host_times = self.timing == "trace";
-        o.forward_share = (self.timing == "phases").then_some(self.forward_share);
+        o.host_times = self.timing == ClockArg::Trace;
+        o.forward_share = (self.timing == ClockArg::Phases).then_some(self.forward_share);
         o.iteration_us = self.iteration_ms.map(|ms| ms * 1e3);
         o.margin = self.margin;
         o.plan = plan;
