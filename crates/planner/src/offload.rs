@@ -232,12 +232,12 @@ impl std::str::FromStr for OutReuse {
 pub enum Timing {
     /// The trace's `time_us` ([`OffloadOptions::host_times`]).
     TraceTimes,
-    /// The steady iteration's duration in the trace's `time_us` (from its first request to
-    /// the next iteration's), spread evenly over its requests: the default. On a GPU the
-    /// host runs ahead of the device within an iteration and waits at its end, so the
-    /// host times of a forward and backward pass are a fraction of the device's, while
-    /// the copies take device (link) time; spreading the period is the device's pace, to
-    /// first order.
+    /// The iteration's duration ([`OffloadOptions::iteration_us`], else the trace's
+    /// fastest marked iteration) spread evenly over its requests (`forward_share: None`).
+    /// On a GPU the host runs ahead of the device within an iteration and waits at its
+    /// end, so the host times of a forward and backward pass are a fraction of the
+    /// device's; spreading the period is the device's pace to first order, but gives
+    /// forward too much of it (its requests are many and its arithmetic a third).
     SpreadPeriod,
     /// The period split between forward (up to the iteration's first unpack) and the rest
     /// by [`OffloadOptions::forward_share`], each part spread evenly over its requests:
