@@ -134,11 +134,11 @@ const WAIT_SEARCH_STEPS: usize = 14;
 const MAX_WAIT_POINTS: usize = 8;
 
 /// Share of the budget a plan leaves free beside its pool and [`serving_headroom`]: what
-/// a GPU run holds outside the pool beyond the CPU replay's model (requests served off
-/// plan when a range is still busy, timing-dependent frees). On the H100 plans 37 MB
-/// (Llama 1B, 0.9 x LB) and 6 MB (GPT-2 XL, 0.9 and 0.8 x LB) under the budget gave
-/// their pool up in their first scheduled iteration, with 82 MiB and 310 MiB held beside
-/// the pool; plans with 55 MB and more ran.
+/// a GPU run holds outside the pool beyond the CPU replay's model (not identified yet).
+/// On the H100 plans 37 MB (Llama 1B, 0.9 x LB) and 6 MB (GPT-2 XL, 0.9 and 0.8 x LB)
+/// under the budget gave their pool up in their first scheduled iteration, holding at
+/// least 82 MiB and 310 MiB beside the pool by their give-up messages; plans with 55 MB
+/// and more ran. Not yet re-measured with the margin.
 pub const DEFAULT_MARGIN: f64 = 0.02;
 
 /// Plans tried before giving up on a budget the selection should reach.
