@@ -130,25 +130,22 @@ def test_setup_py_prebuilt_layout(tmp_path):
     (pre / "libstweaver_torch.a").symlink_to(parts.staticlib)
     (pre / "cxxbridge").symlink_to(parts.cxxbridge, target_is_directory=True)
     (pre / "cli" / "stweaver").write_bytes(b"")
-    r = subprocess.run(
-        [sys.executable, setup_py, "--name"],
-        env=dict(env, STWEAVER_PREBUILT=str(pre)),
-        cwd=os.path.dirname(setup_py),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def setup_name():
+        return subprocess.run(
+            [sys.executable, setup_py, "--name"],
+            env=dict(env, STWEAVER_PREBUILT=str(pre)),
+            cwd=os.path.dirname(setup_py),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    r = setup_name()
     assert r.returncode == 0 and "no cargo build" in r.stdout, r.stdout + r.stderr
     (pre / "cli" / "stweaver").unlink()
     (pre / "cxxbridge").unlink()
-    r = subprocess.run(
-        [sys.executable, setup_py, "--name"],
-        env=dict(env, STWEAVER_PREBUILT=str(pre)),
-        cwd=os.path.dirname(setup_py),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = setup_name()
     assert r.returncode != 0, r.stdout + r.stderr
     for missing in ("cxxbridge/rust/cxx.h", "cli/stweaver"):
         assert str(pre / missing) in r.stderr, r.stderr
