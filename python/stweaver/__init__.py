@@ -250,13 +250,15 @@ def stats() -> dict:
 
 
 def flush_trace() -> List[str]:
-    """Trace mode: stops recording and writes the trace file(s) now; returns their paths."""
+    """Trace mode (or plan mode given a trace path: the served run, for a CPU replay against
+    the plan): stops recording and writes the trace file(s) now; returns their paths."""
     return list(_require().flush_trace())
 
 
 def _flush_at_exit() -> None:
     try:
-        if _settings is not None and _ext is not None and _ext.mode() == "trace":
+        served = _settings is not None and _settings.mode == "plan" and _settings.trace
+        if _settings is not None and _ext is not None and (_ext.mode() == "trace" or served):
             for path in _ext.flush_trace():
                 print(f"stweaver: trace written to {path}")
     except Exception as e:  # atexit: report, never raise

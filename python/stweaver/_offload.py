@@ -23,9 +23,13 @@ Ordinals
 A schedule entry names a saved tensor by its **pack ordinal** k: the 0-based count of the
 *counted* pack-hook calls since the iteration boundary (``stweaver.step()`` or the
 optimizer-step hook; here :func:`iteration_end`). A call is counted when its tensor is a CUDA
-tensor that starts its storage (``data_ptr() == untyped_storage().data_ptr()``, storage not
-empty): exactly the calls for which the trace can carry a marker, since a storage is one
-allocation. Its unpack is the **unpack ordinal** j among the iteration's counted unpack-hook
+tensor that covers its whole storage (``data_ptr() == untyped_storage().data_ptr()`` and
+``nbytes == untyped_storage().nbytes()``, storage not empty): exactly the calls for which the
+trace carries a marker, since a storage is one allocation. A view of part of a storage (the q
+of a fused qkv projection, which starts the storage) is not counted: offloading it would free
+nothing while the other views hold the storage, and the planner, which sees only the counted
+calls, must not count on its allocation going away (on the H100, GPT-2 XL's 75 MiB qkv
+outputs were scheduled, skipped at run time, and their plan conflicted at the peak). Its unpack is the **unpack ordinal** j among the iteration's counted unpack-hook
 calls (a tensor returned as is by pack is the same object at unpack, so it is counted the same
 way; a handle always is), and ``prefetch_after_unpack`` p the unpack ordinal right after which
 its copy back starts (-1: at the iteration's first unpack). While stweaver records a trace,
@@ -615,12 +619,13 @@ class Offloader:
 
     def counted(self, t) -> bool:
         """Whether a hook call on t counts as an ordinal (see the module doc): a device tensor
-        that starts its (non-empty) storage."""
+        that covers its whole (non-empty) storage."""
         if not self.backend.is_device(t):
             return False
         try:
             st = t.untyped_storage()
-            return st.nbytes() > 0 and t.data_ptr() == st.data_ptr()
+            n = st.nbytes()
+            return n > 0 and t.data_ptr() == st.data_ptr() and t.numel() * t.element_size() == n
         except (RuntimeError, NotImplementedError):  # no storage (fake / functional tensors)
             return False
 

@@ -6,7 +6,8 @@ with no arguments):
 =========================  ==========================================================
 ``STWEAVER_MODE``          ``online`` | ``trace`` | ``plan`` | ``auto``
 ``STWEAVER_PLAN``          plan file to serve (implies ``plan`` when no mode is given)
-``STWEAVER_TRACE``         trace file to write (implies ``trace`` when no mode is given)
+``STWEAVER_TRACE``         trace file to write (implies ``trace`` when no mode is given;
+                           with ``plan``: the served run, to replay against the plan)
 ``STWEAVER_HOOK_OPTIMIZER`` ``1``/``0``: mark an iteration after every optimizer step
                            (default: on in ``auto`` mode, which needs iteration
                            boundaries; off otherwise)

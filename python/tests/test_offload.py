@@ -450,15 +450,18 @@ def test_only_whole_storage_dense_device_tensors_are_offloaded():
     assert be.ops("copy") == []
     whole = torch.randn(64, 32)
     assert isinstance(o.pack(whole), off._Handle)
-    # with a schedule: a view that does not start its storage takes no ordinal; a counted
-    # tensor scheduled but not eligible (an expanded column) -> skipped; wrong size -> mismatch
-    view, tr = base[1:], col.expand(64, 32)
-    o2, be2 = offloader(schedule=[(0, 0, -1, tr.numel() * tr.element_size()), (1, 1, -1, 999)])
-    assert o2.pack(view) is view
-    assert o2.pack(tr) is tr
+    # with a schedule: a view of part of its storage takes no ordinal, whether it starts the
+    # storage or not (a fused qkv projection's q: offloading it would free nothing), nor does
+    # an expanded column; a counted tensor scheduled but not eligible (a parameter) ->
+    # skipped; wrong size -> mismatch
+    views = [base[1:], base[:10], col.expand(64, 32)]
+    o2, be2 = offloader(schedule=[(0, 0, -1, param.numel() * param.element_size()), (1, 1, -1, 999)])
+    for v in views:
+        assert o2.pack(v) is v
+    assert o2.pack(param) is param
     t = torch.randn(10)
     assert o2.pack(t) is t
-    assert o2.k == 2, "the view took no ordinal"
+    assert o2.k == 2, "the views took no ordinal"
     st = o2.iteration_end()
     assert st["schedule_skipped"] == 1 and st["schedule_mismatch"] == 1 and st["tensors_out"] == 0
 

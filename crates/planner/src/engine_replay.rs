@@ -217,7 +217,18 @@ pub struct EngineReplayOptions {
     pub release_before_new_peak: bool,
     /// Print the device traffic so far at every iteration boundary (stderr).
     pub log_iterations: bool,
+    /// Frees whose completion the trace records later than their request (a block
+    /// `record_stream`ed to a side stream: an offloaded tensor's copy out) are freed
+    /// at the request, pending on an event of a side stream that passes at the
+    /// recorded completion ([`DEFERRED_FREE_STREAM`]), as the runtime serves them; off:
+    /// freed at the completion. Events then pass only at those completions and at
+    /// iteration boundaries (and with `event_lag`).
+    pub deferred_frees: bool,
 }
+
+/// The side stream [`EngineReplayOptions::deferred_frees`] records its events on (no
+/// trace stream has this id: a `cudaStream_t` is a pointer, aligned).
+pub const DEFERRED_FREE_STREAM: StreamId = StreamId(0x5157_ea11);
 
 impl Default for EngineReplayOptions {
     fn default() -> Self {
@@ -229,6 +240,7 @@ impl Default for EngineReplayOptions {
             event_lag: None,
             release_before_new_peak: false,
             log_iterations: false,
+            deferred_frees: false,
         }
     }
 }
@@ -307,6 +319,8 @@ pub struct EngineReplayReport {
     /// Device traffic of the replay: maps, unmaps and whole-device synchronisations (a
     /// release of cached memory synchronises once).
     pub device_counters: stweaver_core::engine::HostCounters,
+    /// The first [`MAX_CONFLICTS_KEPT`] conflicts, in order, with their occupants.
+    pub conflicts: Vec<ConflictSeen>,
 }
 
 impl EngineReplayReport {
@@ -630,6 +644,26 @@ struct Replayer<'t> {
     live: LiveRanges,
     pending: PendingRanges,
     plan_base: Option<(u64, u64)>,
+    conflicts: Vec<ConflictSeen>,
+}
+
+/// Conflicts a report keeps (the first ones; the plan's stats count them all).
+pub const MAX_CONFLICTS_KEPT: usize = 4096;
+
+/// A request whose planned range was occupied when it came, and by what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConflictSeen {
+    /// Trace event of the request.
+    pub event: usize,
+    pub alloc: AllocId,
+    /// The planned range: its offset in the plan's pool and its length.
+    pub offset: u64,
+    pub len: Bytes,
+    /// Live allocations overlapping the range (the occupants; the ones the plan
+    /// expected gone).
+    pub occupied_by: Vec<AllocId>,
+    /// Freed allocations overlapping it whose frees still wait for other streams.
+    pub pending: Vec<AllocId>,
 }
 
 impl Replayer<'_> {
@@ -663,6 +697,39 @@ impl Replayer<'_> {
             p.get() + rounded,
         )?;
         let after = self.plan_counts()?;
+        if let Some((at, len)) = self
+            .engine
+            .take_last_conflict()
+            .map_err(Self::err(event, "read its last conflict"))?
+            && self.conflicts.len() < MAX_CONFLICTS_KEPT
+        {
+            let (lo, hi) = (at.get(), at.get() + len.get());
+            let base = self.plan_base.map_or(0, |b| b.0);
+            let occupied_by = self
+                .live
+                .map
+                .range(..hi)
+                .rev()
+                .take_while(|(_, (end, _))| *end > lo)
+                .map(|(_, &(_, a))| a)
+                .filter(|&a| a != id)
+                .collect();
+            let pending = self
+                .pending
+                .list
+                .iter()
+                .filter(|p| p.start < hi && p.end > lo)
+                .map(|p| p.alloc)
+                .collect();
+            self.conflicts.push(ConflictSeen {
+                event,
+                alloc: id,
+                offset: lo.saturating_sub(base),
+                len,
+                occupied_by,
+                pending,
+            });
+        }
         let served = if after.0 > before.0 {
             Served::Plan
         } else if after.1 > before.1 {
@@ -706,6 +773,32 @@ impl Replayer<'_> {
         Ok(())
     }
 
+    /// Frees `id` as a block used on [`DEFERRED_FREE_STREAM`] too (`record_stream`):
+    /// pending until that stream's event passes. The event's sequence number, if one
+    /// was recorded and has not passed.
+    fn free_deferred(
+        &mut self,
+        event: usize,
+        id: AllocId,
+    ) -> Result<Option<u64>, EngineReplayError> {
+        let Some(p) = self.ptr[id.index()] else {
+            return Ok(None);
+        };
+        self.engine
+            .record_stream(p, DEFERRED_FREE_STREAM)
+            .map_err(Self::err(event, format!("record_stream {id} at {p}")))?;
+        let mark = self.dev.events().recordings();
+        self.free(event, id)?;
+        Ok(self
+            .dev
+            .events()
+            .recorded_since(mark)
+            .into_iter()
+            .filter(|&(on, seq)| on == DEFERRED_FREE_STREAM && !self.dev.events().passed(on, seq))
+            .map(|(_, seq)| seq)
+            .max())
+    }
+
     fn pool(&self) -> Result<Option<(u64, u64)>, EngineReplayError> {
         Ok(self
             .engine
@@ -732,7 +825,7 @@ pub fn replay_engine(
 ) -> Result<EngineReplayReport, EngineReplayError> {
     trace.validate()?;
     let dev = VirtualMemory::new(opts.device_memory, opts.granule);
-    let dev = Arc::new(if opts.event_lag.is_some() {
+    let dev = Arc::new(if opts.event_lag.is_some() || opts.deferred_frees {
         dev.manual_events()
     } else {
         dev
@@ -756,6 +849,7 @@ pub fn replay_engine(
         live: LiveRanges::default(),
         pending: PendingRanges::default(),
         plan_base: None,
+        conflicts: Vec::new(),
     };
     let mut plan_error = None;
     if let ServeMode::Plan(plan) = mode {
@@ -772,6 +866,20 @@ pub fn replay_engine(
         .iter()
         .map(|l| l.end.map(|e| e.index()))
         .collect();
+    // Deferred frees: where each allocation's free was requested, when its completion
+    // came later (other events between the two); the side stream's sequence number of
+    // its pending free once freed.
+    let mut requested_at: Vec<Option<usize>> = vec![None; trace.allocations.len()];
+    if opts.deferred_frees {
+        for (i, e) in trace.events.iter().enumerate() {
+            if let EventKind::FreeRequested(id) = e.kind
+                && ends[id.index()].is_some_and(|end| end > i + 1)
+            {
+                requested_at[id.index()] = Some(i);
+            }
+        }
+    }
+    let mut deferred_seq: Vec<Option<u64>> = vec![None; trace.allocations.len()];
     for (i, a) in trace.allocations.iter().enumerate() {
         if a.preexisting {
             r.alloc(0, AllocId(i as u32))?;
@@ -797,7 +905,7 @@ pub fn replay_engine(
         }
         if next_bound < bounds.len() && bounds[next_bound] == i {
             next_bound += 1;
-            if opts.event_lag.is_some() {
+            if opts.event_lag.is_some() || opts.deferred_frees {
                 r.dev.events().pass_everything();
                 r.pending.prune(r.dev.events());
                 r.pending.prune(r.dev.events());
@@ -879,9 +987,24 @@ pub fn replay_engine(
         }
         match e.kind {
             EventKind::Alloc(id) => r.alloc(i, id)?,
+            EventKind::FreeRequested(id) if requested_at[id.index()] == Some(i) => {
+                deferred_seq[id.index()] = r.free_deferred(i, id)?;
+            }
             EventKind::FreeRequested(id) | EventKind::FreeCompleted(id) => {
                 if ends[id.index()] == Some(i) {
-                    r.free(i, id)?;
+                    match deferred_seq[id.index()].take() {
+                        // The side stream reaches this free's event (in order, as a
+                        // stream does).
+                        Some(seq) => {
+                            let ev = r.dev.events();
+                            while !ev.passed(DEFERRED_FREE_STREAM, seq)
+                                && ev.pass_next(DEFERRED_FREE_STREAM)
+                            {}
+                            r.pending.prune(ev);
+                        }
+                        None if requested_at[id.index()].is_some() => {}
+                        None => r.free(i, id)?,
+                    }
                 }
             }
             // Markers for the offload planner: nothing to allocate.
@@ -951,6 +1074,7 @@ pub fn replay_engine(
     Ok(EngineReplayReport {
         auto,
         device_counters: r.dev.counters(),
+        conflicts: std::mem::take(&mut r.conflicts),
         mode: mode.id(),
         plan_abandoned,
         lower_bound: trace.lower_bound().bytes,

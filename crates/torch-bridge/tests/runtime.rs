@@ -72,10 +72,10 @@ fn settings_are_validated() {
         let e = Settings::parse(m, p, t).unwrap_err();
         assert!(matches!(e, BridgeError::Settings(_)), "{m} {p} {t}: {e}");
     }
-    for (m, p, t) in [("plan", "", ""), ("plan", "p.stwp", "t.stwt")] {
-        assert!(Settings::parse(m, p, t).is_err(), "{m} {p} {t}");
-    }
+    assert!(Settings::parse("plan", "", "").is_err());
     assert!(Settings::parse("plan", "x.stwp", "").is_ok());
+    // A trace path in plan mode records the served run.
+    assert!(Settings::parse("plan", "p.stwp", "t.stwt").is_ok());
     for (p, t) in [
         ("", ""),
         ("p.stwp", ""),
@@ -535,6 +535,64 @@ fn trace_mode_writes_a_valid_trace_with_markers() {
     let (online, _) = runtime("online", "", 1, 8);
     assert!(online.flush_trace().is_err());
     assert!(online.mark("", true).is_err());
+}
+
+/// Plan mode given a trace path records the served run (the requests as the plan saw
+/// them, markers included) and writes it on `flush_trace`; without a path it cannot.
+#[test]
+fn plan_mode_with_a_trace_path_records_the_served_run() {
+    let dir = std::env::temp_dir().join(format!("stweaver-served-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (recorded, served) = (dir.join("rec.stwt"), dir.join("served.stwt"));
+    let (rt, _) = runtime("trace", recorded.to_str().unwrap(), 1, 64);
+    for _ in 0..4 {
+        rt.step().unwrap();
+        iteration(&rt);
+    }
+    rt.flush_trace().unwrap();
+    let trace = read_trace_file(&recorded).unwrap();
+    let plan = stweaver_planner::planning::plan_trace(
+        &trace,
+        &stweaver_planner::planning::PlanOptions::default(),
+    )
+    .unwrap()
+    .plan;
+    let plan_path = dir.join("p.stwp");
+    stweaver_core::plan_file::write_plan_file(&plan_path, &plan).unwrap();
+
+    let (rt, _) = runtime_with_plan(
+        "plan",
+        plan_path.to_str().unwrap(),
+        served.to_str().unwrap(),
+        1,
+        64,
+    );
+    for _ in 0..4 {
+        rt.step().unwrap();
+        iteration(&rt);
+    }
+    assert_eq!(rt.mode().unwrap(), "plan");
+    assert!(plan_stats(&rt)["hits"].as_u64().unwrap() > 0);
+    assert_eq!(
+        rt.flush_trace().unwrap(),
+        vec![served.display().to_string()]
+    );
+    let got = read_trace_file(&served).unwrap();
+    let sizes = |t: &stweaver_core::trace::Trace| -> Vec<u64> {
+        t.allocations.iter().map(|a| a.size.get()).collect()
+    };
+    assert_eq!(
+        sizes(&got),
+        sizes(&trace),
+        "the served run's requests, in order"
+    );
+
+    let (plain, _) = runtime_with_plan("plan", plan_path.to_str().unwrap(), "", 1, 64);
+    assert!(
+        plain.flush_trace().is_err(),
+        "no trace path: nothing recorded"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// One training-like iteration on S0: activations allocated and freed in a fixed pattern.

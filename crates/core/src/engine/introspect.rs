@@ -196,6 +196,19 @@ impl<D: DeviceMemory> Engine<D> {
         Ok(self.lock()?.abandoned.clone())
     }
 
+    /// The planned range (address, length) of the last request whose planned place
+    /// was occupied (a conflict), once: taking it clears it. `None` when there was no
+    /// conflict since the last call or no plan is served. For replays that name what
+    /// occupied the range (`stweaver replay`).
+    pub fn take_last_conflict(&self) -> Result<Option<(DevicePtr, Bytes)>, EngineError> {
+        Ok(self
+            .lock()?
+            .plan
+            .as_mut()
+            .and_then(|p| p.last_conflict.take())
+            .map(|(a, l)| (DevicePtr(a), Bytes(l))))
+    }
+
     /// The plan pool's base address and mapped length (`None` when no plan is served).
     pub fn plan_pool(&self) -> Result<Option<(DevicePtr, Bytes)>, EngineError> {
         Ok(self

@@ -153,7 +153,7 @@ impl<D: DeviceMemory> Engine<D> {
         rounded: u64,
         stream: StreamId,
     ) -> Result<(Option<Idx>, MutexGuard<'a, State>), EngineError> {
-        let e = match st.alloc_planned(size, rounded, stream)? {
+        let (e, addr) = match st.alloc_planned(size, rounded, stream)? {
             PlanAnswer::Placed(i) => return Ok((Some(i), st)),
             PlanAnswer::Nothing => return Ok((None, st)),
             PlanAnswer::Map { addr, e } => {
@@ -166,7 +166,7 @@ impl<D: DeviceMemory> Engine<D> {
                     st.planned_block(i, e.cross, stream);
                     return Ok((Some(i), st));
                 }
-                e
+                (e, addr)
             }
             PlanAnswer::Busy { addr, e } => {
                 let (placed, guard) = self.wait_for_pending(st, addr, rounded, size, stream)?;
@@ -175,10 +175,10 @@ impl<D: DeviceMemory> Engine<D> {
                     st.planned_block(i, e.cross, stream);
                     return Ok((Some(i), st));
                 }
-                e
+                (e, addr)
             }
         };
-        st.plan_conflict(&e);
+        st.plan_conflict(&e, addr);
         let hole = st.alloc_in_hole(size, rounded, stream)?;
         Ok((hole, st))
     }

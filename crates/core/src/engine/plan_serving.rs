@@ -118,6 +118,9 @@ pub(super) struct PlanServing {
     /// with too many conflicts since ([`PlanOptions::give_up_conflict_percent`]).
     at_boundary: (u64, u64),
     bad_iterations: u32,
+    /// The planned range `(addr, len)` of the last conflict, until taken
+    /// ([`Engine::take_last_conflict`]: what occupied it, for a replay's report).
+    pub(super) last_conflict: Option<(u64, u64)>,
 }
 
 /// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
@@ -225,7 +228,7 @@ impl State {
                 return Ok(PlanAnswer::Busy { addr, e });
             }
             // A conflict: its hole must stay free until its planned end.
-            self.plan_conflict(&e);
+            self.plan_conflict(&e, addr);
         } else {
             // An unplanned request where the plan expected a tensor that lives forever
             // (setup: parameters, optimizer state) is taken to live forever too. (`until`
@@ -250,10 +253,11 @@ impl State {
 
     /// The planned range of `e` was occupied: counted as a conflict, and a hole for it
     /// must stay free until its planned end.
-    pub(super) fn plan_conflict(&mut self, e: &cursor::Expected) {
+    pub(super) fn plan_conflict(&mut self, e: &cursor::Expected, addr: u64) {
         if let Some(p) = self.plan.as_mut() {
             p.cursor.conflict();
             p.until = Some(e.vend);
+            p.last_conflict = Some((addr, e.len));
         }
     }
 
@@ -369,6 +373,7 @@ impl<D: DeviceMemory> Engine<D> {
             bound: Vec::new(),
             at_boundary: (0, 0),
             bad_iterations: 0,
+            last_conflict: None,
         });
         Ok(())
     }

@@ -255,8 +255,7 @@ impl Core {
             device: DeviceId(slot.ordinal),
             limit: MemoryLimit::Bytes(Bytes(slot.budget.limit())),
             arena_size: None,
-            record_trace: matches!(self.settings.mode, Mode::Trace | Mode::Auto)
-                && is_default(pool),
+            record_trace: self.records_trace() && is_default(pool),
             release_before_new_peak: self.settings.release_at_peak,
             // A private pool's free memory may be a captured graph's scratch: it is
             // given back only by empty_cache once no graph uses the pool (keep_cache also
@@ -699,9 +698,21 @@ impl Core {
         }
     }
 
-    /// Stops recording and writes every device's trace; returns the files written.
+    /// Whether the default pools record a trace: trace and auto modes, and plan mode
+    /// given a trace path (the served run, for a CPU replay against the plan).
+    fn records_trace(&self) -> bool {
+        match self.settings.mode {
+            Mode::Trace | Mode::Auto => true,
+            Mode::Plan => self.settings.trace_path.is_some(),
+            Mode::Online => false,
+        }
+    }
+
+    /// Stops recording and writes every device's trace (trace mode, or plan mode given a
+    /// trace path); returns the files written.
     pub fn flush_trace(&self) -> Result<Vec<String>> {
-        if self.settings.mode != Mode::Trace {
+        let plan_trace = self.settings.mode == Mode::Plan && self.settings.trace_path.is_some();
+        if self.settings.mode != Mode::Trace && !plan_trace {
             return Err(BridgeError::Settings(format!(
                 "flush_trace: not recording a trace (mode is {})",
                 self.mode()

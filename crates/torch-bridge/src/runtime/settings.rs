@@ -37,7 +37,8 @@ pub use stweaver_planner::auto::DEFAULT_AUTO_ITERATIONS;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub mode: Mode,
-    /// Trace mode: where the trace goes; auto: where the recorded trace is kept (optional).
+    /// Trace mode: where the trace goes; auto: where the recorded trace is kept (optional);
+    /// plan mode: where the served run's requests are recorded (optional, diagnostics).
     /// Device 0's path; other devices get `.cudaN` before the extension.
     pub trace_path: Option<PathBuf>,
     /// Plan mode: the plan to serve; auto: where the plan made is kept (optional).
@@ -148,9 +149,9 @@ impl Settings {
                 if plan.is_empty() {
                     return bad("mode \"plan\" needs a plan file path".into());
                 }
-                if !trace.is_empty() {
-                    return bad(format!("mode \"plan\" takes no trace file (got {trace:?})"));
-                }
+                // A trace path in plan mode records the served run: the requests as the
+                // plan saw them, to replay on the CPU against the same plan (why it
+                // conflicted or was given up, `stweaver replay`).
                 Ok(settings(Mode::Plan))
             }
             "auto" => Ok(settings(Mode::Auto)),

@@ -1,4 +1,4 @@
-//! `stweaver`: inspect, convert, plan, verify, compare and draw allocation traces.
+//! `stweaver`: inspect, convert, plan, verify, compare, replay and draw allocation traces.
 
 use clap::{Parser, Subcommand};
 
@@ -7,6 +7,7 @@ mod convert;
 mod inspect;
 mod offload_args;
 mod plan;
+mod replay;
 mod verify;
 mod viz;
 
@@ -40,6 +41,9 @@ enum Command {
     /// Check a plan file (and, with --trace, that it matches and covers a trace), or a
     /// CSV solution (`id,lower,upper,size,offset`) with the independent checker.
     Verify(verify::VerifyArgs),
+    /// Serve a plan file over a trace's requests in the engine (the trace of the run
+    /// that served the plan, say) and name the requests it did not serve as planned.
+    Replay(replay::ReplayArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -51,6 +55,7 @@ fn main() -> std::process::ExitCode {
         Command::Compare(args) => compare::run(args),
         Command::Viz(args) => viz::run(args),
         Command::Verify(args) => verify::run(args),
+        Command::Replay(args) => replay::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
