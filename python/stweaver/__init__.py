@@ -179,7 +179,14 @@ def _start_offload(settings: Settings) -> None:
     # does a trace run asked to (STWEAVER_OFFLOAD=1), so that the recorded prologue is the
     # one the budgeted run will have.
     forced = os.environ.get("STWEAVER_OFFLOAD", "auto").strip().lower() in ("1", "true", "yes", "on")
-    first = 1 << 20 if (what == "plan" or forced) else None
+    if what == "record" and forced:
+        # A trace run asked to offload does so in every iteration, as auto mode records
+        # under a budget: each offloaded tensor's free then says when the program let go
+        # of it (the next layer may still read it after its pack), which the planner needs
+        # so as not to count on memory the program still holds (restore links, un_offload).
+        _offload.enable(min_bytes=1 << 20, hook_optimizer=False, ext=_extension())
+        return
+    first = 1 << 20 if what == "plan" else None
     _offload.enable(
         schedule=[] if what == "record" else "plan",
         hook_optimizer=False,

@@ -28,7 +28,10 @@ with no arguments):
 ``STWEAVER_OFFLOAD``       ``auto`` (default): trace mode records every saved tensor's
                            pack and unpack (for ``stweaver plan --budget``); auto and plan
                            modes under a budget follow the plan's offload schedule;
-                           ``1``: the hooks in every mode; ``0``: never
+                           ``1``: the hooks in every mode (trace mode then offloads
+                           every saved tensor of at least 1 MiB, as auto records under a
+                           budget, so the trace says when the program let go of each);
+                           ``0``: never
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``

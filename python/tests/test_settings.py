@@ -130,3 +130,27 @@ def test_offload_hooks_follow_mode_and_budget(monkeypatch, tmp_path):
     assert stweaver._offload_setting(s(mode="online")) == "record"
     monkeypatch.setenv("STWEAVER_OFFLOAD", "0")
     assert stweaver._offload_setting(s(budget="16GiB")) is None
+
+
+def test_a_trace_run_asked_to_offload_offloads_every_iteration(monkeypatch, tmp_path):
+    # STWEAVER_OFFLOAD=1 in trace mode: threshold offload throughout (as auto records under a
+    # budget), so every iteration's trace says when the program let go of each tensor;
+    # auto under a budget: the plan's schedule, threshold only before it.
+    import stweaver
+    from stweaver import _offload
+
+    monkeypatch.setattr(stweaver, "_extension", lambda: None)
+    monkeypatch.setenv("STWEAVER_OFFLOAD", "1")
+    stweaver._start_offload(resolve(env={}, mode="trace", trace=str(tmp_path / "t.stwt")))
+    try:
+        o = _offload.current()
+        assert o.mode == "threshold" and o.min_bytes == 1 << 20
+    finally:
+        _offload.disable()
+    monkeypatch.setenv("STWEAVER_OFFLOAD", "auto")
+    stweaver._start_offload(resolve(env={}, mode="trace", trace=str(tmp_path / "t.stwt")))
+    try:
+        o = _offload.current()
+        assert o.mode == "schedule" and o.first_min_bytes is None
+    finally:
+        _offload.disable()

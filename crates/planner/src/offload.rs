@@ -103,7 +103,7 @@ use stweaver_core::{
 
 use crate::classify::{AllocClass, Classification, Steady, plan_clock};
 use crate::planning::{ALIGNMENT, PlanBuildError, PlanOptions, PlanOutcome, plan_trace};
-use crate::unoffload::un_offload;
+use crate::unoffload::un_offload_with_releases;
 
 /// Link bandwidth per direction assumed by default, in GB/s (10^9 bytes per second):
 /// half of the 55 GB/s pinned host ↔ device measured on an H100.
@@ -407,12 +407,13 @@ pub fn plan_with_budget(
         return Err(OffloadError::BadBandwidth(opts.link_gbps));
     }
     let normalised;
+    let mut releases = Vec::new();
     let trace = if input.restores.is_empty() {
         input.validate()?;
         input
     } else {
         input.validate()?;
-        normalised = un_offload(&keep_first_iteration_offloaded(input))?;
+        (normalised, releases) = un_offload_with_releases(&keep_first_iteration_offloaded(input))?;
         &normalised
     };
     let budget = opts.budget;
@@ -478,8 +479,9 @@ pub fn plan_with_budget(
         base.classification.prologue_len,
         base.classification.iteration_len.max(1),
     );
-    let analysis =
-        |waits: &[(u64, f64)]| Analysis::new(trace, &base.classification, opts, &clock, waits);
+    let analysis = |waits: &[(u64, f64)]| {
+        Analysis::new(trace, &base.classification, opts, &clock, &releases, waits)
+    };
     let a0 = analysis(&[]);
     report.candidates = a0.cands.len();
     report.candidate_bytes = a0.cands.iter().map(|c| c.bytes).sum();
@@ -672,6 +674,10 @@ struct Cand {
     /// Relative ticks (gaps) of its pack and unpack events.
     r_pack: u64,
     r_unpack: u64,
+    /// The gap from which the program no longer holds it (its recorded forward free,
+    /// [`crate::unoffload::un_offload_with_releases`]); `r_pack` when unknown. Its
+    /// memory is free no earlier, whenever its copy is done.
+    r_release: u64,
     /// Times (µs, iteration-relative clock) of its pack and unpack.
     t_pack: f64,
     t_unpack: f64,
@@ -838,6 +844,7 @@ impl<'a> Analysis<'a> {
         c: &'a Classification,
         opts: &OffloadOptions,
         clock: &'a Clock,
+        releases: &[Option<usize>],
         waits: &[(u64, f64)],
     ) -> Self {
         let (link_gbps, reuse) = (opts.link_gbps, opts.reuse);
@@ -957,6 +964,19 @@ impl<'a> Analysis<'a> {
                     triggers.push((Some(unpack_ord[&u]), ticks[u] - p, time_of(u)));
                 }
             }
+            // Where forward let go of it (known when the recording offloaded it): its
+            // memory is free no earlier, in any copy.
+            let released = |x: AllocId| -> Option<u64> {
+                let e = releases.get(x.index()).copied().flatten()?;
+                Some(ticks.get(e).copied().unwrap_or(clock.total))
+            };
+            let r_release = copies
+                .iter()
+                .filter_map(|&(x, b)| released(x).map(|t| t.saturating_sub(b)))
+                .chain(released(id).map(|t| t.saturating_sub(p)))
+                .max()
+                .unwrap_or(0)
+                .clamp(r_pack, r_unpack);
             let a = &trace.allocations[id.index()];
             cands.push(Cand {
                 alloc: id,
@@ -964,6 +984,7 @@ impl<'a> Analysis<'a> {
                 padded: pad(a.size),
                 r_pack,
                 r_unpack,
+                r_release,
                 t_pack: time_of(pe),
                 t_unpack: time_of(ue),
                 pack_ord: pack_ord[&pe],
@@ -1007,7 +1028,9 @@ impl<'a> Analysis<'a> {
     fn standalone_sched(&self, c: &Cand) -> Sched {
         let dur = c.bytes.get() as f64 * self.us_per_byte;
         let done = c.t_pack + dur;
-        let r_done = self.gap_at(c.r_pack, self.free_at(c, done), c.r_unpack);
+        let r_done = self
+            .gap_at(c.r_pack, self.free_at(c, done), c.r_unpack)
+            .max(c.r_release);
         self.pick_trigger(c, done, 0.0)
             .map(|(trigger, stall_us)| Sched {
                 r_done,
@@ -1026,13 +1049,13 @@ impl<'a> Analysis<'a> {
         }
     }
 
-    /// The longest freed window `c` can have: from its pack (compute waiting for its copy
+    /// The longest freed window `c` can have: from its pack or, if later, its release (compute waiting for its copy
     /// out) to its last trigger (its unpack waiting for the copy back).
     fn widest(&self, c: &Cand) -> Window {
         let hi = c.triggers.last().map_or(c.r_pack, |t| t.1);
         Window {
-            lo: c.r_pack,
-            hi: hi.saturating_sub(1).max(c.r_pack),
+            lo: c.r_release,
+            hi: hi.saturating_sub(1).max(c.r_release),
         }
     }
 
@@ -1079,7 +1102,9 @@ impl<'a> Analysis<'a> {
             let c = &self.cands[chosen[x]];
             q = q.max(c.t_pack) + c.bytes.get() as f64 * self.us_per_byte;
             done[x] = q;
-            out[x].r_done = self.gap_at(c.r_pack, self.free_at(c, q), c.r_unpack);
+            out[x].r_done = self
+                .gap_at(c.r_pack, self.free_at(c, q), c.r_unpack)
+                .max(c.r_release);
         }
         let mut by_unpack: Vec<usize> = (0..chosen.len()).collect();
         by_unpack.sort_by(|&x, &y| {

@@ -55,9 +55,19 @@ const NONE: u32 = u32::MAX;
 /// The trace without offload (module docs). Validates `trace` first: an invalid trace
 /// (its links included) is an error. A trace without links comes back unchanged.
 pub fn un_offload(trace: &Trace) -> Result<Trace, TraceError> {
+    Ok(un_offload_with_releases(trace)?.0)
+}
+
+/// [`un_offload`], and for each allocation of the result (by `AllocId`) whose recording
+/// offloaded it, where forward let go of it: the index, in the result's events, of the
+/// first event after the dropped `FreeRequested` of its `from`. The program held the
+/// tensor until then (the next layer reading it, say), so offloading it frees its device
+/// memory no earlier, however soon its copy is done ([`crate::offload`]). `None`: not
+/// offloaded in the recording (no such point known).
+pub fn un_offload_with_releases(trace: &Trace) -> Result<(Trace, Vec<Option<usize>>), TraceError> {
     trace.validate()?;
     if trace.restores.is_empty() {
-        return Ok(trace.clone());
+        return Ok((trace.clone(), vec![None; trace.allocations.len()]));
     }
     let n = trace.allocations.len();
     // For `into`: its `from`. For `from`: marked in `is_from`.
@@ -104,12 +114,15 @@ pub fn un_offload(trace: &Trace) -> Result<Trace, TraceError> {
         *d &= *s;
     }
     let mut events = Vec::with_capacity(trace.events.len());
+    let mut released: Vec<Option<usize>> = vec![None; allocations.len()];
     for e in &trace.events {
         let kind = match e.kind {
             EventKind::Alloc(a) if linked_into(a) => continue,
-            EventKind::FreeRequested(a) | EventKind::FreeCompleted(a) if is_from[a.index()] => {
+            EventKind::FreeRequested(a) if is_from[a.index()] => {
+                released[id(a).index()] = Some(events.len());
                 continue;
             }
+            EventKind::FreeCompleted(a) if is_from[a.index()] => continue,
             EventKind::FreeCompleted(a) if saved_deferred[id(a).index()] => continue,
             EventKind::FreeRequested(a) if saved_deferred[id(a).index()] => {
                 for kind in [
@@ -143,7 +156,7 @@ pub fn un_offload(trace: &Trace) -> Result<Trace, TraceError> {
         restores: Vec::new(),
     };
     debug_assert_eq!(out.validate(), Ok(()));
-    Ok(out)
+    Ok((out, released))
 }
 
 #[cfg(test)]

@@ -233,3 +233,89 @@ fn the_first_iterations_offloads_stay_as_recorded() {
         rewritten.allocations.len()
     );
 }
+
+/// As [`run`] with threshold offload of the 64 MiB activations, but forward holds each
+/// of them until three more layers' have been made (later layers read it): its free,
+/// recorded when the program let go of it, comes three layers after its pack.
+fn held_a_layer() -> Trace {
+    let layers = 12;
+    let mut b = TraceBuilder::with_clock(1_700_000_000_000_000, 1000);
+    for _ in 0..36 {
+        b.alloc(8 * MIB);
+    }
+    for _ in 0..4 {
+        b.ev(EventKind::Marker {
+            kind: MarkerKind::IterationBegin,
+            label: None,
+        });
+        let mut saved = Vec::new();
+        let mut held = std::collections::VecDeque::new();
+        for _ in 0..layers {
+            let id = b.alloc(64 * MIB);
+            b.ev(EventKind::SavedPack(id));
+            let t = b.alloc(16 * MIB);
+            b.free(t);
+            held.push_back(id);
+            if held.len() > 3 {
+                let h = held.pop_front().unwrap();
+                b.free(h); // let go of three layers later
+            }
+            saved.push(id);
+        }
+        for h in held.drain(..) {
+            b.free(h);
+        }
+        let mut grads = Vec::new();
+        for &id in saved.iter().rev() {
+            let back = b.alloc(64 * MIB);
+            b.restore(id, back);
+            b.ev(EventKind::SavedUnpack(back));
+            grads.push(b.alloc(4 * MIB));
+            let t = b.alloc(16 * MIB);
+            b.free(t);
+            b.free(back);
+        }
+        for g in grads {
+            b.free(g);
+        }
+    }
+    b.done()
+}
+
+/// The recorded frees of offloaded tensors say when the program let go of them; the
+/// planner frees their memory no earlier (on the H100, GPT-2 XL's layer inputs were
+/// still read by the next layer after their pack, the plan counted on their memory at
+/// the copy's end, and the run conflicted at the peak). A recording without that
+/// information (links dropped) is planned as if the memory went at the copy's end.
+#[test]
+fn offloaded_memory_is_free_no_earlier_than_the_program_let_go_of_it() {
+    let held = held_a_layer();
+    let (normalised, releases) =
+        stweaver_planner::unoffload::un_offload_with_releases(&held).unwrap();
+    assert_eq!(releases.iter().filter(|r| r.is_some()).count(), 4 * 12);
+    assert_eq!(normalised, un_offload(&held).unwrap());
+    let pool = plan_trace(&normalised, &Default::default())
+        .unwrap()
+        .plan
+        .pool_size;
+    let mut opts = OffloadOptions::new(Bytes(pool.get() / 10));
+    opts.iteration_us = Some(1e9); // copies take no time: only the releases bound the windows
+    let minimum = |t: &Trace| match plan_with_budget(t, &opts) {
+        Err(stweaver_planner::offload::OffloadError::BelowMinimum { minimum, .. }) => minimum,
+        other => panic!("expected a refusal naming the minimum: {:?}", other.err()),
+    };
+    let with_releases = minimum(&held);
+    let without = minimum(&normalised);
+    // Held three layers longer: two more 64 MiB activations on the device at the peak
+    // (forward's, now above backward's) than when each goes at its copy's end.
+    assert!(
+        with_releases.get() >= without.get() + 64 * MIB,
+        "{with_releases} vs {without}"
+    );
+    // A budget between the two is refused with the releases, planned without them.
+    let mid = Bytes((with_releases.get() + without.get()) / 2);
+    let mut o = opts.clone();
+    o.budget = mid;
+    o.margin = 0.0;
+    assert!(plan_with_budget(&held, &o).is_err());
+}
