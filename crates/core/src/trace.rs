@@ -20,7 +20,9 @@
 //! A run recorded with activation offload also carries **restore links**
 //! ([`Trace::restores`]): a [`Restore`] says that allocation `into` is the copy back
 //! (from pinned host memory, made in backward) of the offloaded allocation `from`,
-//! which was packed and freed after its copy out. The links change nothing about the
+//! which was packed before it; `from` is freed when the program let go of it, which
+//! may come after its copy back is made (the program still held the tensor: offloading
+//! it freed nothing until then). The links change nothing about the
 //! recorded run itself; they let the planner rewrite it into the run without offload
 //! (`stweaver_planner::unoffload`) and choose again what to offload.
 //!
@@ -210,7 +212,7 @@ pub enum TraceError {
         from: AllocId,
         into: AllocId,
         into_alloc: EventIdx,
-        /// `"is not packed"` or `"is not freed"`.
+        /// `"is not packed"`.
         problem: &'static str,
     },
 }
@@ -223,7 +225,7 @@ impl Trace {
     /// `SavedPack` / `SavedUnpack` names an allocation that is live (allocated or
     /// preexisting, no free requested yet) at the event. Restore links name existing
     /// allocations, each allocation is in at most one link, `into` is not preexisting,
-    /// and `from` is packed and freed (requested) before `into`'s `Alloc`.
+    /// and `from` is packed before `into`'s `Alloc` (freed anywhere, or never).
     pub fn validate(&self) -> Result<(), TraceError> {
         if self.events.is_empty() {
             return Err(TraceError::Empty);
@@ -362,20 +364,13 @@ impl Trace {
                 link_of[alloc.index()] = link as u32;
             }
         }
-        // The first pack and the requested free of every `from`.
+        // The first pack of every `from` (its free may come anywhere: module docs).
         let mut packed: Vec<Option<EventIdx>> = vec![None; count];
-        let mut freed: Vec<Option<EventIdx>> = vec![None; count];
         for (i, e) in self.events.iter().enumerate() {
-            match e.kind {
-                EventKind::SavedPack(id) if packed[id.index()].is_none() => {
-                    packed[id.index()] = Some(EventIdx(i as u32));
-                }
-                EventKind::FreeRequested(id) => freed[id.index()] = Some(EventIdx(i as u32)),
-                // A completed free without a requested one frees there too.
-                EventKind::FreeCompleted(id) if freed[id.index()].is_none() => {
-                    freed[id.index()] = Some(EventIdx(i as u32));
-                }
-                _ => {}
+            if let EventKind::SavedPack(id) = e.kind
+                && packed[id.index()].is_none()
+            {
+                packed[id.index()] = Some(EventIdx(i as u32));
             }
         }
         for (link, r) in self.restores.iter().enumerate() {
@@ -392,9 +387,6 @@ impl Trace {
             };
             if packed[from.index()].is_none_or(|p| p >= into_alloc) {
                 return Err(order("is not packed"));
-            }
-            if freed[from.index()].is_none_or(|f| f >= into_alloc) {
-                return Err(order("is not freed"));
             }
         }
         Ok(())

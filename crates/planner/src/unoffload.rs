@@ -32,7 +32,7 @@
 //!
 //! Every other event, and every event's time stamp, stays. The result has no links.
 //! It is valid whenever the input is: `from`'s events come before its free, `into`'s
-//! after its `Alloc`, and `Trace::validate` puts `from`'s free before `into`'s
+//! after its `Alloc`, and `Trace::validate` puts `from`'s pack before `into`'s
 //! `Alloc`; an allocation is in at most one link, so links do not chain.
 //!
 //! # When
@@ -114,7 +114,11 @@ pub fn un_offload_with_releases(trace: &Trace) -> Result<(Trace, Vec<Option<usiz
         *d &= *s;
     }
     let mut events = Vec::with_capacity(trace.events.len());
+    // A `from` never freed: the program never let go of it (`usize::MAX`: after the end).
     let mut released: Vec<Option<usize>> = vec![None; allocations.len()];
+    for r in &trace.restores {
+        released[id(r.from).index()] = Some(usize::MAX);
+    }
     for e in &trace.events {
         let kind = match e.kind {
             EventKind::Alloc(a) if linked_into(a) => continue,
@@ -318,15 +322,55 @@ mod tests {
         let (a, b) = (AllocId(0), AllocId(1));
         let t = trace(
             vec![alloc(64, false), alloc(64, false)],
-            &[Alloc(a), Pack(a), Alloc(b), Free(a), Unpack(b)],
+            &[Alloc(a), Alloc(b), Pack(a), Free(a), Unpack(b)],
             &[(0, 1)],
         );
         assert!(matches!(
             un_offload(&t),
             Err(TraceError::RestoreOrder {
-                problem: "is not freed",
+                problem: "is not packed",
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_tensor_held_past_its_copy_back_is_released_where_the_program_let_go() {
+        // a is packed, its copy back b made while the program still holds a; a's free
+        // (the program letting go) comes after b's unpack.
+        let (a, b, c) = (AllocId(0), AllocId(1), AllocId(2));
+        let t = trace(
+            vec![alloc(64, false), alloc(64, false), alloc(8, false)],
+            &[
+                Alloc(a),
+                Pack(a),
+                Alloc(b),
+                Unpack(b),
+                Alloc(c),
+                Free(a),
+                Free(b),
+                Free(c),
+            ],
+            &[(0, 1)],
+        );
+        let (u, rel) = un_offload_with_releases(&t).unwrap();
+        let kinds: Vec<_> = u.events.iter().map(|e| e.kind).collect();
+        let c2 = AllocId(1);
+        assert_eq!(
+            kinds,
+            vec![Alloc(a), Pack(a), Unpack(a), Alloc(c2), Free(a), Free(c2)]
+        );
+        // Released at the event after its dropped free: that of b, now a's.
+        assert_eq!(rel, vec![Some(4), None]);
+        // Never freed: never released.
+        let never = trace(
+            vec![alloc(64, false), alloc(64, false)],
+            &[Alloc(a), Pack(a), Alloc(b), Unpack(b), Free(b)],
+            &[(0, 1)],
+        );
+        assert_eq!(
+            un_offload_with_releases(&never).unwrap().1,
+            vec![Some(usize::MAX)]
+        );
     }
 }

@@ -10,10 +10,12 @@
 //!
 //! Restore links (`Engine::record_restore`, [`crate::Restore`]): the offloader allocates
 //! the copy back of an offloaded tensor and names the allocation it was packed from.
-//! The recorder keeps, per allocation, its `Alloc` event, its first free and whether it
-//! was packed or linked, and records a link only when the trace will validate with it
-//! (`from` packed and freed before `into` was allocated, `into` not preexisting, neither
-//! in a link yet); otherwise it records nothing and says so.
+//! The recorder keeps, per allocation, its `Alloc` event, its first pack and whether it
+//! was linked, and records a link only when the trace will validate with it (`from`
+//! packed before `into` was allocated, `into` not preexisting, neither in a link yet);
+//! otherwise it records nothing and says so. `from` may still be live: the program
+//! held the offloaded tensor when its copy back was made, and its later free says when
+//! it let go (what the offload planner needs to know).
 //!
 //! Each call is O(1) amortised (a push onto the trace's vectors; labels are interned in
 //! a hash map). Time stamps are microseconds since the Unix epoch.
@@ -50,9 +52,8 @@ const NONE: u32 = u32::MAX;
 struct Seen {
     /// Its `Alloc` event (`NONE`: preexisting).
     alloc_at: u32,
-    /// Its first free event, requested or completed (`NONE`: live).
-    freed_at: u32,
-    packed: bool,
+    /// Its first `SavedPack` event (`NONE`: not packed).
+    packed_at: u32,
     linked: bool,
 }
 
@@ -104,13 +105,6 @@ impl Recorder {
         (self.trace.events.len() - 1) as u32
     }
 
-    fn freed(&mut self, id: u32, at: u32) {
-        let s = &mut self.seen[id as usize];
-        if s.freed_at == NONE {
-            s.freed_at = at;
-        }
-    }
-
     fn allocation(&mut self, size: Bytes, stream: StreamId, addr: u64, preexisting: bool) -> u32 {
         if self.full() {
             return UNTRACED;
@@ -124,8 +118,7 @@ impl Recorder {
         });
         self.seen.push(Seen {
             alloc_at: NONE,
-            freed_at: NONE,
-            packed: false,
+            packed_at: NONE,
             linked: false,
         });
         id
@@ -154,15 +147,13 @@ impl Recorder {
 
     pub fn free_requested(&mut self, id: u32) {
         if id != UNTRACED {
-            let at = self.event(EventKind::FreeRequested(AllocId(id)));
-            self.freed(id, at);
+            self.event(EventKind::FreeRequested(AllocId(id)));
         }
     }
 
     pub fn free_completed(&mut self, id: u32) {
         if id != UNTRACED {
-            let at = self.event(EventKind::FreeCompleted(AllocId(id)));
-            self.freed(id, at);
+            self.event(EventKind::FreeCompleted(AllocId(id)));
         }
     }
 
@@ -173,12 +164,13 @@ impl Recorder {
         if id == UNTRACED || self.full() {
             return None;
         }
-        self.event(match kind {
+        let at = self.event(match kind {
             SavedKind::Pack => EventKind::SavedPack(AllocId(id)),
             SavedKind::Unpack => EventKind::SavedUnpack(AllocId(id)),
         });
-        if kind == SavedKind::Pack {
-            self.seen[id as usize].packed = true;
+        let seen = &mut self.seen[id as usize];
+        if kind == SavedKind::Pack && seen.packed_at == NONE {
+            seen.packed_at = at;
         }
         Some(AllocId(id))
     }
@@ -194,12 +186,13 @@ impl Recorder {
         else {
             return false;
         };
-        let ok = f.packed
+        // `from` may still be live: the program held the offloaded tensor when its copy
+        // back was made (offloading it freed nothing until the program let go of it).
+        let ok = f.packed_at != NONE
             && !f.linked
             && !t.linked
             && t.alloc_at != NONE
-            && f.freed_at != NONE
-            && f.freed_at < t.alloc_at;
+            && f.packed_at < t.alloc_at;
         if ok {
             self.seen[from.index()].linked = true;
             self.seen[into as usize].linked = true;
@@ -268,15 +261,20 @@ mod tests {
         assert_eq!(r.saved(a, SavedKind::Pack), Some(AllocId(a)));
         assert_eq!(r.saved(kept, SavedKind::Pack), Some(AllocId(kept)));
         let early = r.alloc(Bytes(64), StreamId(0), 0x400);
-        assert!(!r.restore(early, AllocId(a)), "a is not freed yet");
+        // kept is still live (the program holds it): a link all the same, whose release
+        // is its later free.
+        assert!(r.restore(early, AllocId(kept)), "kept, packed, still live");
         r.free_requested(a);
-        assert!(
-            !r.restore(early, AllocId(a)),
-            "early was allocated before a's free"
-        );
         let b = r.alloc(Bytes(64), StreamId(0), 0x500);
-        assert!(!r.restore(b, AllocId(kept)), "kept is still live");
+        assert!(!r.restore(b, AllocId(kept)), "kept is linked already");
         assert!(!r.restore(b, AllocId(early)), "early was never packed");
+        let late = r.alloc(Bytes(64), StreamId(0), 0x600);
+        let x = r.alloc(Bytes(64), StreamId(0), 0x700);
+        r.saved(late, SavedKind::Pack);
+        assert!(
+            !r.restore(x, AllocId(late)),
+            "late was packed after x was allocated"
+        );
         assert!(!r.restore(b, AllocId(99)), "no such allocation");
         assert!(!r.restore(UNTRACED, AllocId(a)));
         assert!(!r.restore(pre, AllocId(a)), "a preexisting copy back");
@@ -289,10 +287,16 @@ mod tests {
         t.validate().unwrap();
         assert_eq!(
             t.restores,
-            vec![Restore {
-                from: AllocId(a),
-                into: AllocId(b)
-            }]
+            vec![
+                Restore {
+                    from: AllocId(kept),
+                    into: AllocId(early)
+                },
+                Restore {
+                    from: AllocId(a),
+                    into: AllocId(b)
+                }
+            ]
         );
     }
 }

@@ -79,7 +79,7 @@ impl<D: DeviceMemory> Engine<D> {
     /// [`Engine::record_saved`] returned for its pack in this trace). Returns whether a
     /// link was recorded: `false` when not tracing, when no allocation the caller has
     /// not freed starts at `into_ptr`, or when the link would not validate (`from`
-    /// unknown, not packed or not freed before `into_ptr`'s allocation, either already
+    /// unknown, not packed before `into_ptr`'s allocation, either already
     /// linked, the copy back preexisting or not in the trace). O(1).
     pub fn record_restore(&self, into_ptr: DevicePtr, from: AllocId) -> Result<bool, EngineError> {
         let mut st = self.lock()?;
