@@ -48,10 +48,15 @@ schedule entries mismatch (``schedule_mismatch``) rather than anything unsafe.
 
 A tensor saved several times (softmax's output, by softmax and by the next matmul) is
 offloaded once: a later pack of the same tensor object in the iteration returns the first
-handle (``shared``), which every save unpacks.
+handle (``shared``), which every save unpacks; so does a later pack of another whole view of
+the same storage with the same dtype (a layer norm's output and its ``view(-1, n)``), as a
+``_View`` of the first handle with its own shape and strides (the same storage object, which
+PyTorch preserves while the storage lives, not merely the same address). The planner sees two
+packs of one allocation and does not schedule it; a recording offloads it once, so its copy
+back is linked (restore link) and the recorded run stays steady.
 
-Eligible tensors: a plain CUDA ``torch.Tensor`` (no subclass, no ``nn.Parameter``: offloading a
-parameter frees nothing), strided, not conjugated/negated, contiguous or a permutation of a
+Eligible tensors: a plain CUDA ``torch.Tensor`` (no subclass, no ``nn.Parameter`` nor a view of
+one: offloading a parameter frees nothing), strided, not conjugated/negated, contiguous or a permutation of a
 contiguous tensor (non-overlapping and dense, e.g. attention's transposed q/k/v), covering its whole
 storage (``data_ptr == storage ptr`` and ``nbytes == storage nbytes``), not empty. Dropping such a
 tensor after the copy frees its device block; a view would free nothing. In schedule modes an
@@ -427,7 +432,7 @@ class _Handle:
 
     __slots__ = ("k", "j_expected", "host", "size", "stride", "dtype", "device", "nbytes",
                  "ev_out", "ev_out0", "dev", "ev_in", "unpacked", "stalled", "owner", "iteration", "src",
-                 "rec_id", "__weakref__")
+                 "storage", "rec_id", "__weakref__")
 
     def __del__(self):
         # Dropped unpacked (graph freed) or after: give the slice back once copies are done.
@@ -435,6 +440,16 @@ class _Handle:
         if owner is not None and self.host is not None:
             owner._zombies.append((self.host, self.ev_in if self.ev_in is not None else self.ev_out))
             self.host = None
+
+
+class _View:
+    """What autograd keeps for another whole view of an offloaded storage (same storage, same
+    dtype, its own shape and strides): the storage's handle, which this keeps alive."""
+
+    __slots__ = ("main", "size", "stride")
+
+    def __init__(self, main: _Handle, size: tuple, stride: tuple):
+        self.main, self.size, self.stride = main, size, stride
 
 
 class Offloader:
@@ -609,6 +624,8 @@ class Offloader:
 
         if type(t) is not torch.Tensor or not self.backend.is_device(t):
             return False
+        if isinstance(getattr(t, "_base", None), torch.nn.Parameter):
+            return False  # a view of a parameter (a weight's transpose): the parameter holds it
         if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
             return False
         n = t.numel() * t.element_size()
@@ -673,20 +690,36 @@ class Offloader:
                 self._turn_off(err)
                 return t
 
-    def _shared(self, t, k: int) -> Optional["_Handle"]:
-        """The handle of this very tensor if it was offloaded earlier in the iteration (a tensor
-        saved twice, e.g. softmax's output by softmax and by the next matmul): one host copy,
-        one copy back. Offloading only one of the saves would free nothing (the other keeps
-        the device tensor). The same Python object is what autograd passes for the same
-        TensorImpl; a pointer alone could be a new tensor in a freed block."""
+    def _shared(self, t, k: int):
+        """The handle of this very tensor, or of another whole view of the same storage, if it
+        was offloaded earlier in the iteration (a tensor saved twice, e.g. softmax's output by
+        softmax and by the next matmul; a layer norm's output and its ``view(-1, n)`` saved by
+        the next projection): one host copy, one copy back. Offloading only one of the saves
+        would free nothing (the other keeps the device storage), and offloading both would
+        copy the storage twice. The same Python object is what autograd passes for the same
+        TensorImpl, and the same storage object (``untyped_storage()``, preserved while the
+        storage lives) for the same storage: a pointer alone could be a new tensor in a freed
+        block. Another view gets a :class:`_View` of the handle (its own shape and strides)."""
         ref = self._by_ptr.get(t.data_ptr())
         h = ref() if ref is not None else None
-        if h is None or h.unpacked or h.src is None or h.src() is not t:
+        if h is None or h.unpacked:
             return None
+        src = h.src() if h.src is not None else None
+        if src is t:
+            out = h
+        else:
+            st = h.storage() if h.storage is not None else None
+            try:
+                same = st is not None and st is t.untyped_storage() and t.dtype == h.dtype
+            except (RuntimeError, NotImplementedError):
+                same = False
+            if not same:
+                return None
+            out = _View(h, tuple(t.size()), tuple(t.stride()))
         self._live[k] = ref
         h.j_expected = -1  # unpacked once per save: either may come first
         self._it["shared"] += 1
-        return h
+        return out
 
     def _offload(self, t, k: int, j_expected: int, nbytes: int, rid: Optional[int] = None):
         b = self.backend
@@ -709,6 +742,10 @@ class Offloader:
             self._timings.append(("d2h", h.ev_out0, h.ev_out, nbytes))
         h.owner = self
         h.src = weakref.ref(t)
+        try:
+            h.storage = weakref.ref(t.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            h.storage = None
         self._live[k] = self._by_ptr[t.data_ptr()] = weakref.ref(h)
         if self._threshold_now():
             self._order.append(k)
@@ -760,6 +797,9 @@ class Offloader:
     def unpack(self, x):
         with self._lock:
             self._it["unpacks"] += 1
+            view = None
+            if isinstance(x, _View):
+                view, x = x, x.main
             if not isinstance(x, _Handle) and not self.counted(x):
                 self._reap()
                 return x
@@ -793,7 +833,7 @@ class Offloader:
             self._mark(h.dev, True, False)
             self._reap()
             self._prefetch_after(j, h)
-            return h.dev
+            return h.dev if view is None else h.dev.as_strided(view.size, view.stride)
 
     def _prefetch_after(self, j: int, h: Optional[_Handle]) -> None:
         if self.off_reason is not None and not self._live:

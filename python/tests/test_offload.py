@@ -798,3 +798,36 @@ def test_auto_mode_offloads_by_threshold_until_a_plan_is_served():
     assert o.pack(t) is t
     o.unpack(t)
     assert o.iteration_end()["tensors_out"] == 0
+
+
+def test_two_whole_views_of_one_storage_share_one_copy_and_a_parameter_view_stays():
+    # A layer norm's output and its view(-1, n) saved by the next projection: one storage,
+    # two tensor objects. One copy out, one copy back, each unpack gets its own shape; the
+    # storage's allocation is packed twice and linked once.
+    ext = FakeExt()
+    o, be = offloader(min_bytes=0, ext=ext)
+    base = torch.randn(4, 8, 16)
+    v = base.view(-1, 16)
+    hb, hv = o.pack(base), o.pack(v)
+    assert isinstance(hb, off._Handle) and isinstance(hv, off._View) and hv.main is hb
+    assert len(be.ops("copy")) == 1
+    back_v, back_b = o.unpack(hv), o.unpack(hb)
+    assert back_v.shape == v.shape and torch.equal(back_v, v)
+    assert back_b.shape == base.shape and torch.equal(back_b, base)
+    assert back_v.data_ptr() == back_b.data_ptr()
+    st = o.iteration_end()
+    assert st["tensors_out"] == 1 and st["tensors_in"] == 1 and st["shared"] == 1
+    assert st["restore_links"] == 1
+    # Another storage is never shared: identity is the storage object's, not an address's.
+    o2, be2 = offloader(min_bytes=0)
+    a = torch.randn(64)
+    ha = o2.pack(a)
+    other = torch.randn(64)
+    assert isinstance(o2.pack(other), off._Handle)
+    assert len(be2.ops("copy")) == 2
+    o2.unpack(ha)
+    # A view of a parameter (a weight's transpose): the parameter holds the storage.
+    o3, be3 = offloader(min_bytes=0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    wt = w.t()
+    assert o3.pack(wt) is wt and be3.ops("copy") == []

@@ -907,3 +907,41 @@ fn a_refused_wait_leaves_the_free_pending_and_serves_the_request_elsewhere() {
     r.free(b);
     r.engine.check_invariants().unwrap();
 }
+
+#[test]
+fn a_planned_range_partly_pending_and_partly_never_mapped_is_mapped_then_waited_for() {
+    // A (one granule) is used on stream 2 too and freed: pending on stream 2's event.
+    // B (two granules) is planned over A's granule and one never mapped yet: the new
+    // granule is mapped, stream 1 waits for the event, and B gets its planned place (a
+    // threshold-offloaded tensor's pending free under a prologue's first large request).
+    let plan = verified_plan(
+        2 * G,
+        vec![],
+        0,
+        vec![req(G, 0, 0, 1, S1), req(2 * G, 0, 2, 3, S1)],
+        4,
+    );
+    let (mut r, base) = serving(&plan, PlanOptions::default());
+    for it in 0..3 {
+        r.engine.mark_iteration().unwrap();
+        let a = r.alloc(G, S1);
+        assert_eq!(a, base, "iteration {it}");
+        r.engine.record_stream(a, S2).unwrap();
+        let mark = r.host.events().recordings();
+        r.free(a);
+        let (on, seq) = r.host.events().recorded_since(mark)[0];
+        assert!(!r.host.events().passed(on, seq));
+        let b = r.alloc(2 * G, S1);
+        assert_eq!(
+            b, base,
+            "iteration {it}: B waited and got its planned place"
+        );
+        assert!(r.host.events().ordered_after(S1, on, seq), "iteration {it}");
+        r.free(b);
+        r.engine.check_invariants().unwrap();
+    }
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!(st.conflicts, 0, "{st:?}");
+    assert!(st.waits >= 1, "{st:?}");
+    r.settle_idle();
+}

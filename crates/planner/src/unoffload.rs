@@ -18,7 +18,9 @@
 //!
 //! For every link `from -> into`:
 //! - `from` lives until `into`'s free: `from`'s own frees (requested and completed,
-//!   the copy out) are dropped;
+//!   the copy out) are dropped; unless the program held `from` past `into`'s free (or
+//!   never let go of it: a view of a parameter, say), when `from` keeps its own frees and
+//!   `into`'s are dropped instead;
 //! - `into`'s `Alloc` is dropped, and so is `into` from the allocation table (the
 //!   remaining allocations keep their order and are numbered again densely);
 //! - `into`'s frees and saved-tensor events (`SavedUnpack(into)`, and a pack of it if
@@ -93,6 +95,23 @@ pub fn un_offload_with_releases(trace: &Trace) -> Result<(Trace, Vec<Option<usiz
     }
     let id = |a: AllocId| AllocId(new_id[a.index()]);
     let linked_into = |a: AllocId| from_of[a.index()] != NONE;
+    // A `from` the program held past its copy back's free (or never freed) outlives it:
+    // the merged allocation ends with `from`'s free, and `into`'s frees go instead.
+    let mut first_free: Vec<usize> = vec![usize::MAX; n];
+    for (k, e) in trace.events.iter().enumerate() {
+        if let EventKind::FreeRequested(a) | EventKind::FreeCompleted(a) = e.kind {
+            first_free[a.index()] = first_free[a.index()].min(k);
+        }
+    }
+    let mut outlives: Vec<bool> = vec![false; n];
+    for r in &trace.restores {
+        outlives[r.from.index()] = first_free[r.from.index()] == usize::MAX
+            || first_free[r.from.index()] > first_free[r.into.index()];
+    }
+    let dropped_free = |a: AllocId| {
+        let f = from_of[a.index()];
+        (is_from[a.index()] && !outlives[a.index()]) || (f != NONE && outlives[f as usize])
+    };
     // Saved tensors (packed or unpacked) whose free completes after it is requested: in
     // the run without offload their free completes at once (see the module docs).
     // (Deferred: other events between the requested and the completed free.)
@@ -102,8 +121,8 @@ pub fn un_offload_with_releases(trace: &Trace) -> Result<(Trace, Vec<Option<usiz
     for (k, e) in trace.events.iter().enumerate() {
         match e.kind {
             EventKind::SavedPack(a) | EventKind::SavedUnpack(a) => saved[id(a).index()] = true,
-            EventKind::FreeRequested(a) if !is_from[a.index()] => requested_at[id(a).index()] = k,
-            EventKind::FreeCompleted(a) if !is_from[a.index()] => {
+            EventKind::FreeRequested(a) if !dropped_free(a) => requested_at[id(a).index()] = k,
+            EventKind::FreeCompleted(a) if !dropped_free(a) => {
                 let n = id(a).index();
                 saved_deferred[n] = requested_at[n].checked_add(1).is_some_and(|r| k > r);
             }
@@ -122,11 +141,13 @@ pub fn un_offload_with_releases(trace: &Trace) -> Result<(Trace, Vec<Option<usiz
     for e in &trace.events {
         let kind = match e.kind {
             EventKind::Alloc(a) if linked_into(a) => continue,
-            EventKind::FreeRequested(a) if is_from[a.index()] => {
-                released[id(a).index()] = Some(events.len());
+            EventKind::FreeRequested(a) if dropped_free(a) => {
+                if is_from[a.index()] {
+                    released[id(a).index()] = Some(events.len());
+                }
                 continue;
             }
-            EventKind::FreeCompleted(a) if is_from[a.index()] => continue,
+            EventKind::FreeCompleted(a) if dropped_free(a) => continue,
             EventKind::FreeCompleted(a) if saved_deferred[id(a).index()] => continue,
             EventKind::FreeRequested(a) if saved_deferred[id(a).index()] => {
                 for kind in [
@@ -362,15 +383,29 @@ mod tests {
         );
         // Released at the event after its dropped free: that of b, now a's.
         assert_eq!(rel, vec![Some(4), None]);
-        // Never freed: never released.
+        // Never freed (a view of a parameter, offloaded every iteration): never released,
+        // and the merged allocation lives on, so that later packs of it stay valid.
         let never = trace(
-            vec![alloc(64, false), alloc(64, false)],
-            &[Alloc(a), Pack(a), Alloc(b), Unpack(b), Free(b)],
+            vec![alloc(64, false), alloc(64, false), alloc(64, false)],
+            &[
+                Alloc(a),
+                Pack(a),
+                Alloc(b),
+                Unpack(b),
+                Free(b),
+                Pack(a),
+                Alloc(c),
+                Free(c),
+            ],
             &[(0, 1)],
         );
+        let (u, rel) = un_offload_with_releases(&never).unwrap();
+        u.validate().unwrap();
+        let kinds: Vec<_> = u.events.iter().map(|e| e.kind).collect();
         assert_eq!(
-            un_offload_with_releases(&never).unwrap().1,
-            vec![Some(usize::MAX)]
+            kinds,
+            vec![Alloc(a), Pack(a), Unpack(a), Pack(a), Alloc(c2), Free(c2)]
         );
+        assert_eq!(rel, vec![Some(usize::MAX), None]);
     }
 }
