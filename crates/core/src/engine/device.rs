@@ -15,7 +15,12 @@
 //!   [`DeviceMemory::destroy_event`]; CUDA: `cudaEvent*`),
 //! - a **device-wide synchronisation** before memory is unmapped
 //!   ([`DeviceMemory::synchronize`]), and the device's **memory size**
-//!   ([`DeviceMemory::total_memory`], [`DeviceMemory::free_memory`]).
+//!   ([`DeviceMemory::total_memory`], [`DeviceMemory::free_memory`]),
+//! - **host buffers** the device can copy into and out of at full speed
+//!   ([`DeviceMemory::alloc_host`], a [`HostBuffer`]; CUDA: `cuMemHostAlloc` /
+//!   `cuMemFreeHost`, page-locked memory), and the copies themselves
+//!   ([`DeviceMemory::copy_to_host`] / [`DeviceMemory::copy_from_host`]), which a pause
+//!   that keeps contents makes.
 //!
 //! The host implementation for tests is [`crate::engine::HostMemory`].
 //!
@@ -106,6 +111,80 @@ pub enum DeviceError {
     },
 }
 
+/// The storage behind a [`HostBuffer`]: host memory a device allocated (page-locked
+/// memory for CUDA), freed when dropped.
+pub trait HostMem: Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostMem for Box<[u8]> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// Host memory to copy device bytes into and back ([`DeviceMemory::alloc_host`]):
+/// page-locked (*pinned*) when the device made it so, so that a copy runs at the link's
+/// speed instead of through a staging buffer, plain (*pageable*) memory otherwise. Freed
+/// when dropped.
+pub struct HostBuffer {
+    mem: Box<dyn HostMem>,
+    pinned: bool,
+}
+
+impl HostBuffer {
+    /// A buffer over a device's own host allocation; `pinned` says whether the device can
+    /// copy to and from it directly (page-locked).
+    pub fn new(mem: Box<dyn HostMem>, pinned: bool) -> HostBuffer {
+        HostBuffer { mem, pinned }
+    }
+
+    /// `len` zeroed bytes of ordinary (pageable) heap memory.
+    pub fn pageable(len: usize) -> HostBuffer {
+        HostBuffer::new(Box::new(vec![0u8; len].into_boxed_slice()), false)
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.bytes().len()
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the memory is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.mem.bytes()
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.bytes_mut()
+    }
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len())
+            .field("pinned", &self.pinned)
+            .finish()
+    }
+}
+
 /// Virtual memory, physical backing and stream events of one device.
 ///
 /// See the module documentation for the contract the engine keeps.
@@ -188,6 +267,17 @@ pub trait DeviceMemory: Send + Sync {
         let _ = (addr, data);
         Err(DeviceError::Unsupported("copy_from_host"))
     }
+
+    /// `bytes` of host memory that [`DeviceMemory::copy_to_host`] and
+    /// [`DeviceMemory::copy_from_host`] copy to and from fastest (CUDA: page-locked,
+    /// `cuMemHostAlloc`), zeroed or not. An error when the host cannot give it (the
+    /// engine then falls back to pageable memory). Kept by the engine across pauses
+    /// ([`crate::engine::Engine::pause`]). Pageable heap memory unless implemented.
+    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
+        let len =
+            usize::try_from(bytes.get()).map_err(|_| DeviceError::OutOfMemory { size: bytes })?;
+        Ok(HostBuffer::pageable(len))
+    }
 }
 
 /// A shared device (one device behind several engines or a test's own handle).
@@ -242,5 +332,8 @@ impl<T: DeviceMemory + ?Sized> DeviceMemory for std::sync::Arc<T> {
     }
     fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
         (**self).copy_from_host(addr, data)
+    }
+    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
+        (**self).alloc_host(bytes)
     }
 }

@@ -20,13 +20,20 @@
 //!   stream's next work runs after a recorded point of another (passed, or waited for,
 //!   directly or through other streams).
 //!
+//! - **host buffers** ([`DeviceMemory::alloc_host`]) are boxed slices, reported as
+//!   pinned; [`HostMemory::host_allocs`] and [`HostMemory::host_bytes`] count them and
+//!   [`HostMemory::fail_host_allocs`] makes them fail, like an exhausted host.
+//!
 //! Costs are test-grade: a `Mutex` around `HashMap`s, O(granules) per map/unmap and per
 //! byte range touched.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::engine::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+use crate::engine::device::{
+    DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostBuffer, HostMem,
+};
 use crate::units::{Bytes, StreamId};
 
 /// First address handed out by [`HostMemory::reserve`].
@@ -165,6 +172,42 @@ pub struct HostMemory {
     capacity: u64,
     inner: Mutex<HostInner>,
     events: FakeEvents,
+    host: Arc<HostAllocs>,
+}
+
+/// Host buffers handed out by [`HostMemory::alloc_host`].
+#[derive(Debug, Default)]
+struct HostAllocs {
+    /// Successful allocations so far.
+    allocs: AtomicU64,
+    /// Bytes of buffers alive now.
+    live: AtomicU64,
+    /// Refuse every allocation (fault injection).
+    fail: AtomicBool,
+}
+
+/// A host buffer of the test device: a boxed slice that gives its bytes back to the
+/// device's count when dropped.
+struct TestHostMem {
+    bytes: Box<[u8]>,
+    owner: Arc<HostAllocs>,
+}
+
+impl HostMem for TestHostMem {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+}
+
+impl Drop for TestHostMem {
+    fn drop(&mut self) {
+        self.owner
+            .live
+            .fetch_sub(self.bytes.len() as u64, Ordering::SeqCst);
+    }
 }
 
 #[derive(Debug)]
@@ -212,7 +255,24 @@ impl HostMemory {
                 fail_map_in: None,
             }),
             events: FakeEvents::default(),
+            host: Arc::default(),
         }
+    }
+
+    /// Host buffers allocated so far ([`DeviceMemory::alloc_host`] calls that succeeded).
+    pub fn host_allocs(&self) -> u64 {
+        self.host.allocs.load(Ordering::SeqCst)
+    }
+
+    /// Bytes of host buffers alive now (allocated and not yet dropped).
+    pub fn host_bytes(&self) -> Bytes {
+        Bytes(self.host.live.load(Ordering::SeqCst))
+    }
+
+    /// Makes every later [`DeviceMemory::alloc_host`] fail (`true`, as on a host out of
+    /// page-lockable memory) or work again.
+    pub fn fail_host_allocs(&self, fail: bool) {
+        self.host.fail.store(fail, Ordering::SeqCst);
     }
 
     /// The fake events, to decide when streams pass them.
@@ -423,6 +483,21 @@ impl DeviceMemory for HostMemory {
 
     fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
         self.read(addr, out)
+    }
+
+    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
+        if self.host.fail.load(Ordering::SeqCst) {
+            return Err(DeviceError::OutOfMemory { size: bytes });
+        }
+        let len =
+            usize::try_from(bytes.get()).map_err(|_| DeviceError::OutOfMemory { size: bytes })?;
+        self.host.allocs.fetch_add(1, Ordering::SeqCst);
+        self.host.live.fetch_add(bytes.get(), Ordering::SeqCst);
+        let mem = TestHostMem {
+            bytes: vec![0u8; len].into_boxed_slice(),
+            owner: Arc::clone(&self.host),
+        };
+        Ok(HostBuffer::new(Box::new(mem), true))
     }
 
     fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
