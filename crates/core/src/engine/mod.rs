@@ -113,7 +113,7 @@ pub use self::error::EngineError;
 pub use self::host::{FakeEvents, HostCounters, HostMemory};
 pub use self::introspect::{BlockInfo, SegmentInfo};
 use self::live::LiveMap;
-pub use self::pause::{PauseError, PauseReport};
+pub use self::pause::{HostBackup, PauseError, PauseReport};
 pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::plan_serving::PlanServing;
 use self::record::Recorder;

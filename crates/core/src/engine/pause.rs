@@ -74,7 +74,7 @@
 //! [`EngineConfig::keep_cache`]: super::EngineConfig::keep_cache
 
 use super::arena::{PausedGroup, UnitGroup};
-use super::device::{DeviceError, DeviceMemory, DevicePtr};
+use super::device::{DeviceError, DeviceMemory, DevicePtr, HostBuffer};
 use super::stats::{self, PoolKind};
 use super::{BlockState, Engine, EngineError, State};
 use crate::units::Bytes;
@@ -131,6 +131,60 @@ pub struct PauseReport {
     pub bytes: Bytes,
     /// Bytes copied to (from) the host.
     pub copied: Bytes,
+    /// Of `copied`, bytes copied through page-locked host memory.
+    pub pinned: Bytes,
+    /// Pause: groups whose host buffer could not be allocated by the device
+    /// ([`DeviceMemory::alloc_host`] failed) and were saved to pageable memory instead.
+    pub fallbacks: usize,
+    /// Pause: host buffers allocated; the others came from the engine's cache.
+    pub host_allocs: usize,
+}
+
+impl PauseReport {
+    fn count(&mut self, g: &Group, blocks: usize) {
+        self.blocks += blocks;
+        self.units += g.paused.units.len();
+        self.bytes = Bytes(self.bytes.get() + g.bytes());
+        if let Some(s) = &g.saved {
+            self.copied = Bytes(self.copied.get() + s.bytes());
+            if s.buf.is_pinned() {
+                self.pinned = Bytes(self.pinned.get() + s.bytes());
+            }
+        }
+    }
+}
+
+/// Host memory held for kept contents ([`Engine::host_backup`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostBackup {
+    /// Bytes of host buffers holding paused contents now.
+    pub in_use: Bytes,
+    /// Bytes of host buffers kept idle for the next pause of their key.
+    pub cached: Bytes,
+    /// Of `in_use + cached`, page-locked bytes.
+    pub pinned: Bytes,
+    /// Host buffers allocated so far ([`DeviceMemory::alloc_host`] calls that succeeded).
+    pub allocations: u64,
+    /// Groups saved to pageable memory so far because [`DeviceMemory::alloc_host`] failed.
+    pub fallbacks: u64,
+}
+
+/// The saved contents of one paused group: one host buffer, and where each run of
+/// contiguous live bytes sits in it.
+#[derive(Debug)]
+struct Saved {
+    buf: HostBuffer,
+    /// (device address, offset in `buf`, length) of each run, by address.
+    runs: Vec<(u64, usize, usize)>,
+    /// Pageable memory taken because the device's `alloc_host` failed: dropped at
+    /// resume rather than cached.
+    fallback: bool,
+}
+
+impl Saved {
+    fn bytes(&self) -> u64 {
+        self.runs.iter().map(|r| r.2 as u64).sum()
+    }
 }
 
 /// One paused group with its pool and the saved bytes of its live blocks.
@@ -138,13 +192,43 @@ pub struct PauseReport {
 struct Group {
     paused: PausedGroup,
     kind: PoolKind,
-    saved: Vec<(u64, Vec<u8>)>,
+    saved: Option<Saved>,
 }
 
 impl Group {
     fn bytes(&self) -> u64 {
         self.paused.hi - self.paused.lo
     }
+}
+
+/// The runs of contiguous bytes of `blocks` ((address, size) each), with their offsets
+/// in one buffer of all of them, and that buffer's length.
+fn runs_of(blocks: &[(u64, u64)]) -> (Vec<(u64, usize, usize)>, usize) {
+    let mut sorted = blocks.to_vec();
+    sorted.sort_unstable();
+    let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+    let mut total = 0usize;
+    for (addr, size) in sorted {
+        let size = size as usize;
+        match runs.last_mut() {
+            Some(r) if r.0 + r.2 as u64 == addr => r.2 += size,
+            _ => runs.push((addr, total, size)),
+        }
+        total += size;
+    }
+    (runs, total)
+}
+
+/// The smallest of `cached` that holds `need` bytes without wasting more than as much
+/// again, taken out.
+fn take_fit(cached: &mut Vec<HostBuffer>, need: usize) -> Option<HostBuffer> {
+    let at = cached
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.len() >= need && b.len() / 2 <= need)
+        .min_by_key(|(_, b)| b.len())
+        .map(|(i, _)| i)?;
+    Some(cached.swap_remove(at))
 }
 
 /// One pause ([`Engine::pause`]) still in force.
@@ -163,6 +247,13 @@ pub(super) struct Pauses {
     /// Keys and bytes of the sets a resume in flight has taken out (still paused).
     resuming: Vec<Option<u32>>,
     resuming_bytes: u64,
+    /// Host bytes (all, page-locked) of the sets a resume in flight has taken out.
+    resuming_host: (u64, u64),
+    /// Host buffers of resumed kept-contents pauses, by pause key, for the key's next
+    /// pause (module documentation, "Host memory").
+    host_cache: Vec<(Option<u32>, Vec<HostBuffer>)>,
+    host_allocs: u64,
+    host_fallbacks: u64,
 }
 
 impl Pauses {
@@ -182,6 +273,68 @@ impl Pauses {
             .sum();
         set_bytes + self.resuming_bytes
     }
+
+    /// The cached host buffers of `key`, taken out (empty if none).
+    fn take_cache(&mut self, key: Option<u32>) -> Vec<HostBuffer> {
+        match self.host_cache.iter().position(|c| c.0 == key) {
+            Some(at) => self.host_cache.swap_remove(at).1,
+            None => Vec::new(),
+        }
+    }
+
+    /// Keeps `saved`'s buffer for the next pause of `key` (a fallback buffer is handed
+    /// back to be dropped instead).
+    fn stash(&mut self, key: Option<u32>, saved: Saved) -> Option<HostBuffer> {
+        if saved.fallback {
+            return Some(saved.buf);
+        }
+        match self.host_cache.iter_mut().find(|c| c.0 == key) {
+            Some(c) => c.1.push(saved.buf),
+            None => self.host_cache.push((key, vec![saved.buf])),
+        }
+        None
+    }
+
+    fn host_backup(&self) -> HostBackup {
+        let (mut in_use, mut pinned) = self.resuming_host;
+        for s in self
+            .sets
+            .iter()
+            .flat_map(|s| &s.groups)
+            .flat_map(|g| &g.saved)
+        {
+            in_use += s.buf.len() as u64;
+            if s.buf.is_pinned() {
+                pinned += s.buf.len() as u64;
+            }
+        }
+        let mut cached = 0;
+        for b in self.host_cache.iter().flat_map(|c| &c.1) {
+            cached += b.len() as u64;
+            if b.is_pinned() {
+                pinned += b.len() as u64;
+            }
+        }
+        HostBackup {
+            in_use: Bytes(in_use),
+            cached: Bytes(cached),
+            pinned: Bytes(pinned),
+            allocations: self.host_allocs,
+            fallbacks: self.host_fallbacks,
+        }
+    }
+}
+
+/// Host bytes (all, page-locked) of the buffers of `sets`.
+fn host_of(sets: &[PausedSet]) -> (u64, u64) {
+    let mut out = (0, 0);
+    for s in sets.iter().flat_map(|s| &s.groups).flat_map(|g| &g.saved) {
+        out.0 += s.buf.len() as u64;
+        if s.buf.is_pinned() {
+            out.1 += s.buf.len() as u64;
+        }
+    }
+    out
 }
 
 fn matches(key: Option<u32>, tag: u32) -> bool {
@@ -207,6 +360,28 @@ impl<D: DeviceMemory> Engine<D> {
     /// `reserved_bytes`).
     pub fn paused_bytes(&self) -> Result<Bytes, EngineError> {
         Ok(Bytes(self.lock()?.pauses.bytes()))
+    }
+
+    /// The host memory held for kept contents: in use by paused sets, and cached for
+    /// the next pause (module documentation, "Host memory").
+    pub fn host_backup(&self) -> Result<HostBackup, EngineError> {
+        Ok(self.lock()?.pauses.host_backup())
+    }
+
+    /// Frees every cached host buffer (those of resumed pauses, kept for the next
+    /// pause of their key); the buffers of sets paused now stay. Returns the bytes
+    /// freed. Not part of [`Engine::empty_cache`]: frameworks empty the device cache
+    /// between pause cycles, and a page-locked buffer costs more to allocate again than
+    /// the copy it speeds up.
+    pub fn release_host_buffers(&self) -> Result<Bytes, EngineError> {
+        let cache = std::mem::take(&mut self.lock()?.pauses.host_cache);
+        let freed: u64 = cache
+            .iter()
+            .flat_map(|c| &c.1)
+            .map(|b| b.len() as u64)
+            .sum();
+        drop(cache); // unlocked: freeing page-locked memory can take a while
+        Ok(Bytes(freed))
     }
 
     /// The keys paused now (`None`: every tag), in pause order.
@@ -270,7 +445,7 @@ impl<D: DeviceMemory> Engine<D> {
                 Ok(paused) => groups.push(Group {
                     paused,
                     kind,
-                    saved: Vec::new(),
+                    saved: None,
                 }),
                 Err(e) => {
                     for g in &groups {
@@ -300,19 +475,61 @@ impl<D: DeviceMemory> Engine<D> {
                     .collect()
             })
             .collect();
+        let mut cached = if keep {
+            st.pauses.take_cache(tag)
+        } else {
+            Vec::new()
+        };
         drop(st);
+
+        // One host buffer per group: a cached one of this key that fits, else a new one
+        // from the device, else (host out of page-locked memory) pageable memory.
+        let (mut allocs, mut fallbacks) = (0usize, 0usize);
+        if keep {
+            for (g, blocks) in groups.iter_mut().zip(&live) {
+                let (runs, need) = runs_of(blocks);
+                if need == 0 {
+                    continue;
+                }
+                let mut fallback = false;
+                let buf = match take_fit(&mut cached, need) {
+                    Some(b) => b,
+                    None => match self.dev.alloc_host(Bytes(need as u64)) {
+                        Ok(b) if b.len() >= need => {
+                            allocs += 1;
+                            b
+                        }
+                        _ => {
+                            fallback = true;
+                            fallbacks += 1;
+                            HostBuffer::pageable(need)
+                        }
+                    },
+                };
+                g.saved = Some(Saved {
+                    buf,
+                    runs,
+                    fallback,
+                });
+            }
+        }
+        // Cached buffers this pause did not use: the key's blocks changed, free them.
+        drop(cached);
 
         // Copies (all before any unmap: a failure changes nothing).
         let mut copy_err = None;
-        if keep {
-            'copy: for (g, blocks) in groups.iter_mut().zip(&live) {
-                for &(addr, size) in blocks {
-                    let mut buf = vec![0u8; size as usize];
-                    if let Err(e) = self.dev.copy_to_host(DevicePtr(addr), &mut buf) {
-                        copy_err = Some(e);
-                        break 'copy;
-                    }
-                    g.saved.push((addr, buf));
+        'copy: for g in groups.iter_mut() {
+            let Some(Saved { buf, runs, .. }) = g.saved.as_mut() else {
+                continue;
+            };
+            let out = buf.as_mut_slice();
+            for &(addr, off, len) in runs.iter() {
+                if let Err(e) = self
+                    .dev
+                    .copy_to_host(DevicePtr(addr), &mut out[off..off + len])
+                {
+                    copy_err = Some(e);
+                    break 'copy;
                 }
             }
         }
@@ -322,7 +539,7 @@ impl<D: DeviceMemory> Engine<D> {
                 for (done, &(s, e)) in g.paused.units.iter().enumerate() {
                     if let Err(err) = self.dev.unmap(DevicePtr(s), Bytes(e - s)) {
                         // Back as it was: the units unmapped so far, mapped and filled again.
-                        let back = self.map_and_restore(&g.paused.units[..done], &g.saved);
+                        let back = self.map_and_restore(&g.paused.units[..done], g.saved.as_ref());
                         failed.push((k, back.err().unwrap_or(err)));
                         break;
                     }
@@ -336,23 +553,31 @@ impl<D: DeviceMemory> Engine<D> {
             Some(_) => (0..groups.len()).collect(),
             None => failed.iter().map(|f| f.0).collect(),
         };
+        let mut dropped: Vec<HostBuffer> = Vec::new();
         for &k in undo.iter().rev() {
-            let g = groups.remove(k);
+            let mut g = groups.remove(k);
             st.arenas.resume_group(&g.paused);
             stats::increase(&mut st.stats.reserved_bytes, g.kind, g.bytes());
+            // Its buffer stays for the next pause of the key.
+            if let Some(s) = g.saved.take() {
+                dropped.extend(st.pauses.stash(tag, s));
+            }
         }
-        let mut report = PauseReport::default();
+        let mut report = PauseReport {
+            fallbacks,
+            host_allocs: allocs,
+            ..PauseReport::default()
+        };
+        st.pauses.host_allocs += allocs as u64;
+        st.pauses.host_fallbacks += fallbacks as u64;
         for g in &groups {
-            report.blocks += g
+            let blocks = g
                 .paused
                 .blocks
                 .iter()
                 .filter(|&&i| st.arenas.block(i).requested > 0)
                 .count();
-            report.units += g.paused.units.len();
-            report.bytes = Bytes(report.bytes.get() + g.bytes());
-            report.copied =
-                Bytes(report.copied.get() + g.saved.iter().map(|s| s.1.len() as u64).sum::<u64>());
+            report.count(g, blocks);
         }
         st.stats.num_device_free += report.units as i64;
         // Recorded even with nothing in it (a pause of a tag with no memory resumes
@@ -361,6 +586,8 @@ impl<D: DeviceMemory> Engine<D> {
             st.pauses.sets.push(PausedSet { key: tag, groups });
         }
         st.settle_inactive();
+        drop(st);
+        drop(dropped);
         if let Some(e) = copy_err.or(failed.into_iter().next().map(|f| f.1)) {
             return Err(e.into());
         }
@@ -410,6 +637,9 @@ impl<D: DeviceMemory> Engine<D> {
         st.mapping += needed;
         st.pauses.resuming.extend(sets.iter().map(|s| s.key));
         st.pauses.resuming_bytes += needed;
+        let host = host_of(&sets);
+        st.pauses.resuming_host.0 += host.0;
+        st.pauses.resuming_host.1 += host.1;
         let ours = sets;
         drop(st);
 
@@ -417,7 +647,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut err = None;
         let mut done = 0;
         for g in &groups {
-            if let Err(e) = self.map_and_restore(&g.paused.units, &g.saved) {
+            if let Err(e) = self.map_and_restore(&g.paused.units, g.saved.as_ref()) {
                 err = Some(e);
                 break;
             }
@@ -435,6 +665,8 @@ impl<D: DeviceMemory> Engine<D> {
         let mut st = self.lock()?;
         st.mapping -= needed;
         st.pauses.resuming_bytes -= needed;
+        st.pauses.resuming_host.0 -= host.0;
+        st.pauses.resuming_host.1 -= host.1;
         for s in &ours {
             if let Some(at) = st.pauses.resuming.iter().position(|&k| k == s.key) {
                 st.pauses.resuming.remove(at);
@@ -448,19 +680,27 @@ impl<D: DeviceMemory> Engine<D> {
         for g in groups {
             st.arenas.resume_group(&g.paused);
             stats::increase(&mut st.stats.reserved_bytes, g.kind, g.bytes());
-            report.blocks += g
+            let blocks = g
                 .paused
                 .blocks
                 .iter()
                 .filter(|&&i| st.arenas.block(i).state == BlockState::Allocated)
                 .count();
-            report.units += g.paused.units.len();
-            report.bytes = Bytes(report.bytes.get() + g.bytes());
-            report.copied =
-                Bytes(report.copied.get() + g.saved.iter().map(|s| s.1.len() as u64).sum::<u64>());
+            report.count(g, blocks);
         }
         st.stats.num_device_alloc += report.units as i64;
+        // The host buffers stay (cached) for the next pause of their key.
+        let mut dropped: Vec<HostBuffer> = Vec::new();
+        for set in ours {
+            for g in set.groups {
+                if let Some(s) = g.saved {
+                    dropped.extend(st.pauses.stash(set.key, s));
+                }
+            }
+        }
         st.settle_inactive();
+        drop(st);
+        drop(dropped);
         Ok(report)
     }
 
@@ -469,7 +709,7 @@ impl<D: DeviceMemory> Engine<D> {
     fn map_and_restore(
         &self,
         units: &[(u64, u64)],
-        saved: &[(u64, Vec<u8>)],
+        saved: Option<&Saved>,
     ) -> Result<(), DeviceError> {
         let undo = |n: usize| {
             for &(s, e) in &units[..n] {
@@ -482,8 +722,15 @@ impl<D: DeviceMemory> Engine<D> {
                 return Err(err);
             }
         }
-        for (addr, bytes) in saved {
-            if let Err(err) = self.dev.copy_from_host(DevicePtr(*addr), bytes) {
+        let Some(saved) = saved else {
+            return Ok(());
+        };
+        let data = saved.buf.as_slice();
+        for &(addr, off, len) in &saved.runs {
+            if let Err(err) = self
+                .dev
+                .copy_from_host(DevicePtr(addr), &data[off..off + len])
+            {
                 undo(units.len());
                 return Err(err);
             }
