@@ -738,3 +738,33 @@ impl<D: DeviceMemory> Engine<D> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contiguous_blocks_make_one_run_and_offsets_follow_each_other() {
+        let (runs, total) = runs_of(&[(300, 50), (100, 100), (200, 100), (500, 8)]);
+        assert_eq!(runs, vec![(100, 0, 250), (500, 250, 8)]);
+        assert_eq!(total, 258);
+        assert_eq!(runs_of(&[]), (vec![], 0));
+    }
+
+    #[test]
+    fn a_cached_buffer_fits_when_large_enough_and_at_most_twice_the_need() {
+        let mut cached: Vec<HostBuffer> = [100, 40, 64, 1000]
+            .iter()
+            .map(|&n| HostBuffer::pageable(n))
+            .collect();
+        assert_eq!(take_fit(&mut cached, 50).map(|b| b.len()), Some(64));
+        assert_eq!(take_fit(&mut cached, 50).map(|b| b.len()), Some(100));
+        assert!(
+            take_fit(&mut cached, 50).is_none(),
+            "1000 wastes too much, 40 is short"
+        );
+        assert_eq!(take_fit(&mut cached, 40).map(|b| b.len()), Some(40));
+        assert_eq!(take_fit(&mut cached, 600).map(|b| b.len()), Some(1000));
+        assert!(cached.is_empty());
+    }
+}
