@@ -8,6 +8,8 @@
 //!   memory lives exactly as long as the mapping; `cuMemUnmap` on drop returns it).
 //! - [`Event`] — a CUDA event recorded on a raw stream (`cuEventCreate` with timing
 //!   disabled, `cuEventRecord`, `cuEventQuery`, `cuEventDestroy` on drop).
+//! - [`PinnedHost`] — page-locked host memory (`cuMemHostAlloc`, portable to every
+//!   context; `cuMemFreeHost` on drop), which device copies reach at the link's speed.
 //!
 //! Dropping a [`VaRange`] while a [`Mapping`] inside it is alive is a driver error, which
 //! the range's drop ignores; owners drop mappings first.
@@ -235,8 +237,61 @@ impl CudaDevice {
         })
     }
 
+    /// `len` bytes of page-locked host memory (`cuMemHostAlloc`, portable: pinned for
+    /// every context), not zeroed. Holds a reference on this device's primary context
+    /// until dropped, so the memory is freed (`cuMemFreeHost`) in the context it was made
+    /// in, whatever happens to this `CudaDevice` first. A host out of page-lockable memory
+    /// is a driver error (`CUDA_ERROR_OUT_OF_MEMORY`).
+    pub fn alloc_pinned(&self, len: usize) -> Result<PinnedHost> {
+        if len == 0 {
+            return Err(CudaError::invalid(
+                "cuMemHostAlloc",
+                "a zero-byte host buffer",
+            ));
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // Safety: valid out-pointer and device handle; balanced by the release below on
+        // failure, or by `PinnedHost`'s drop.
+        call("cuDevicePrimaryCtxRetain", || unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, self.dev)
+        })?;
+        let release = || {
+            // Safety: balances the retain above (this buffer's own reference).
+            let _ = call("cuDevicePrimaryCtxRelease", || unsafe {
+                sys::cuDevicePrimaryCtxRelease_v2(self.dev)
+            });
+        };
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        let res = CtxGuard::push(ctx).and_then(|_g| {
+            // Safety: valid out-pointer; `len` > 0; a context is current (guard).
+            call("cuMemHostAlloc", || unsafe {
+                sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE)
+            })
+        });
+        match res {
+            Ok(()) if !p.is_null() => Ok(PinnedHost {
+                ptr: p.cast(),
+                len,
+                dev: self.dev,
+                ctx,
+            }),
+            Ok(()) => {
+                release();
+                Err(CudaError::invalid(
+                    "cuMemHostAlloc",
+                    "the driver returned a null pointer",
+                ))
+            }
+            Err(e) => {
+                release();
+                Err(e)
+            }
+        }
+    }
+
     /// Copies `out.len()` bytes from device address `src` (mapped memory of this device)
-    /// into `out` (`cuMemcpyDtoH`: synchronous for pageable host memory).
+    /// into `out` (`cuMemcpyDtoH`: synchronous; at the link's speed when `out` is
+    /// page-locked, [`CudaDevice::alloc_pinned`], staged through a driver buffer otherwise).
     pub fn copy_to_host(&self, src: u64, out: &mut [u8]) -> Result<()> {
         let _g = CtxGuard::push(self.ctx)?;
         // Safety: a context is current (guard); `out` is a valid writable host buffer of
@@ -385,6 +440,67 @@ impl Drop for Mapping {
         // no longer handed out by the owner (the engine frees before it unmaps).
         let _ = call("cuMemUnmap", || unsafe {
             sys::cuMemUnmap(self.ptr, self.size as usize)
+        });
+    }
+}
+
+/// Page-locked host memory from [`CudaDevice::alloc_pinned`]: `len` bytes the device
+/// copies to and from directly. Freed (`cuMemFreeHost`) on drop, with the primary
+/// context it was allocated in, which it keeps retained until then.
+#[derive(Debug)]
+pub struct PinnedHost {
+    ptr: *mut u8,
+    len: usize,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// Safety: the buffer owns its memory exclusively (no other pointer to it is handed out
+// except through `&self`/`&mut self` borrows), and plain bytes may move between threads;
+// the context handle is only used to free the memory, which the driver allows from any
+// thread.
+unsafe impl Send for PinnedHost {}
+// Safety: shared access only reads the bytes (`as_slice`); writes need `&mut self`.
+unsafe impl Sync for PinnedHost {}
+
+impl PinnedHost {
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no bytes (never: `alloc_pinned` refuses zero bytes).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // Safety: `ptr` points to `len` bytes allocated by `cuMemHostAlloc`, live until
+        // drop; host-visible memory the driver gave us, so every byte is initialised (its
+        // value unspecified until written); shared borrows exclude writes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // Safety: as in `as_slice`; `&mut self` makes this the only borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if let Ok(_g) = CtxGuard::push(self.ctx) {
+            // Safety: `ptr` came from `cuMemHostAlloc` in this context, which our retain
+            // keeps alive; freed once (drop), and no borrow of the bytes outlives `self`.
+            let _ = call("cuMemFreeHost", || unsafe {
+                sys::cuMemFreeHost(self.ptr.cast())
+            });
+        }
+        // Safety: balances the retain in `alloc_pinned`.
+        let _ = call("cuDevicePrimaryCtxRelease", || unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(self.dev)
         });
     }
 }

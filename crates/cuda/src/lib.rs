@@ -13,7 +13,7 @@ mod device;
 mod driver;
 mod memory;
 
-pub use device::{CudaDevice, Event, Mapping, VaRange};
+pub use device::{CudaDevice, Event, Mapping, PinnedHost, VaRange};
 pub use driver::{CudaError, Driver, Result};
 pub use memory::{CudaCounters, CudaMemory};
 

@@ -9,6 +9,10 @@
 //!   as over `cudaMalloc` memory or one handle (`python/bench/vmm_probe.py`,
 //!   BENCHMARKS.md). Access is set once per `map` call over the whole range, for this
 //!   device and every peer enabled with [`CudaMemory::enable_peer_access`].
+//! - Host buffers ([`DeviceMemory::alloc_host`], what a pause that keeps contents copies
+//!   through) are page-locked ([`PinnedHost`], `cuMemHostAlloc`): device↔host copies
+//!   from them run at the link's speed (about 50 GB/s on an H100's PCIe 5 link, against
+//!   1–6 GB/s through fresh pageable memory).
 //! - Events are driver events (timing disabled) keyed by their raw handle; an event never
 //!   recorded is complete, as in CUDA.
 //!
@@ -20,10 +24,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 
-use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+use stweaver_core::engine::{
+    DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostBuffer, HostMem,
+};
 use stweaver_core::units::{Bytes, StreamId};
 
-use crate::device::{CudaDevice, Event, Mapping, VaRange};
+use crate::device::{CudaDevice, Event, Mapping, PinnedHost, VaRange};
 use crate::driver::{CudaError, Result as CudaResult};
 
 /// Device-memory traffic counters (what `num_device_alloc` and friends count, and more).
@@ -38,6 +44,18 @@ pub struct CudaCounters {
     pub synchronizes: u64,
     /// `cuStreamWaitEvent` calls (a plan placing a request over pending frees).
     pub stream_waits: u64,
+    /// Page-locked host buffers allocated (`cuMemHostAlloc`) and their bytes.
+    pub host_allocs: u64,
+    pub host_alloc_bytes: u64,
+}
+
+impl HostMem for PinnedHost {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
 }
 
 /// The CUDA implementation of [`DeviceMemory`] for one device.
@@ -371,6 +389,18 @@ impl DeviceMemory for CudaMemory {
         self.check_mapped(a, n)?;
         self.device.copy_from_host(a, data).map_err(to_device_error)
     }
+
+    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
+        let len =
+            usize::try_from(bytes.get()).map_err(|_| DeviceError::OutOfMemory { size: bytes })?;
+        let buf = self.device.alloc_pinned(len).map_err(to_device_error)?;
+        {
+            let mut st = lock(&self.state);
+            st.counters.host_allocs += 1;
+            st.counters.host_alloc_bytes += bytes.get();
+        }
+        Ok(HostBuffer::new(Box::new(buf), true))
+    }
 }
 
 #[cfg(test)]
@@ -442,6 +472,20 @@ mod tests {
             m.query_event(ev),
             Err(DeviceError::UnknownEvent(_))
         ));
+        // Page-locked host buffers: a round trip through mapped memory.
+        let n = g.get() as usize + 4096;
+        let mut out = m.alloc_host(Bytes(n as u64)).unwrap();
+        assert!(out.is_pinned() && out.len() == n);
+        out.as_mut_slice()
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
+        m.copy_from_host(base, out.as_slice()).unwrap();
+        let mut back = m.alloc_host(Bytes(n as u64)).unwrap();
+        m.copy_to_host(base, back.as_mut_slice()).unwrap();
+        assert!(back.as_slice() == out.as_slice());
+        drop((out, back));
+        assert_eq!(m.counters().host_allocs, 2);
         // Several whole mappings at once.
         m.unmap(base, Bytes(4 * g.get())).unwrap();
         m.release(base, Bytes(8 * g.get())).unwrap();
