@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostMemory};
+use stweaver_core::engine::{
+    DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostBuffer, HostMemory,
+};
 use stweaver_core::units::{Bytes, StreamId};
 use stweaver_cuda::CudaMemory;
 
@@ -325,5 +327,9 @@ impl DeviceMemory for Tracked {
 
     fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
         self.inner.copy_from_host(addr, data)
+    }
+
+    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
+        self.inner.alloc_host(bytes)
     }
 }

@@ -245,3 +245,37 @@ fn a_refused_resume_pauses_the_resumed_pools_again() {
     rt.free(d).unwrap();
     rt.free(g).unwrap();
 }
+
+#[test]
+fn kept_contents_reuse_the_devices_host_buffers_and_info_shows_them() {
+    let (rt, dev) = runtime(256);
+    rt.set_tag(3).unwrap();
+    let a = rt.malloc(0, (4 * MIB) as usize, S0, DEFAULT).unwrap();
+    rt.set_tag(0).unwrap();
+    fill(&dev, a, 4 * MIB, 0x3a);
+    let r = rt.pause(0, 3, true).unwrap();
+    assert_eq!(r.copied, 4 * MIB);
+    // The engines reach the device's host buffers through the tracked wrapper.
+    assert_eq!(dev.host_allocs(), 1);
+    let h = &info(&rt)["host_backup"];
+    assert_eq!(h["in_use_bytes"].as_u64().unwrap(), 4 * MIB);
+    assert_eq!(h["pinned_bytes"].as_u64().unwrap(), 4 * MIB);
+    rt.resume(0, 3).unwrap();
+    assert!(holds(&dev, a, 4 * MIB, 0x3a));
+    let h = &info(&rt)["host_backup"];
+    assert_eq!(h["in_use_bytes"].as_u64().unwrap(), 0);
+    assert_eq!(h["cached_bytes"].as_u64().unwrap(), 4 * MIB);
+    // The second pause of the tag takes the cached buffer, even after empty_cache.
+    rt.empty_cache(0, DEFAULT).unwrap();
+    rt.pause(0, 3, true).unwrap();
+    rt.resume(0, 3).unwrap();
+    assert_eq!(dev.host_allocs(), 1);
+    assert!(holds(&dev, a, 4 * MIB, 0x3a));
+    assert_eq!(rt.core().release_host_buffers(0).unwrap(), 4 * MIB);
+    assert_eq!(dev.host_bytes(), Bytes(0));
+    assert_eq!(
+        info(&rt)["host_backup"]["cached_bytes"].as_u64().unwrap(),
+        0
+    );
+    rt.free(a).unwrap();
+}

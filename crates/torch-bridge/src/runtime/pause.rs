@@ -13,7 +13,7 @@
 
 use std::sync::atomic::Ordering;
 
-use stweaver_core::engine::{Engine, EngineError, PauseError, PauseReport};
+use stweaver_core::engine::{Engine, EngineError, HostBackup, PauseError, PauseReport};
 use stweaver_core::units::Bytes;
 
 use super::{Core, DeviceSlot, read};
@@ -30,6 +30,9 @@ fn add(a: &mut PauseReport, b: PauseReport) {
     a.units += b.units;
     a.bytes = Bytes(a.bytes.get() + b.bytes.get());
     a.copied = Bytes(a.copied.get() + b.copied.get());
+    a.pinned = Bytes(a.pinned.get() + b.pinned.get());
+    a.fallbacks += b.fallbacks;
+    a.host_allocs += b.host_allocs;
 }
 
 /// Whether `engine` holds a pause that `resume(key)` resumes.
@@ -147,6 +150,48 @@ impl Core {
     /// Bytes of `device` whose physical memory is paused now, over all its engines.
     pub fn paused_bytes(&self, device: i32) -> Result<u64> {
         self.slot_paused(self.slot(device)?).map(|(bytes, _)| bytes)
+    }
+
+    /// The host memory `device`'s engines hold for kept contents (in use by paused sets,
+    /// cached for the next pause of their key), summed.
+    pub fn host_backup(&self, device: i32) -> Result<HostBackup> {
+        self.slot_host_backup(self.slot(device)?)
+    }
+
+    /// Frees the host buffers `device`'s engines cache for the next pause (those of
+    /// paused sets stay). Returns the bytes freed.
+    pub fn release_host_buffers(&self, device: i32) -> Result<u64> {
+        let slot = self.slot(device)?;
+        let private = read(&slot.private);
+        let mut freed = 0;
+        for e in slot
+            .default
+            .get()
+            .into_iter()
+            .chain(private.values().map(|p| &p.engine))
+        {
+            freed += e.release_host_buffers()?.get();
+        }
+        Ok(freed)
+    }
+
+    pub(super) fn slot_host_backup(&self, slot: &DeviceSlot) -> Result<HostBackup> {
+        let mut out = HostBackup::default();
+        let private = read(&slot.private);
+        for e in slot
+            .default
+            .get()
+            .into_iter()
+            .chain(private.values().map(|p| &p.engine))
+        {
+            let h = e.host_backup()?;
+            out.in_use = Bytes(out.in_use.get() + h.in_use.get());
+            out.cached = Bytes(out.cached.get() + h.cached.get());
+            out.pinned = Bytes(out.pinned.get() + h.pinned.get());
+            out.allocations += h.allocations;
+            out.fallbacks += h.fallbacks;
+        }
+        Ok(out)
     }
 
     /// The paused bytes and keys (0: every tag, as [`Core::pause`] takes them; sorted,

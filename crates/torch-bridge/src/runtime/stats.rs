@@ -314,10 +314,20 @@ impl Core {
                 // Pause / resume (issue #17): bytes paused now, and the tags paused (0:
                 // every tag, as `pause` takes them).
                 let (paused_bytes, paused_tags) = self.slot_paused(slot)?;
+                // Host memory behind kept contents: holding paused contents, and cached
+                // (page-locked) for the next pause of the same tag.
+                let host = self.slot_host_backup(slot)?;
                 devices.push(serde_json::json!({
                     "device": slot.ordinal,
                     "paused_bytes": paused_bytes,
                     "paused_tags": paused_tags,
+                    "host_backup": {
+                        "in_use_bytes": host.in_use.get(),
+                        "cached_bytes": host.cached.get(),
+                        "pinned_bytes": host.pinned.get(),
+                        "allocations": host.allocations,
+                        "fallbacks": host.fallbacks,
+                    },
                     "plan": plan,
                     "plan_abandoned": abandoned,
                     "opened": opened,
