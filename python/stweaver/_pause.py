@@ -24,6 +24,21 @@ allocated for the rest of the process. With ``keep_contents=True`` (the default)
 copied to host memory at pause and back at resume; with ``False`` the contents after
 resume are undefined (cheaper, for caches rebuilt anyway).
 
+Host memory for kept contents
+=============================
+The copies go through page-locked (pinned) host memory, at the PCIe link's speed: one
+buffer per paused run of mapping units, as large as the live bytes in it. A resume keeps
+the buffers (still pinned) for the next pause of the same tag, which reuses them instead
+of pinning new memory, so a tag paused and resumed over and over pays for pinning once.
+So after a kept-contents pause of a tag, about as much host memory as its live bytes
+stays pinned until the process ends (``torch.cuda.empty_cache()`` does not free it);
+a later pause of the tag with fewer bytes frees what it no longer needs. Pausing every
+tag at once (``pause()``) keeps buffers of its own. If the host cannot pin more memory,
+the pause copies to ordinary memory instead (slower, never an error).
+``stweaver.stats()["devices"][i]["host_backup"]`` tells the bytes held (``in_use_bytes``
+by paused tensors, ``cached_bytes`` kept for the next pause, ``pinned_bytes`` of both),
+the buffers allocated and the fallbacks to ordinary memory.
+
 Tags
 ====
 Every allocation carries the tag current when it is made: 0 (untagged, never paused) outside

@@ -38,8 +38,9 @@
 //!    Accepted groups are marked `Paused` (blocks and the free parts of their units) and
 //!    their units leave the unit map; `reserved_bytes` drops by their size at once and the
 //!    bytes count as being mapped until unmapped (so the memory limit stays conservative).
-//! 5. Unlocked: copy each paused live block's bytes to host memory when `keep`
-//!    ([`DeviceMemory::copy_to_host`]), then unmap each unit (one `unmap` per unit).
+//! 5. Unlocked: when `keep`, give each paused group one host buffer (see *Host memory*)
+//!    and copy its live blocks' bytes into it ([`DeviceMemory::copy_to_host`], one copy
+//!    per run of address-contiguous blocks), then unmap each unit (one `unmap` per unit).
 //!    A failed copy changes nothing (groups un-paused, nothing unmapped); a failed unmap
 //!    maps the group's already-unmapped units back, restores their bytes and un-pauses
 //!    it; the pause then returns the error with the other groups paused.
@@ -57,15 +58,46 @@
 //! Checks that the paused bytes fit the memory limit beside what is reserved and being
 //! mapped ([`PauseError::OverLimit`], everything stays paused), then, unlocked, maps each
 //! unit again at its address (one `map` per unit, as before: invariant 9) and copies the
-//! saved bytes back ([`DeviceMemory::copy_from_host`]), and, locked, un-marks the blocks
-//! (fillers become free memory again, coalesced). A refused map or copy unmaps what this
-//! resume mapped and leaves everything paused.
+//! saved bytes back ([`DeviceMemory::copy_from_host`], one copy per run), and, locked,
+//! un-marks the blocks (fillers become free memory again, coalesced) and puts the host
+//! buffers in the cache of the resumed key. A refused map or copy unmaps what this resume
+//! mapped and leaves everything paused (contents still in their buffers).
+//!
+//! # Host memory
+//!
+//! Kept contents live in host buffers from [`DeviceMemory::alloc_host`]: page-locked
+//! memory on CUDA (`cuMemHostAlloc`), which the device copies to and from at the link's
+//! speed (about 50 GB/s on an H100) where fresh pageable memory, page-faulted in during the
+//! copy and staged by the driver, ran at 1.3 GB/s (pause) and 5.7 GB/s (resume). Pinning
+//! memory is itself slow (the kernel locks every page), and the colocated-RL use pauses and
+//! resumes the same tag hundreds of times, so buffers are **reused**:
+//!
+//! - A pause takes one buffer per paused group, sized to the group's live bytes, first
+//!   from the engine's cache of the same key (`Some(tag)` and `None` are separate keys):
+//!   the smallest cached buffer that holds the bytes and is at most twice their size;
+//!   otherwise it allocates one. Cached buffers of the key that the pause did not use are
+//!   freed (the key's blocks changed), so a key's cache never outgrows its last pause.
+//! - A resume puts the buffers of the resumed sets in the cache of their keys, not freed.
+//! - So the host memory held is, per key, the live bytes of its last kept-contents pause
+//!   (in use while paused, cached after resume), about the bytes the key's tensors occupy
+//!   on the device. It is freed by [`Engine::release_host_buffers`] (the cache; buffers of
+//!   sets paused now stay with them) or when the engine is dropped. Not by
+//!   [`Engine::empty_cache`], nor by the release a pause makes: frameworks empty the device
+//!   cache between pause cycles, and pinning again would cost more than the copy saves.
+//! - When the device cannot allocate a buffer (host out of page-lockable memory) the group
+//!   is saved to pageable memory instead ([`HostBuffer::pageable`]): slower, never a
+//!   failed pause. Such a buffer is dropped at resume, not cached (the next pause tries
+//!   the device again). [`PauseReport::fallbacks`] and [`HostBackup::fallbacks`] count them.
+//! - [`Engine::host_backup`] tells the bytes held (in use, cached, page-locked), the
+//!   buffers allocated and the fallbacks. A pause in flight counts its buffers once it
+//!   is recorded (not while it copies); a resume in flight counts them until it ends.
 //!
 //! # Cost
 //!
 //! Pause: one `empty_cache`, one device synchronisation, O(blocks · log units + units)
-//! to find the groups, one device→host copy per paused live block (their bytes) and
-//! one unmap per unit. Resume: one map per unit and one host→device copy per block.
+//! to find the groups, one host buffer per group (from the cache after the key's first
+//! pause), one device→host copy per run of contiguous paused live blocks (their bytes)
+//! and one unmap per unit. Resume: one map per unit and one host→device copy per run.
 //! Nothing on the malloc/free hot path but the tag store at allocation.
 //!
 //! Checkpoints ([`Engine::checkpoint`]) hold `Allocated` blocks only: a paused block is
