@@ -1207,7 +1207,8 @@ def fmt_table(doc: dict) -> str:
         tms = doc.get("tms") or {}
         if tms.get("available"):
             lines.append(f"torch_memory_saver: {tms.get('source')} (hook_mode torch)")
-        lines.append("kept contents go through: stweaver, pageable host memory allocated at each pause; "
+        lines.append("kept contents go through: stweaver, pinned host buffers made at the first pause and "
+                     "reused by later ones (pageable only where pinning fails); "
                      "native and driver, one pinned buffer registered beforehand; torch_memory_saver, "
                      "its cpu backup (pinned by default)")
     share = doc.get("share")
