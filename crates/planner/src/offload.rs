@@ -133,12 +133,13 @@ const WAIT_SEARCH_STEPS: usize = 14;
 /// Points of an iteration where a plan may make compute wait for copies out.
 const MAX_WAIT_POINTS: usize = 8;
 
-/// Share of the budget a plan leaves free beside its pool and [`serving_headroom`]: what
-/// a GPU run holds outside the pool beyond the CPU replay's model (not identified yet).
-/// On the H100 plans 37 MB (Llama 1B, 0.9 x LB) and 6 MB (GPT-2 XL, 0.9 and 0.8 x LB)
-/// under the budget gave their pool up in their first scheduled iteration, holding at
-/// least 82 MiB and 310 MiB beside the pool by their give-up messages; plans with 55 MB
-/// and more ran. Not yet re-measured with the margin.
+/// Share of the budget a plan leaves free beside its pool and [`serving_headroom`], for
+/// what a run does that its recording did not (a request in a pool hole, a conflict).
+/// Plans on the H100 that gave their pool up in their first scheduled iteration did so
+/// with or without it: the cause was the planner counting on memory the program still
+/// held (tensors scheduled but not offloadable, tensors read after their pack), fixed in
+/// the model (`r_release`, whole-storage packs); with that fix every budget row of the
+/// H100 bench kept its plan (BENCHMARKS.md, session 10). The margin stays as slack.
 pub const DEFAULT_MARGIN: f64 = 0.02;
 
 /// Plans tried before giving up on a budget the selection should reach.
