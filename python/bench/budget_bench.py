@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -519,6 +519,33 @@ def derive(row: dict, ref: dict, link: dict) -> dict:
     return d
 
 
+def cap_summary(doc: dict, cap_gib: float) -> dict:
+    """Tokens/s each row kind reaches under the fixed cap: per kind, the batch that fits (every
+    iteration ran) with the most tokens per second (median step)."""
+    best: Dict[str, dict] = {}
+    for w in doc["workloads"]:
+        c = w["config"]
+        base = c.get("base_name", c["name"])
+        for r in w["rows"]:
+            if not r.get("ok") or not r.get("step_median_s"):
+                continue
+            tps = c["batch"] * c["seq"] / r["step_median_s"]
+            key = f"{base}/{r['row']}"
+            if key not in best or tps > best[key]["tokens_per_s"]:
+                best[key] = {"workload": base, "row": r["row"], "batch": c["batch"], "tokens_per_s": tps,
+                             "step_median_s": r["step_median_s"], "max_reserved": r.get("max_reserved"),
+                             "mode": r.get("offload_mode")}
+    return {"cap_gib": cap_gib, "best": list(best.values())}
+
+
+def fmt_cap(cap: dict) -> List[str]:
+    lines = [f"tokens/s under a {cap['cap_gib']:.2f} GiB cap (the best batch each allocator fits):"]
+    for b in sorted(cap["best"], key=lambda x: (x["workload"], -x["tokens_per_s"])):
+        lines.append(f"  {b['workload']:<14} {b['row']:<17} batch {b['batch']:>3}  {b['tokens_per_s']:9.0f} tokens/s  "
+                     f"step {b['step_median_s']:.3f}s  peak {(b.get('max_reserved') or 0) / GiB:.2f}G")
+    return lines
+
+
 def fmt_table(doc: dict) -> str:
     lines = [f"{'workload':<14} {'row':<17} {'budget':>9} {'fits':<5} {'peak res':>9} "
              f"{'step med':>9} {'x unlim':>8} {'moved/it':>9} {'D2H%':>5} {'H2D%':>5} {'loss=':<6} mode"]
@@ -541,6 +568,8 @@ def fmt_table(doc: dict) -> str:
                 f"{r.get('offload_mode') or ''}")
     link = doc.get("link") or {}
     lines.append(f"link: H2D {_g(link.get('h2d_GBps'))} GB/s, D2H {_g(link.get('d2h_GBps'))} GB/s (pinned 1 GiB)")
+    if doc.get("cap"):
+        lines += fmt_cap(doc["cap"])
     return "\n".join(lines)
 
 
@@ -563,6 +592,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--workloads", default=",".join(w["name"] for w in WORKLOADS))
     ap.add_argument("--batch", type=int, default=None, help="override the micro-batch (sequences)")
+    ap.add_argument("--batches", default="",
+                    help="run each workload at each of these micro-batches (e.g. 5,6,7,8): with --cap-gib, "
+                         "the tokens/s each allocator reaches at a fixed cap, at the best batch it fits")
+    ap.add_argument("--cap-gib", type=float, default=None,
+                    help="one fixed budget (GiB) for every workload and batch instead of --fractions of LB")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="threshold offload: smallest tensor")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per child process")
     ap.add_argument("--stweaver-bin", default="", help="the stweaver CLI (stweaver_plan row)")
@@ -589,6 +623,9 @@ def main(argv=None) -> int:
     if args.batch:
         for w in wls:
             w["batch"] = args.batch
+    if args.batches:
+        wls = [dict(w, batch=b, name=f"{w['name']}_b{b}", base_name=w["name"])
+               for w in wls for b in (int(x) for x in args.batches.split(",") if x.strip())]
     if args.dry_run:
         args.iters, args.warmup, args.extra_auto = min(args.iters, 3), min(args.warmup, 1), 0
         args.min_bytes = 0  # tiny tensors: offload them all
@@ -644,7 +681,9 @@ def main(argv=None) -> int:
             devtrace = (tr.get("trace_files") or [devtrace])[0] if tr.get("ok") else None
             if devtrace and os.path.isfile(devtrace):
                 shutil.copy(devtrace, os.path.join(args.out, os.path.basename(devtrace)))
-        for f in fractions:
+        # A fixed cap: the one budget, as its fraction of this workload's LB.
+        fracs = [args.cap_gib * GiB / lb] if args.cap_gib and lb else fractions
+        for f in fracs:
             budget = int(f * lb) if lb else None
             for row in rows:
                 extra = {}
@@ -700,6 +739,8 @@ def main(argv=None) -> int:
                     print(f"    {line}", flush=True)
                 save()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.cap_gib:
+        doc["cap"] = cap_summary(doc, args.cap_gib)
     save()
     table = fmt_table(doc)
     write_table(args.out, "budget_bench", table)
