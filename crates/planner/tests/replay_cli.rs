@@ -6,11 +6,39 @@ mod cli;
 
 use cli::{stweaver, text};
 
+use std::path::Path;
+
 use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::{AllocId, Trace};
 
 const MIB: u64 = 1 << 20;
+
+/// `stweaver plan TRACE -o PLAN`, which must succeed.
+fn plan_file(trace: &Path, plan: &Path) {
+    let o = stweaver(&[
+        "plan",
+        trace.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// `stweaver replay TRACE --plan PLAN --json EXTRA...`, which must succeed: its report.
+fn replay_json(trace: &Path, plan: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "replay",
+        trace.to_str().unwrap(),
+        "--plan",
+        plan.to_str().unwrap(),
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let o = stweaver(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
 
 /// 16 MiB persistent; per iteration 6 activations of 8 MiB, each followed by a 4 MiB
 /// temporary; with `late` set, the temporary of the 2nd layer of the 3rd iteration is
@@ -56,38 +84,16 @@ fn replay_names_the_requests_a_plan_did_not_serve_and_what_held_their_place() {
     write_trace_file(&recorded, &trace(false).0).unwrap();
     let (late, kept) = trace(true);
     write_trace_file(&served, &late).unwrap();
-    let o = stweaver(&[
-        "plan",
-        recorded.to_str().unwrap(),
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
+    plan_file(&recorded, &plan);
 
     // The recorded run against its own plan: every iteration at its planned offsets.
-    let o = stweaver(&[
-        "replay",
-        recorded.to_str().unwrap(),
-        "--plan",
-        plan.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let j = replay_json(&recorded, &plan, &[]);
     assert_eq!(j["plan_abandoned"], serde_json::Value::Null);
     assert_eq!(j["plan_stats"]["conflicts"], 0, "{j}");
     assert_eq!(j["served"]["online"], 0, "{j}");
 
     // The served run with a temporary kept alive: a conflict, occupied by that temporary.
-    let o = stweaver(&[
-        "replay",
-        served.to_str().unwrap(),
-        "--plan",
-        plan.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let j = replay_json(&served, &plan, &[]);
     assert!(j["plan_stats"]["conflicts"].as_u64().unwrap() >= 1, "{j}");
     let kept = kept.unwrap().0 as u64;
     let named = j["misses"].as_array().unwrap().iter().any(|m| {
@@ -162,26 +168,8 @@ fn replay_keeps_a_freed_block_pending_until_its_recorded_completion() {
     );
     write_trace_file(&recorded, &deferred(false)).unwrap();
     write_trace_file(&served, &deferred(true)).unwrap();
-    let o = stweaver(&[
-        "plan",
-        recorded.to_str().unwrap(),
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", text(&o));
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "replay",
-            served.to_str().unwrap(),
-            "--plan",
-            plan.to_str().unwrap(),
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let o = stweaver(&args);
-        assert!(o.status.success(), "{}", text(&o));
-        serde_json::from_slice(&o.stdout).unwrap()
-    };
+    plan_file(&recorded, &plan);
+    let run = |extra: &[&str]| replay_json(&served, &plan, extra);
     // As the runtime serves it: the second request waits for the pending free.
     let j = run(&[]);
     assert_eq!(j["plan_stats"]["conflicts"], 0, "{j}");

@@ -35,6 +35,21 @@ fn add(a: &mut PauseReport, b: PauseReport) {
     a.host_allocs += b.host_allocs;
 }
 
+/// Calls `f` on every engine of `slot`: its default engine (once opened), then its private
+/// pools'.
+fn each_engine(slot: &DeviceSlot, mut f: impl FnMut(&Engine<Tracked>) -> Result<()>) -> Result<()> {
+    let private = read(&slot.private);
+    for e in slot
+        .default
+        .get()
+        .into_iter()
+        .chain(private.values().map(|p| &p.engine))
+    {
+        f(e)?;
+    }
+    Ok(())
+}
+
 /// Whether `engine` holds a pause that `resume(key)` resumes.
 fn holds(engine: &Engine<Tracked>, key: Option<u32>) -> Result<bool> {
     let tags = engine.paused_tags()?;
@@ -161,36 +176,25 @@ impl Core {
     /// Frees the host buffers `device`'s engines cache for the next pause (those of
     /// paused sets stay). Returns the bytes freed.
     pub fn release_host_buffers(&self, device: i32) -> Result<u64> {
-        let slot = self.slot(device)?;
-        let private = read(&slot.private);
         let mut freed = 0;
-        for e in slot
-            .default
-            .get()
-            .into_iter()
-            .chain(private.values().map(|p| &p.engine))
-        {
+        each_engine(self.slot(device)?, |e| {
             freed += e.release_host_buffers()?.get();
-        }
+            Ok(())
+        })?;
         Ok(freed)
     }
 
     pub(super) fn slot_host_backup(&self, slot: &DeviceSlot) -> Result<HostBackup> {
         let mut out = HostBackup::default();
-        let private = read(&slot.private);
-        for e in slot
-            .default
-            .get()
-            .into_iter()
-            .chain(private.values().map(|p| &p.engine))
-        {
+        each_engine(slot, |e| {
             let h = e.host_backup()?;
             out.in_use = Bytes(out.in_use.get() + h.in_use.get());
             out.cached = Bytes(out.cached.get() + h.cached.get());
             out.pinned = Bytes(out.pinned.get() + h.pinned.get());
             out.allocations += h.allocations;
             out.fallbacks += h.fallbacks;
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -199,16 +203,11 @@ impl Core {
     pub(super) fn slot_paused(&self, slot: &DeviceSlot) -> Result<(u64, Vec<u32>)> {
         let mut bytes = 0;
         let mut tags = Vec::new();
-        let private = read(&slot.private);
-        for e in slot
-            .default
-            .get()
-            .into_iter()
-            .chain(private.values().map(|p| &p.engine))
-        {
+        each_engine(slot, |e| {
             bytes += e.paused_bytes()?.get();
             tags.extend(e.paused_tags()?.into_iter().map(|k| k.unwrap_or(0)));
-        }
+            Ok(())
+        })?;
         tags.sort_unstable();
         tags.dedup();
         Ok((bytes, tags))
