@@ -1,8 +1,10 @@
 //! Project automation: `cargo xtask <task>`.
 //!
 //! - `ci`: exactly what CI runs (fmt check, clippy -D warnings, tests, rustdoc -D warnings,
-//!   codegen --check, python tests, cpp-check, wheel-check).
+//!   codegen --check, fuzz-smoke, python tests, cpp-check, wheel-check).
 //! - `codegen [--check]`: regenerate the committed generated code (see `codegen.rs`).
+//! - `fuzz-smoke [--inputs N] [--seed S]`: every fuzz target built on stable and run over N
+//!   seeded random inputs (see `fuzz_smoke.rs`).
 //! - `build-torch-ext`, `gpu-test [--run-here]`, `cpp-check [VERSION...]`: the torch
 //!   extension (see `torch_ext.rs`).
 //! - `wheel-check`: builds the pip wheel against torch 2.11 and installs it into a fresh
@@ -18,13 +20,14 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 mod codegen;
+mod fuzz_smoke;
 mod gpu_bench;
 mod gpu_dist;
 mod planner_bench;
 mod torch_ext;
 mod wheel;
 
-const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|wheel-check|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
+const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|fuzz-smoke [--inputs N] [--seed S]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|wheel-check|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -35,6 +38,7 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("codegen") => codegen::run(&args[1..]),
+        Some("fuzz-smoke") => fuzz_smoke::fuzz_smoke(&args[1..]),
         Some("build-torch-ext") => torch_ext::build_torch_ext(),
         Some("gpu-test") => match gpu_dist::gpus_arg(&args[1..])? {
             Some(n) if n > 1 => gpu_dist::gpu_test(n),
@@ -92,6 +96,8 @@ fn ci() -> Result<()> {
         .env("RUSTDOCFLAGS", "-D warnings");
     run(doc)?;
     codegen::run(&["--check".to_owned()])?;
+    // The fuzz targets, on stable: each run over seeded random inputs (no coverage).
+    fuzz_smoke::fuzz_smoke(&[])?;
     torch_ext::python_tests()?;
     // The C++ allocator compiles and links against the real torch 2.11 and the newest
     // torch wheels from PyPI (no GPU needed).

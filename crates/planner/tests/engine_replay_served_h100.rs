@@ -41,7 +41,11 @@ fn a_prologue_range_held_by_pending_frees_and_unmapped_granules_keeps_the_plan()
     let (r, budget) = replay("llama1b_norcp_0.7_stweaver_plan");
     assert_eq!(r.plan_error, None);
     assert_eq!(r.plan_abandoned, None, "the plan is kept to the end");
-    assert!(r.peak_reserved.get() <= budget, "{} > {budget}", r.peak_reserved);
+    assert!(
+        r.peak_reserved.get() <= budget,
+        "{} > {budget}",
+        r.peak_reserved
+    );
     let s = r.plan_stats.unwrap();
     assert!(s.iterations >= 8 && s.waits > 0, "{s:?}");
     // Every conflict (the recording ran online after its give-up, in another order than
@@ -53,7 +57,11 @@ fn a_prologue_range_held_by_pending_frees_and_unmapped_granules_keeps_the_plan()
 fn a_gpt2_xl_plan_under_0_9_lb_serves_its_run_within_the_budget() {
     let (r, budget) = replay("gpt2xl_norcp_0.9_stweaver_plan");
     assert_eq!(r.plan_abandoned, None);
-    assert!(r.peak_reserved.get() <= budget, "{} > {budget}", r.peak_reserved);
+    assert!(
+        r.peak_reserved.get() <= budget,
+        "{} > {budget}",
+        r.peak_reserved
+    );
     let s = r.plan_stats.unwrap();
     // On the GPU: 125 conflicts over 8 iterations, all in pool holes (BENCHMARKS.md).
     assert!(s.conflicts <= 200, "{s:?}");
