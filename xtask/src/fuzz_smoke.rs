@@ -5,7 +5,7 @@
 //! project's machines have stable only. Built with plain `cargo build --release`, a target
 //! links libFuzzer all the same and, given files, runs each once ("executed the target code
 //! on a fixed set of inputs"): a smoke, not fuzzing — no input is mutated towards new
-//! coverage. The inputs are random byte strings of 64 B to 8 KiB from a seeded generator, so
+//! coverage. The inputs are the committed seeds (`fuzz/seeds/<target>/`) and random byte strings of 64 B to 8 KiB from a seeded generator, so
 //! a failing input is the same on every machine; they stay in
 //! `target/fuzz-smoke/<target>/` to reproduce with
 //! `target/fuzz-smoke/build/release/<target> FILE`. For `engine_ops` a few KiB decode into
@@ -89,7 +89,16 @@ pub fn fuzz_smoke(args: &[String]) -> Result<()> {
     super::run(cmd)?;
     let mut summary = Vec::new();
     for target in TARGETS {
-        let files = inputs(&work.join(target), target, n, seed)?;
+        let mut files = inputs(&work.join(target), target, n, seed)?;
+        // The committed seeds too (valid files: they reach past the decoders' first checks).
+        let seeds = root.join("fuzz/seeds").join(target);
+        let mut seeded = 0;
+        if seeds.is_dir() {
+            for e in std::fs::read_dir(&seeds).with_context(|| seeds.display().to_string())? {
+                files.push(e?.path());
+                seeded += 1;
+            }
+        }
         let bin = build.join("release").join(target);
         let t0 = std::time::Instant::now();
         let out = Command::new(&bin)
@@ -99,7 +108,7 @@ pub fn fuzz_smoke(args: &[String]) -> Result<()> {
         let secs = t0.elapsed().as_secs_f64();
         let log = String::from_utf8_lossy(&out.stderr);
         let executed = log.matches("Executed ").count();
-        if !out.status.success() || executed != n {
+        if !out.status.success() || executed != files.len() {
             let tail: String = log
                 .lines()
                 .rev()
@@ -110,12 +119,15 @@ pub fn fuzz_smoke(args: &[String]) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join("\n");
             bail!(
-                "fuzz-smoke: {target} failed ({}; {executed} of {n} inputs ran; inputs in {}):\n{tail}",
+                "fuzz-smoke: {target} failed ({}; {executed} of {} inputs ran; inputs in {}):\n{tail}",
                 out.status,
+                files.len(),
                 work.join(target).display()
             );
         }
-        summary.push(format!("{target:<11} {n} inputs  {secs:6.2} s  ok"));
+        summary.push(format!(
+            "{target:<11} {n} random + {seeded} seed inputs  {secs:6.2} s  ok"
+        ));
     }
     println!("fuzz smoke (seed {seed}, stable build, no coverage):");
     for line in summary {
