@@ -1,8 +1,9 @@
 //! Arbitrary programs of engine operations (talc's `fuzz_talc` style): malloc, free,
 //! bad frees, record_stream, streams passing events, process_events, empty_cache,
 //! markers, trace start/take, stat resets, limit changes, injected map failures, refused
-//! stream waits and loading and unloading a plan (random requests, kept when the verifier
-//! accepts them), on a host-memory device with small granules. Requests that do not follow
+//! stream waits, loading and unloading a plan (random requests, kept when the verifier
+//! accepts them), and tags with pause / resume (contents kept or dropped), on a host-memory
+//! device with small granules. Requests that do not follow
 //! the plan make the engine's occupancy check and cursor do their work, and ranges held by
 //! pending frees its stream waits (fences included).
 //!
@@ -11,8 +12,11 @@
 //! handed memory other streams may still use); every allocation over memory whose free
 //! recorded events is on a stream ordered after each of them (`FakeEvents::ordered_after`:
 //! passed, or waited for); allocated / active / requested bytes and the allocation count
-//! equal what the harness holds (plus the engine's fences: pending blocks it owns). Every block's sentinel is checked
-//! when it is freed. At the end, after freeing everything and `empty_cache`, nothing is
+//! equal what the harness holds (plus the engine's fences: pending blocks it owns); a paused
+//! block refuses its free and `record_stream`, a pause or resume succeeds or fails as the
+//! harness's model of the paused keys says, and the reserved bytes plus the paused bytes
+//! cover the active ones. Every block's sentinel is checked when it is freed (after a
+//! resume that kept contents, the bytes from before the pause). At the end, after freeing everything and `empty_cache`, nothing is
 //! allocated, active, reserved or mapped, and a recorded trace validates.
 #![no_main]
 
@@ -22,7 +26,8 @@ use std::sync::Arc;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use stweaver_core::engine::{
-    BlockState, DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit, PlanOptions,
+    BlockState, DevicePtr, Engine, EngineConfig, EngineError, HostMemory, MemoryLimit, PauseError,
+    PlanOptions,
 };
 use stweaver_core::plan::{NEVER_FREED, Plan, PlannedRequest};
 use stweaver_core::{Bytes, DeviceId, Offset, StreamId};
@@ -35,6 +40,15 @@ struct Held {
     requested: u64,
     byte: u8,
     freed: bool,
+    /// The engine's tag when it was allocated (0: untagged, never paused).
+    tag: u32,
+    /// Paused: by the pause of this key.
+    paused: Option<Option<u32>>,
+}
+
+/// Whether a pause of `key` (`None`: every tag) takes a block of `tag`.
+fn takes(key: Option<u32>, tag: u32) -> bool {
+    tag != 0 && key.is_none_or(|k| k == tag)
 }
 
 fn run(u: &mut Unstructured<'_>) -> Result<()> {
@@ -56,6 +70,11 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let mut hazards: Vec<(u64, u64, Vec<(StreamId, u64)>)> = Vec::new();
     let mut live: Vec<u64> = Vec::new();
     let mut tag = 0u8;
+    // The engine's current tag, and the keys paused now.
+    let mut cur_tag = 0u32;
+    let mut paused: Vec<Option<u32>> = Vec::new();
+    // Pauses and resumes that went through, and frees refused as paused (ENGINE_OPS_STATS).
+    let mut pause_counts = [0u32; 3];
     let stream =
         |u: &mut Unstructured<'_>| -> Result<StreamId> { Ok(StreamId(u.int_in_range(0u64..=3)?)) };
 
@@ -65,7 +84,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
             if u.is_empty() {
                 break;
             }
-            match u.int_in_range(0u8..=15)? {
+            match u.int_in_range(0u8..=17)? {
                 0..=4 => {
                     let size = match u.int_in_range(0u8..=9)? {
                         0..=5 => u.int_in_range(1u64..=4096)?,
@@ -115,6 +134,8 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                                     requested: size,
                                     byte: tag,
                                     freed: false,
+                                    tag: cur_tag,
+                                    paused: None,
                                 },
                             );
                             live.push(p);
@@ -127,7 +148,20 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                 }
                 5..=7 if !live.is_empty() => {
                     let i = u.choose_index(live.len())?;
-                    let p = live.swap_remove(i);
+                    let p = live[i];
+                    if let Some(h) = held.get(&p).filter(|h| h.paused.is_some()) {
+                        assert_eq!(
+                            engine.free(DevicePtr(p)),
+                            Err(EngineError::Paused {
+                                ptr: DevicePtr(p),
+                                tag: h.tag
+                            })
+                        );
+                        pause_counts[2] += 1;
+                        check(&engine, &host, &mut held);
+                        continue;
+                    }
+                    live.swap_remove(i);
                     let h = held.get_mut(&p).unwrap();
                     assert!(
                         host.check(DevicePtr(p), Bytes(h.len), h.byte).unwrap(),
@@ -147,7 +181,12 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                 }
                 8 if !live.is_empty() => {
                     let p = live[u.choose_index(live.len())?];
-                    engine.record_stream(DevicePtr(p), stream(u)?).unwrap();
+                    let r = engine.record_stream(DevicePtr(p), stream(u)?);
+                    if held[&p].paused.is_some() {
+                        assert!(r.is_err(), "record_stream of a paused block");
+                    } else {
+                        r.unwrap();
+                    }
                 }
                 5..=8 => {
                     let p = DevicePtr(u.arbitrary()?);
@@ -204,14 +243,108 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                     .set_memory_limit(MemoryLimit::Bytes(Bytes(u.int_in_range(1u64..=64)? << 18)))
                     .unwrap(),
                 15 if u.ratio(1u8, 4u8)? => host.events().refuse_waits(u.arbitrary()?),
-                _ => host.fail_map_in(u.int_in_range(1u32..=3)?),
+                15 => host.fail_map_in(u.int_in_range(1u32..=3)?),
+                16 => {
+                    cur_tag = u.int_in_range(0u32..=2)?;
+                    engine.set_tag(cur_tag).unwrap();
+                }
+                _ => {
+                    let key = match u.int_in_range(0u8..=2)? {
+                        0 => None,
+                        k => Some(u32::from(k)),
+                    };
+                    if u.arbitrary()? {
+                        let keep: bool = u.arbitrary()?;
+                        let clash = paused
+                            .iter()
+                            .any(|&k| key.is_none() || k.is_none() || k == key);
+                        match engine.pause(key, keep) {
+                            Ok(_) => {
+                                pause_counts[0] += 1;
+                                assert!(!clash, "pause of {key:?} over {paused:?}");
+                                paused.push(key);
+                                for (&q, h) in held.iter_mut() {
+                                    if !h.freed && h.paused.is_none() && takes(key, h.tag) {
+                                        h.paused = Some(key);
+                                        if !keep {
+                                            // Contents undefined after the resume: the
+                                            // harness writes them again then.
+                                            h.byte = 0;
+                                        }
+                                        let _ = q;
+                                    }
+                                }
+                            }
+                            Err(EngineError::Pause(PauseError::AlreadyPaused(_))) => {
+                                assert!(clash)
+                            }
+                            Err(EngineError::Pause(
+                                PauseError::MixedUnit { .. }
+                                | PauseError::Busy { .. }
+                                | PauseError::PlanServed,
+                            )) => {}
+                            Err(e) => panic!("pause({key:?}): {e}"),
+                        }
+                    } else {
+                        let any = paused.iter().any(|&k| key.is_none() || k == key);
+                        match engine.resume(key) {
+                            Ok(_) => {
+                                pause_counts[1] += 1;
+                                assert!(any, "resume of {key:?} over {paused:?}");
+                                paused.retain(|&k| !(key.is_none() || k == key));
+                                for (&q, h) in held.iter_mut() {
+                                    if h.paused.is_some_and(|k| key.is_none() || k == key) {
+                                        h.paused = None;
+                                        if h.byte == 0 {
+                                            tag = tag.wrapping_add(1).max(1);
+                                            h.byte = tag;
+                                            host.fill(DevicePtr(q), Bytes(h.len), tag).unwrap();
+                                        }
+                                    }
+                                }
+                            }
+                            Err(EngineError::Pause(PauseError::NotPaused(_))) => assert!(!any),
+                            // Over the limit, or a refused map: everything stays paused.
+                            Err(
+                                EngineError::Pause(PauseError::OverLimit { .. })
+                                | EngineError::Device(_),
+                            ) => assert!(any),
+                            Err(e) => panic!("resume({key:?}): {e}"),
+                        }
+                    }
+                }
             }
             check(&engine, &host, &mut held);
         }
         Ok(())
     })();
 
+    // Everything paused comes back (under a limit large enough), contents checked.
+    if !paused.is_empty() {
+        engine
+            .set_memory_limit(MemoryLimit::Bytes(Bytes(256 << 20)))
+            .unwrap();
+        let mut resumed = false;
+        for _ in 0..4 {
+            if engine.resume(None).is_ok() {
+                resumed = true;
+                break;
+            }
+        }
+        assert!(resumed, "resume everything at the end");
+        for (&q, h) in held.iter_mut() {
+            if h.paused.take().is_some() && h.byte == 0 {
+                h.byte = 1;
+                host.fill(DevicePtr(q), Bytes(h.len), 1).unwrap();
+            }
+        }
+    }
     for p in live.drain(..) {
+        let h = held[&p];
+        assert!(
+            host.check(DevicePtr(p), Bytes(h.len), h.byte).unwrap(),
+            "sentinel at {p:#x} at the end"
+        );
         engine.free(DevicePtr(p)).unwrap();
     }
     engine.empty_cache().unwrap();
@@ -240,9 +373,17 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     assert_eq!(s.segment[0].current as usize, snap.len());
     if std::env::var_os("ENGINE_OPS_STATS").is_some() {
         eprintln!("plan stats: {:?}", engine.plan_stats().unwrap());
+        eprintln!(
+            "pauses {} resumes {} paused frees refused {}",
+            pause_counts[0], pause_counts[1], pause_counts[2]
+        );
     }
     assert_eq!(host.mapped_bytes(), Bytes(pool));
-    assert_eq!(host.counters().partial_unmaps, 0, "part of a mapping unmapped");
+    assert_eq!(
+        host.counters().partial_unmaps,
+        0,
+        "part of a mapping unmapped"
+    );
     if let Some(t) = engine.take_trace().unwrap() {
         if !t.events.is_empty() {
             t.validate().expect("recorded trace is valid");
@@ -336,7 +477,8 @@ fn check(engine: &Engine<Arc<HostMemory>>, host: &HostMemory, held: &mut BTreeMa
     assert_eq!(s.allocation[0].current as u64, count);
     assert_eq!(s.active_bytes[0].current as u64, active);
     assert_eq!(s.requested_bytes[0].current as u64, requested);
-    assert!(s.reserved_bytes[0].current as u64 >= active);
+    let paused = engine.paused_bytes().unwrap().get();
+    assert!(s.reserved_bytes[0].current as u64 + paused >= active);
 }
 
 fuzz_target!(|data: &[u8]| {
