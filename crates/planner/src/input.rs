@@ -1,6 +1,7 @@
 //! Input dispatch: what kind of file was given, by its content (never its name).
 //!
 //! - bytes 8..12 `STWT` → a stweaver trace file (`.stwt`, [`stweaver_core::trace_file`]);
+//!   gzipped, the same once gunzipped (`.stwt.gz`: the repository's vendored traces);
 //! - gzip magic (`1f 8b`) or a pickle header (`80 02..05`) → a PyTorch memory snapshot
 //!   ([`crate::snapshot`]);
 //! - anything else → [`InputError::Unrecognised`], naming the file and its first bytes.
@@ -11,7 +12,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use stweaver_core::Trace;
-use stweaver_core::trace_file::{TraceFileError, read_trace_file};
+use stweaver_core::trace_file::{TraceFileError, read_trace_file, trace_from_bytes};
 
 use crate::snapshot::{
     LoadProgress, Snapshot, SnapshotError, load_snapshot_with_progress, looks_like_snapshot,
@@ -113,6 +114,19 @@ pub fn load_input_with_progress(
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedInput, InputError> {
     let head = read_head(path)?;
+    if head.starts_with(&[0x1f, 0x8b]) && gzipped_trace(path)? {
+        let read_err = |error| InputError::Read {
+            path: path.to_owned(),
+            error,
+        };
+        let file = std::fs::File::open(path).map_err(read_err)?;
+        let mut bytes = Vec::new();
+        flate2::read::MultiGzDecoder::new(file)
+            .read_to_end(&mut bytes)
+            .map_err(read_err)?;
+        let trace = trace_from_bytes(&bytes).map_err(|e| e.with_path(path))?;
+        return Ok(LoadedInput::TraceFile(trace));
+    }
     match sniff(&head) {
         Some(InputFormat::TraceFile) => Ok(LoadedInput::TraceFile(read_trace_file(path)?)),
         Some(InputFormat::PytorchSnapshot) => Ok(LoadedInput::Snapshot(Box::new(
@@ -128,6 +142,21 @@ pub fn load_input_with_progress(
 /// The traces of any supported input, one per device with allocation history.
 pub fn load_traces(path: &Path) -> Result<Vec<Trace>, InputError> {
     load_input(path).map(LoadedInput::into_traces)
+}
+
+/// Whether the gzip file at `path` holds a stweaver trace file (its first bytes, gunzipped,
+/// carry the `STWT` identifier).
+fn gzipped_trace(path: &Path) -> Result<bool, InputError> {
+    let file = std::fs::File::open(path).map_err(|error| InputError::Read {
+        path: path.to_owned(),
+        error,
+    })?;
+    let mut head = Vec::with_capacity(SNIFF_LEN);
+    // A broken gzip stream is the snapshot reader's to report.
+    let _ = flate2::read::MultiGzDecoder::new(file)
+        .take(SNIFF_LEN as u64)
+        .read_to_end(&mut head);
+    Ok(head.get(8..12) == Some(b"STWT".as_slice()))
 }
 
 fn read_head(path: &Path) -> Result<Vec<u8>, InputError> {

@@ -10,6 +10,7 @@ pub mod classify;
 pub mod engine_replay;
 pub mod input;
 pub mod iteration;
+pub mod iteration_classes;
 pub mod offline;
 pub mod offload;
 pub mod planning;

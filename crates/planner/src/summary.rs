@@ -76,6 +76,9 @@ pub struct TraceSummary {
     /// Distinct marker labels.
     pub labels: usize,
     pub period: Option<Period>,
+    /// The iterations grouped by request signature
+    /// ([`crate::iteration_classes::iteration_classes`]), the most frequent first.
+    pub iteration_classes: Vec<crate::iteration_classes::IterationClass>,
 }
 
 /// Summarises a trace (which should have passed [`Trace::validate`]; allocation ids
@@ -169,6 +172,7 @@ pub fn summarize(trace: &Trace) -> TraceSummary {
         time_span_us,
         labels: trace.labels.len(),
         period: detect_period(trace),
+        iteration_classes: crate::iteration_classes::iteration_classes(trace),
     }
 }
 

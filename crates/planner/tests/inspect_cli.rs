@@ -137,3 +137,29 @@ fn inspect_json_snapshots() {
     insta::assert_snapshot!("inspect_periodic", portable_json("periodic.pickle.gz"));
     insta::assert_snapshot!("inspect_multi_device", portable_json("multi_device.pickle"));
 }
+
+/// A gzipped stweaver trace (the repository's vendored H200 and H100 traces) is read as the
+/// trace it holds, and its iterations grouped by request signature: the 1F1B Llama run is
+/// 11 training iterations and one post-training tail (hashing every parameter).
+#[test]
+fn a_gzipped_trace_file_is_read_and_its_iteration_classes_listed() {
+    let j = inspect_json(&data("h200/llama1b_1f1b.stwt.gz"), &[]);
+    assert_eq!(j["format"], "stweaver_trace", "{j}");
+    let classes = j["devices"][0]["iteration_classes"].as_array().unwrap();
+    assert_eq!(classes.len(), 2, "{classes:?}");
+    assert_eq!(classes[0]["count"], 11);
+    assert_eq!(classes[1]["count"], 1);
+    assert!(
+        classes[0]["allocs_per_iteration"].as_u64().unwrap()
+            > 10 * classes[1]["allocs_per_iteration"].as_u64().unwrap()
+    );
+    let out = stweaver(&[
+        "inspect".as_ref(),
+        data("h200/llama1b_1f1b.stwt.gz").as_os_str(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("iteration classes   2 over 12 iterations: 11 x ("),
+        "{text}"
+    );
+}

@@ -107,6 +107,17 @@ impl TraceFileError {
             | TraceFileError::Invalid { path, .. } => path,
         }
     }
+
+    /// The same error, about `file` (bytes decoded from it, e.g. after gunzip).
+    pub fn with_path(mut self, file: &Path) -> TraceFileError {
+        match &mut self {
+            TraceFileError::Read { path, .. }
+            | TraceFileError::Write { path, .. }
+            | TraceFileError::Format { path, .. }
+            | TraceFileError::Invalid { path, .. } => *path = file.to_path_buf(),
+        }
+        self
+    }
 }
 
 /// Writes `trace` to `path` (atomically: a temporary sibling renamed over it). The

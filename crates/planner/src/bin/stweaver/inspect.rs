@@ -122,9 +122,21 @@ struct DeviceJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     time_span_us: Option<(u64, u64)>,
     period: Option<PeriodJson>,
+    /// The iterations grouped by request signature; left out without iteration boundaries.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    iteration_classes: Vec<ClassJson>,
     /// Snapshot only: what the device's trace list held besides requests.
     #[serde(skip_serializing_if = "Option::is_none")]
     snapshot_entries: Option<EntriesJson>,
+}
+
+#[derive(Serialize)]
+struct ClassJson {
+    /// How many iterations, and which (0: the first after the first boundary).
+    count: usize,
+    iterations: Vec<usize>,
+    allocs_per_iteration: usize,
+    peak_bytes: u64,
 }
 
 #[derive(Serialize)]
@@ -400,6 +412,34 @@ impl Report {
                     );
                 }
             }
+            if !d.iteration_classes.is_empty() {
+                let n: usize = d.iteration_classes.iter().map(|c| c.iterations.len()).sum();
+                let shown: Vec<String> = d
+                    .iteration_classes
+                    .iter()
+                    .take(4)
+                    .map(|c| {
+                        format!(
+                            "{} x ({} allocs, peak {})",
+                            c.count,
+                            c.allocs_per_iteration,
+                            Bytes(c.peak_bytes)
+                        )
+                    })
+                    .collect();
+                let more = d.iteration_classes.len().saturating_sub(4);
+                let _ = writeln!(
+                    o,
+                    "  iteration classes   {} over {n} iterations: {}{}",
+                    d.iteration_classes.len(),
+                    shown.join(", "),
+                    if more > 0 {
+                        format!(", {more} more")
+                    } else {
+                        String::new()
+                    }
+                );
+            }
             if let Some(x) = &d.snapshot_entries {
                 let _ = writeln!(
                     o,
@@ -469,6 +509,16 @@ fn device_json(s: &TraceSummary, snapshot_entries: Option<EntriesJson>) -> Devic
                 PeriodSource::RequestSequence => "request_sequence",
             },
         }),
+        iteration_classes: s
+            .iteration_classes
+            .iter()
+            .map(|c| ClassJson {
+                count: c.iterations.len(),
+                iterations: c.iterations.clone(),
+                allocs_per_iteration: c.allocs,
+                peak_bytes: c.peak.get(),
+            })
+            .collect(),
         snapshot_entries,
     }
 }
