@@ -170,14 +170,11 @@ impl<D: DeviceMemory> Engine<D> {
             }
             PlanAnswer::Busy { addr, e } => {
                 // Part of the range may be reached for the first time (never mapped):
-                // map it first, so that only the pending frees hold the range (on the
-                // H100, a prologue request over a threshold-offloaded tensor's pending
-                // free and unmapped granules conflicted, and its plan was given up).
-                if let Some(pa) = st.plan.as_ref().map(|p| p.arena)
-                    && st.arenas.meets_unmapped(pa, addr, rounded)
-                {
-                    st = self.map_pool_range(st, addr, rounded)?.1;
-                }
+                // map it first (a no-op when it is mapped), so that only the pending frees
+                // hold the range (on the H100, a prologue request over a
+                // threshold-offloaded tensor's pending free and unmapped granules
+                // conflicted, and its plan was given up).
+                st = self.map_pool_range(st, addr, rounded)?.1;
                 let (placed, guard) = self.wait_for_pending(st, addr, rounded, size, stream)?;
                 st = guard;
                 if let Some(i) = placed {

@@ -137,6 +137,11 @@ impl<D: DeviceMemory> Engine<D> {
                 return Ok((false, st));
             };
             let carved = st.arenas.carve_range(pa, addr, rounded)?;
+            if carved.is_empty() {
+                // Every granule is mapped (or being mapped): nothing to do, whatever the
+                // limit.
+                return Ok((true, st));
+            }
             let total: u64 = carved.iter().map(|&i| st.arenas.block(i).size).sum();
             let reserved = st.stats.reserved_bytes[0].current as u64;
             if released || reserved + st.mapping + total <= st.limit {

@@ -37,23 +37,6 @@ impl Arenas {
         Some((start, end))
     }
 
-    /// Whether some granule covering `[addr, addr + size)` of arena `a` is unmapped.
-    /// O(log n).
-    pub fn meets_unmapped(&self, a: ArenaId, addr: u64, size: u64) -> bool {
-        let g = self.granule;
-        let (lo, hi) = (addr / g * g, (addr + size).div_ceil(g) * g);
-        self.arena(a).is_some_and(|arena| {
-            arena
-                .unmapped
-                .range(..hi)
-                .next_back()
-                .is_some_and(|(_, &b)| {
-                    let blk = &self.blocks[b as usize];
-                    blk.addr + blk.size > lo
-                })
-        })
-    }
-
     /// Carves the unmapped parts of the granules covering `[addr, addr + size)` of arena
     /// `a` out as `Mapping` blocks (returned in address order), for the caller to map
     /// and finish with `Arenas::finish_mapping`. O(log n + blocks carved).
