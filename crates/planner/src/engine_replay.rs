@@ -389,6 +389,21 @@ pub enum EngineReplayError {
     PartialUnmap { count: u64 },
 }
 
+/// The engine's plan-serving counters as JSON, one shape for every report that shows
+/// them (`stweaver replay`, the runtime's `stats()`).
+pub fn plan_stats_json(s: &PlanStats) -> serde_json::Value {
+    serde_json::json!({
+        "hits": s.hits,
+        "conflicts": s.conflicts,
+        "waits": s.waits,
+        "unplanned": s.unplanned,
+        "skipped": s.skipped,
+        "iterations": s.iterations,
+        "holes": s.holes,
+        "grown": s.grown,
+    })
+}
+
 /// Event indices where the replay calls `mark_iteration` (before handling the event),
 /// ascending (module docs).
 pub fn iteration_boundaries(trace: &Trace) -> Vec<usize> {

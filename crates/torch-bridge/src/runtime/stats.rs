@@ -293,18 +293,9 @@ impl Core {
                     None => false,
                 };
                 let plan = match slot.default.get() {
-                    Some(e) => e.plan_stats()?.map(|p| {
-                        serde_json::json!({
-                            "hits": p.hits,
-                            "conflicts": p.conflicts,
-                            "waits": p.waits,
-                            "unplanned": p.unplanned,
-                            "skipped": p.skipped,
-                            "iterations": p.iterations,
-                            "holes": p.holes,
-                            "grown": p.grown,
-                        })
-                    }),
+                    Some(e) => e
+                        .plan_stats()?
+                        .map(|p| stweaver_planner::engine_replay::plan_stats_json(&p)),
                     None => None,
                 };
                 let abandoned = match slot.default.get() {

@@ -15,9 +15,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use stweaver_core::Bytes;
 use stweaver_core::plan_file::read_plan_file;
-use stweaver_core::trace::{EventKind, MarkerKind};
+use stweaver_core::trace::EventKind;
 use stweaver_planner::engine_replay::{
-    ConflictSeen, EngineReplayOptions, EngineReplayReport, ServeMode, Served, replay_engine,
+    ConflictSeen, EngineReplayOptions, EngineReplayReport, ServeMode, Served, iteration_boundaries,
+    plan_stats_json, replay_engine,
 };
 use stweaver_planner::offload::parse_budget;
 
@@ -60,7 +61,7 @@ struct Miss {
     size: u64,
     stream: u64,
     event: usize,
-    /// Iteration markers before it (0: the prologue).
+    /// Iteration boundaries before it (0: the prologue).
     iteration: usize,
     served: &'static str,
     /// A conflict: its planned offset in the pool and the allocations that occupied the
@@ -120,19 +121,16 @@ pub fn run(args: ReplayArgs) -> Result<()> {
         )
     })?;
 
-    // Where each allocation was requested (event index, iteration).
+    // Where each allocation was requested (event index, iteration: the boundaries the
+    // replay marked before it).
+    let bounds = iteration_boundaries(&trace);
     let mut at = vec![(0usize, 0usize); trace.allocations.len()];
-    let mut iteration = 0;
     for (k, ev) in trace.events.iter().enumerate() {
-        match ev.kind {
-            EventKind::Marker {
-                kind: MarkerKind::IterationBegin,
-                ..
-            } => iteration += 1,
-            EventKind::Alloc(a) => at[a.index()] = (k, iteration),
-            _ => {}
+        if let EventKind::Alloc(a) = ev.kind {
+            at[a.index()] = (k, bounds.partition_point(|&b| b <= k));
         }
     }
+    let iteration = bounds.len();
     let mut per_iteration: Vec<u64> = vec![0; iteration + 1];
     let conflicts: std::collections::HashMap<usize, &ConflictSeen> = report
         .conflicts
@@ -182,11 +180,7 @@ pub fn run(args: ReplayArgs) -> Result<()> {
             "pool_mapped": report.pool_size.get(),
             "plan_error": report.plan_error,
             "plan_abandoned": report.plan_abandoned,
-            "plan_stats": report.plan_stats.map(|s| serde_json::json!({
-                "hits": s.hits, "conflicts": s.conflicts, "waits": s.waits,
-                "unplanned": s.unplanned, "holes": s.holes, "grown": s.grown,
-                "skipped": s.skipped, "iterations": s.iterations,
-            })),
+            "plan_stats": report.plan_stats.as_ref().map(plan_stats_json),
             "served": {"plan": report.counts.plan, "hole": report.counts.hole, "online": report.counts.online},
             "misses_per_iteration": per_iteration,
             "misses": misses.iter().take(args.show).collect::<Vec<_>>(),
