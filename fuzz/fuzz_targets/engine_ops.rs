@@ -263,7 +263,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                                 pause_counts[0] += 1;
                                 assert!(!clash, "pause of {key:?} over {paused:?}");
                                 paused.push(key);
-                                for (&q, h) in held.iter_mut() {
+                                for h in held.values_mut() {
                                     if !h.freed && h.paused.is_none() && takes(key, h.tag) {
                                         h.paused = Some(key);
                                         if !keep {
@@ -271,7 +271,6 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                                             // harness writes them again then.
                                             h.byte = 0;
                                         }
-                                        let _ = q;
                                     }
                                 }
                             }

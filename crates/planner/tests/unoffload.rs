@@ -5,12 +5,23 @@
 
 use stweaver_core::testkit::TraceBuilder;
 use stweaver_core::trace_file::{trace_digest, trace_from_bytes, trace_to_bytes};
-use stweaver_core::{AllocId, Bytes, EventKind, MarkerKind, Restore, Trace, TraceError};
+use stweaver_core::{AllocId, Bytes, EventKind, Restore, Trace, TraceError};
 use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
 use stweaver_planner::planning::plan_trace;
 use stweaver_planner::unoffload::un_offload;
 
 const MIB: u64 = 1 << 20;
+
+/// A builder with 288 MiB of persistent tensors (36 of 8 MiB). Its clock also ticks for
+/// the events one variant of [`run`] skips, so both variants stamp the events they share
+/// alike.
+fn persistent() -> TraceBuilder {
+    let mut b = TraceBuilder::with_clock(1_700_000_000_000_000, 1000);
+    for _ in 0..36 {
+        b.alloc(8 * MIB);
+    }
+    b
+}
 
 /// Activations saved in forward (64 MiB, and a 1 MiB one per layer under the
 /// threshold), unpacked in reverse in backward, over 288 MiB persistent; with
@@ -19,17 +30,9 @@ const MIB: u64 = 1 << 20;
 /// copy back before its unpack, and a restore link.
 fn run(threshold: Option<u64>) -> Trace {
     let layers = 12;
-    // A clock that also ticks for the events one variant skips, so both variants stamp
-    // the events they share alike.
-    let mut b = TraceBuilder::with_clock(1_700_000_000_000_000, 1000);
-    for _ in 0..36 {
-        b.alloc(8 * MIB);
-    }
+    let mut b = persistent();
     for _ in 0..4 {
-        b.ev(EventKind::Marker {
-            kind: MarkerKind::IterationBegin,
-            label: None,
-        });
+        b.iteration_begin();
         let mut saved = Vec::new();
         for _ in 0..layers {
             for size in [64 * MIB, MIB] {
@@ -234,17 +237,11 @@ fn the_first_iterations_offloads_stay_as_recorded() {
 /// As [`run`] with threshold offload of the 64 MiB activations, but forward holds each
 /// of them until three more layers' have been made (later layers read it): its free,
 /// recorded when the program let go of it, comes three layers after its pack.
-fn held_a_layer() -> Trace {
+fn held_three_layers() -> Trace {
     let layers = 12;
-    let mut b = TraceBuilder::with_clock(1_700_000_000_000_000, 1000);
-    for _ in 0..36 {
-        b.alloc(8 * MIB);
-    }
+    let mut b = persistent();
     for _ in 0..4 {
-        b.ev(EventKind::Marker {
-            kind: MarkerKind::IterationBegin,
-            label: None,
-        });
+        b.iteration_begin();
         let mut saved = Vec::new();
         let mut held = std::collections::VecDeque::new();
         for _ in 0..layers {
@@ -286,7 +283,7 @@ fn held_a_layer() -> Trace {
 /// information (links dropped) is planned as if the memory went at the copy's end.
 #[test]
 fn offloaded_memory_is_free_no_earlier_than_the_program_let_go_of_it() {
-    let held = held_a_layer();
+    let held = held_three_layers();
     let (normalised, releases) =
         stweaver_planner::unoffload::un_offload_with_releases(&held).unwrap();
     assert_eq!(releases.iter().filter(|r| r.is_some()).count(), 4 * 12);
