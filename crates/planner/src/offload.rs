@@ -138,8 +138,9 @@ const MAX_WAIT_POINTS: usize = 8;
 /// Plans on the H100 that gave their pool up in their first scheduled iteration did so
 /// with or without it: the cause was the planner counting on memory the program still
 /// held (tensors scheduled but not offloadable, tensors read after their pack), fixed in
-/// the model (`r_release`, whole-storage packs); with that fix every budget row of the
-/// H100 bench kept its plan (BENCHMARKS.md, session 10). The margin stays as slack.
+/// the model (`r_release`, whole-storage packs); with that fix every budget row the planner
+/// accepted on the H100 bench kept its plan (BENCHMARKS.md, session 10). The margin stays
+/// as slack.
 pub const DEFAULT_MARGIN: f64 = 0.02;
 
 /// Plans tried before giving up on a budget the selection should reach.
