@@ -27,6 +27,14 @@ random token ids, deterministic algorithms (as gpu_bench).
      so that the planned peak fits B; its report is kept in the row), then the plan run
      (``STWEAVER_PLAN`` + ``STWEAVER_BUDGET``: the plan's schedule is followed from the
      first iteration boundary on). Needs ``--stweaver-bin`` (the release CLI);
+   - ``stweaver_hybrid``: ``stweaver_plan`` with the last k of the model's N repeated blocks
+     recomputed in backward (``stweaver.recompute_blocks``): offload alone is bound by the
+     link (everything off the device at the peak crosses it during forward), recomputing a
+     few blocks takes their activations off the peak for ~k/N of a forward. A trace run per
+     candidate k (0, ~N/8, N/4, 3N/8, N/2, 3N/4; shared by the budgets), ``stweaver plan
+     --budget`` on each, and the k whose predicted step (k/N x forward's device time + the
+     plan's planned copy waits) is least is run; the sweep stops once the best plan waits
+     <= 2 % of the unlimited step or a k predicts worse than the best before it;
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
@@ -86,9 +94,10 @@ WORKLOADS = [
          note="GPT-2 XL (gpu_bench config), 8 x 1024 tokens, one micro-batch, no recomputation"),
 ]
 # Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
-PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime")
+PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
-ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_offload", "save_on_cpu", "recompute", "native", "expandable")
+ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_offload",
+        "save_on_cpu", "recompute", "native", "expandable")
 
 
 def dry_workloads() -> List[dict]:
@@ -262,6 +271,12 @@ def run_row(spec: dict) -> dict:
     c = dict(c, ckpt=(row == "recompute"))
     torch.manual_seed(0)
     model, _ = gb._build_model(c, device, torch)
+    if spec.get("recompute"):
+        # stweaver_hybrid and its trace runs: the last k blocks recomputed, the rest offloaded
+        # as planned (the trace and its plan run recompute the same blocks).
+        from stweaver._recompute import recompute_blocks
+
+        res["recomputed"] = recompute_blocks(model, spec["recompute"], where=spec.get("recompute_where", "last"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
@@ -402,6 +417,10 @@ def row_details(r: dict) -> List[str]:
     if r.get("planner"):
         p = r["planner"]
         o = p.get("offload") or {}
+        for sw in p.get("sweep") or []:
+            out.append(f"hybrid sweep: {sw['k']} recomputed blocks: planned wait {sw['wait_ms']} ms, predicted "
+                       f"+{sw['predicted_ms']} ms, bytes/it {sw['bytes_per_iteration']}"
+                       f"{', refused' if sw['refused'] else ''}")
         out.append(f"planner: pool {p.get('pool')} tensors {o.get('tensors')} bytes/it {o.get('bytes_per_iteration')} "
                    f"planned copy-out wait {o.get('copy_out_wait_us')} us, copy-back stalls {o.get('stalls')} "
                    f"({o.get('stall_us')} us) timing {o.get('timing')} "
@@ -446,6 +465,8 @@ def child_env(row: str) -> dict:
 
 def spawn(spec: dict, tmp: str, timeout: float) -> dict:
     name = f"{spec.get('workload', {}).get('name', 'link')}_{spec['row']}_{spec.get('fraction')}"
+    if spec.get("recompute"):
+        name += f"_k{spec['recompute']}"
     spec = dict(spec, result=os.path.join(tmp, name + ".json"))
     log_path = os.path.join(tmp, name + ".log")
     t0 = time.time()
@@ -493,6 +514,71 @@ def clock_args(phases: dict) -> List[str]:
     if not fwd or not total:
         return []
     return ["--iteration-ms", f"{total:.3f}", "--forward-share", f"{fwd / total:.4f}"]
+
+
+def plan_command(args, src: str, budget: int, plan_path: str, row: str, phases: dict) -> List[str]:
+    """`stweaver plan` for a plan row: the budget, the link, the schedule's clock."""
+    cmd = [args.stweaver_bin, "plan", src, "--budget", str(budget), "--link-gbps",
+           str(args.link_gbps), "--json", "-o", plan_path,
+           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy"]
+    if row == "stweaver_plan_devtime":
+        return cmd + ["--timing", "trace"]
+    # The schedule's clock: the unlimited run's device time per iteration and forward's
+    # share of it (CUDA events).
+    return cmd + clock_args(phases)
+
+
+def run_planner(cmd: List[str]) -> dict:
+    """The planner's JSON report; ``{"error", "rc"}`` when it refused or failed."""
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if cp.returncode != 0:
+        return {"error": (cp.stderr or cp.stdout)[-2000:], "rc": cp.returncode}
+    try:
+        return json.loads(cp.stdout)
+    except ValueError:
+        return {"error": (cp.stderr or cp.stdout)[-2000:], "rc": cp.returncode}
+
+
+def planned_wait_ms(planned: dict) -> Optional[float]:
+    """The planner's own estimate of the time its schedule leaves compute waiting on the link
+    per iteration (copy-out waits + copy-back stalls); None when it refused."""
+    if planned.get("error"):
+        return None
+    o = planned.get("offload") or {}
+    return ((o.get("copy_out_wait_us") or 0) + (o.get("stall_us") or 0)) / 1e3
+
+
+def hybrid_candidates(n_blocks: int) -> List[int]:
+    """The numbers of recomputed blocks the hybrid row tries, in order: 0, then about 1/8,
+    1/4, 3/8, 1/2 and 3/4 of the blocks (Llama 1B's 16: 0, 2, 4, 6, 8, 12)."""
+    ks = [0]
+    for f in (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4):
+        k = max(1, round(n_blocks * f))
+        if k not in ks and k <= n_blocks:
+            ks.append(k)
+    return ks
+
+
+def predicted_ms(k: int, n_blocks: int, forward_ms: float, wait_ms: Optional[float]) -> Optional[float]:
+    """What k recomputed blocks are expected to add to a step: k/N of forward's device time
+    (backward runs their forward again) plus the plan's planned waits; None if refused."""
+    if wait_ms is None:
+        return None
+    return k / n_blocks * forward_ms + wait_ms
+
+
+def sweep_done(sweep: List[dict], step_ms: float) -> bool:
+    """Stop trying more recomputed blocks once the best plan found waits no more than 2 % of
+    the unlimited step (more recomputation only adds time), or a candidate predicted worse
+    than the best one before it (the prediction grows with k past its minimum)."""
+    ok = [s for s in sweep if s.get("predicted_ms") is not None]
+    if not ok:
+        return False
+    best = min(ok, key=lambda s: s["predicted_ms"])
+    if best["wait_ms"] <= 0.02 * step_ms:
+        return True
+    last = sweep[-1]
+    return last is not best and last.get("predicted_ms") is not None and last["predicted_ms"] > best["predicted_ms"]
 
 
 def derive(row: dict, ref: dict, link: dict) -> dict:
@@ -565,7 +651,8 @@ def fmt_table(doc: dict) -> str:
                 f"{(f'{ratio:.3f}' if ratio else '-'):>8} {d.get('moved_bytes_per_iter', 0) / GiB:8.2f}G "
                 f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
                 f"{('yes' if d.get('losses_equal') else 'NO' if d.get('losses_compared') else '-'):<6} "
-                f"{r.get('offload_mode') or ''}")
+                f"{r.get('offload_mode') or ''}"
+                f"{' + last %d blocks recomputed' % len(r['recomputed']) if r.get('recomputed') else ''}")
     link = doc.get("link") or {}
     lines.append(f"link: H2D {_g(link.get('h2d_GBps'))} GB/s, D2H {_g(link.get('d2h_GBps'))} GB/s (pinned 1 GiB)")
     if doc.get("cap"):
@@ -681,35 +768,73 @@ def main(argv=None) -> int:
             devtrace = (tr.get("trace_files") or [devtrace])[0] if tr.get("ok") else None
             if devtrace and os.path.isfile(devtrace):
                 shutil.copy(devtrace, os.path.join(args.out, os.path.basename(devtrace)))
+        # stweaver_hybrid: a trace run per number of recomputed blocks, made when first needed
+        # and shared by every budget.
+        traces = {0: trace}
+        n_blocks = w["layers"]
+
+        def trace_for(k: int) -> Optional[str]:
+            if k not in traces:
+                path = os.path.join(tmp, f"{w['name']}_k{k}.stwt")
+                tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=path, recompute=k), tmp,
+                           args.timeout_s)
+                entry.setdefault("hybrid_trace_runs", {})[str(k)] = {
+                    kk: tr.get(kk) for kk in ("ok", "error", "step_median_s", "max_allocated", "recomputed",
+                                              "log_tail")}
+                print(f"{w['name']}: trace run with {k} recomputed blocks "
+                      f"{'ok' if tr.get('ok') else tr.get('error')}", flush=True)
+                traces[k] = (tr.get("trace_files") or [path])[0] if tr.get("ok") else None
+            return traces[k]
+
         # A fixed cap: the one budget, as its fraction of this workload's LB.
         fracs = [args.cap_gib * GiB / lb] if args.cap_gib and lb else fractions
         for f in fracs:
             budget = int(f * lb) if lb else None
             for row in rows:
                 extra = {}
-                if row in PLAN_ROWS:
+                if row == "stweaver_hybrid" and args.dry_run:
+                    # No planner on a CPU: the plumbing of recomputing a few blocks (losses
+                    # bitwise those of the unlimited run) with nothing offloaded.
+                    extra = {"recompute": hybrid_candidates(n_blocks)[1]}
+                elif row in PLAN_ROWS:
                     if args.dry_run or not args.stweaver_bin:
                         continue
                     plan_path = os.path.join(tmp, f"{w['name']}_{f}_{row}.stwp")
-                    src = devtrace if row == "stweaver_plan_devtime" else trace
-                    if src is None:
-                        continue
-                    cmd = [args.stweaver_bin, "plan", src, "--budget", str(budget), "--link-gbps",
-                           str(args.link_gbps), "--json", "-o", plan_path,
-                           "--reuse-offloaded", "at-pack" if row.endswith("at_pack") else "after-copy"]
-                    if row == "stweaver_plan_devtime":
-                        cmd += ["--timing", "trace"]
+                    phases = ref.get("phases_ms") or {}
+                    sweep: List[dict] = []
+                    if row == "stweaver_hybrid":
+                        # Try more recomputed blocks until the planned waits stop paying for them.
+                        fwd_ms = phases.get("device_forward") or 0.0
+                        best = None
+                        for k in hybrid_candidates(n_blocks):
+                            src = trace_for(k)
+                            if src is None:
+                                continue
+                            kpath = os.path.join(tmp, f"{w['name']}_{f}_{row}_k{k}.stwp")
+                            p = run_planner(plan_command(args, src, budget, kpath, row, phases))
+                            wait = planned_wait_ms(p)
+                            s = {"k": k, "wait_ms": wait, "predicted_ms": predicted_ms(k, n_blocks, fwd_ms, wait),
+                                 "bytes_per_iteration": (p.get("offload") or {}).get("bytes_per_iteration"),
+                                 "refused": (p.get("error") or "")[-300:] or None}
+                            sweep.append(s)
+                            print(f"  {f:.2f} x LB hybrid k={k}: planned wait {wait} ms, predicted +{s['predicted_ms']} ms"
+                                  f"{' (refused)' if wait is None else ''}", flush=True)
+                            if wait is not None and (best is None or s["predicted_ms"] < best[0]["predicted_ms"]):
+                                best = (s, p, kpath, src)
+                            if sweep_done(sweep, (ref.get("step_median_s") or 0) * 1e3):
+                                break
+                        if best is None:
+                            planned = {"error": "every number of recomputed blocks was refused: "
+                                       + str(sweep[-1]["refused"] if sweep else "no trace"), "rc": 1, "sweep": sweep}
+                        else:
+                            planned = dict(best[1], sweep=sweep, recompute=best[0]["k"])
+                            shutil.copy(best[2], plan_path)
                     else:
-                        # The schedule's clock: the unlimited run's device time per
-                        # iteration and forward's share of it (CUDA events).
-                        cmd += clock_args(ref.get("phases_ms") or {})
-                    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                    try:
-                        planned = json.loads(cp.stdout)
-                    except ValueError:
-                        planned = {"error": (cp.stderr or cp.stdout)[-2000:], "rc": cp.returncode}
-                    if cp.returncode != 0:
-                        planned = {"error": (cp.stderr or cp.stdout)[-2000:], "rc": cp.returncode}
+                        src = devtrace if row == "stweaver_plan_devtime" else trace
+                        if src is None:
+                            continue
+                        planned = run_planner(plan_command(args, src, budget, plan_path, row, phases))
+                    if planned.get("error"):
                         r = {"ok": False, "row": row, "error": "stweaver plan refused: " + planned["error"][-500:],
                              "planner": planned}
                         r["fraction"] = f
@@ -719,6 +844,8 @@ def main(argv=None) -> int:
                         save()
                         continue
                     extra = {"plan": plan_path, "planner": planned}
+                    if planned.get("recompute"):
+                        extra["recompute"] = planned["recompute"]
                     if args.served_traces:
                         extra["served_trace"] = os.path.join(tmp, f"{w['name']}_{f}_{row}_served.stwt")
                         shutil.copy(plan_path, args.out)

@@ -24,6 +24,7 @@ from typing import Iterator, List, Optional
 
 from ._abi import TorchVersionMismatch, check_installed
 from ._pause import pause, paused, region, resume
+from ._recompute import RecomputeError, find_blocks, recompute_blocks
 from ._settings import DEFAULT_MODE, MODES, Settings, SettingsError, resolve
 
 # An installed stweaver refuses to import under another torch than the one it was built
@@ -33,9 +34,11 @@ check_installed()
 __all__ = [
     "DEFAULT_MODE",
     "MODES",
+    "RecomputeError",
     "Settings",
     "SettingsError",
     "TorchVersionMismatch",
+    "find_blocks",
     "flush_trace",
     "install",
     "is_installed",
@@ -46,6 +49,7 @@ __all__ = [
     "pause",
     "paused",
     "phase",
+    "recompute_blocks",
     "region",
     "resume",
     "stats",
