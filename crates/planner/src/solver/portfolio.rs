@@ -105,12 +105,24 @@ pub(crate) fn par_tasks<T: Send>(
     count: usize,
     task: &(dyn Fn(usize) -> T + Sync),
 ) -> Vec<Option<T>> {
+    run_tasks(threads, count, &|i| i == 0 || !ctx.expired(), task)
+}
+
+/// Runs the numbered tasks `0..count` on `threads` threads, each thread taking the
+/// next number until they run out or `starts(i)` says task `i` must not start (then
+/// that thread stops). Results come back in task order, `None` for a task not run.
+fn run_tasks<T: Send>(
+    threads: usize,
+    count: usize,
+    starts: &(dyn Fn(usize) -> bool + Sync),
+    task: &(dyn Fn(usize) -> T + Sync),
+) -> Vec<Option<T>> {
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<T>>> = Mutex::new((0..count).map(|_| None).collect());
     let work = || {
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= count || (i > 0 && ctx.expired()) {
+            if i >= count || !starts(i) {
                 break;
             }
             let r = task(i);
@@ -331,33 +343,7 @@ fn par_tasks_all<T: Send>(
     count: usize,
     task: &(dyn Fn(usize) -> T + Sync),
 ) -> Vec<T> {
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<T>>> = Mutex::new((0..count).map(|_| None).collect());
-    let work = || {
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= count {
-                break;
-            }
-            let r = task(i);
-            if let Ok(mut res) = results.lock() {
-                res[i] = Some(r);
-            }
-        }
-    };
-    let threads = threads.clamp(1, count.max(1));
-    if threads == 1 {
-        work();
-    } else {
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(work);
-            }
-        });
-    }
-    results
-        .into_inner()
-        .unwrap_or_default()
+    run_tasks(threads, count, &|_| true, task)
         .into_iter()
         .map(|r| r.expect("every task ran"))
         .collect()
