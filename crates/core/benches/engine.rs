@@ -79,35 +79,41 @@ fn single(c: &mut Criterion) {
     g.finish();
 }
 
+/// Threads of the contended benchmarks.
+const THREADS: usize = 2;
+
+/// `iters` malloc + free pairs of `size` bytes on each of [`THREADS`] threads sharing
+/// `e`, timed from a common start to the last thread's finish.
+fn pairs_on_threads(e: &Arc<Engine<HostMemory>>, size: u64, iters: u64) -> Duration {
+    let start = Arc::new(Barrier::new(THREADS + 1));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (e, start) = (e.clone(), start.clone());
+            thread::spawn(move || {
+                start.wait();
+                for _ in 0..iters {
+                    let p = e.malloc(black_box(Bytes(size)), StreamId(0)).unwrap();
+                    e.free(black_box(p)).unwrap();
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    let t0 = Instant::now();
+    for w in workers {
+        w.join().unwrap();
+    }
+    t0.elapsed().max(Duration::from_nanos(1))
+}
+
 fn contended(c: &mut Criterion) {
-    const THREADS: usize = 2;
     let mut g = c.benchmark_group("engine");
     for (size, name) in SIZES {
         let e = Arc::new(engine());
         warm(&e, size);
         warm(&e, size * 2);
         g.bench_function(BenchmarkId::new("contended_2t", name), |b| {
-            b.iter_custom(|iters| {
-                let start = Arc::new(Barrier::new(THREADS + 1));
-                let workers: Vec<_> = (0..THREADS)
-                    .map(|_| {
-                        let (e, start) = (e.clone(), start.clone());
-                        thread::spawn(move || {
-                            start.wait();
-                            for _ in 0..iters {
-                                let p = e.malloc(black_box(Bytes(size)), StreamId(0)).unwrap();
-                                e.free(black_box(p)).unwrap();
-                            }
-                        })
-                    })
-                    .collect();
-                start.wait();
-                let t0 = Instant::now();
-                for w in workers {
-                    w.join().unwrap();
-                }
-                t0.elapsed().max(Duration::from_nanos(1))
-            })
+            b.iter_custom(|iters| pairs_on_threads(&e, size, iters))
         });
     }
     g.finish();
@@ -175,7 +181,6 @@ fn map_slots(e: &Engine<HostMemory>, size: u64, slots: u64) {
 }
 
 fn plan_more(c: &mut Criterion) {
-    const THREADS: usize = 2;
     let mut g = c.benchmark_group("engine");
     for (size, name) in SIZES {
         // Misses: a size the plan does not have; served from a hole above the slots.
@@ -211,27 +216,7 @@ fn plan_more(c: &mut Criterion) {
             let want = size + delta;
             warm(&e, want);
             g.bench_function(BenchmarkId::new(label, name), |b| {
-                b.iter_custom(|iters| {
-                    let start = Arc::new(Barrier::new(THREADS + 1));
-                    let workers: Vec<_> = (0..THREADS)
-                        .map(|_| {
-                            let (e, start) = (e.clone(), start.clone());
-                            thread::spawn(move || {
-                                start.wait();
-                                for _ in 0..iters {
-                                    let p = e.malloc(black_box(Bytes(want)), StreamId(0)).unwrap();
-                                    e.free(black_box(p)).unwrap();
-                                }
-                            })
-                        })
-                        .collect();
-                    start.wait();
-                    let t0 = Instant::now();
-                    for w in workers {
-                        w.join().unwrap();
-                    }
-                    t0.elapsed().max(Duration::from_nanos(1))
-                })
+                b.iter_custom(|iters| pairs_on_threads(&e, want, iters))
             });
             let st = e.plan_stats().unwrap().unwrap();
             eprintln!("{label}/{name}: {st:?}");
