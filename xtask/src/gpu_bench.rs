@@ -20,7 +20,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 use crate::torch_ext::{
-    build_staticlib, copy_resolved, ensure_excluded, python, root, strip_debug, target_dir,
+    build_staticlib, copy_stripped, ensure_excluded, fresh_carry, python, root, target_dir,
 };
 use crate::{cargo, run};
 
@@ -53,19 +53,10 @@ pub(crate) fn prepare_cli_carry(carry_name: &str, what: &str) -> Result<()> {
     let lib = build_staticlib(true)?;
     let cli = build_cli()?;
     let carry = root().join(carry_name);
-    if carry.exists() {
-        fs::remove_dir_all(&carry)?;
-    }
-    fs::create_dir_all(carry.join("bin"))?;
-    let lib_dst = carry.join("libstweaver_torch.a");
-    fs::copy(&lib, &lib_dst)?;
-    strip_debug(&lib_dst);
-    let hdr = copy_resolved(&target_dir().join("cxxbridge"), &carry.join("cxxbridge"))?;
-    let cli_dst = carry.join("bin/stweaver");
-    fs::copy(&cli, &cli_dst)?;
-    strip_debug(&cli_dst);
+    let lib_and_headers = fresh_carry(&carry, &lib)?;
+    let cli_len = copy_stripped(&cli, &carry.join("bin/stweaver"))?;
     ensure_excluded(&format!("/{carry_name}/"))?;
-    let total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len();
+    let total = lib_and_headers + cli_len;
     eprintln!(
         "{what}{} ready ({:.1} MiB: staticlib, cxx headers, stweaver CLI)",
         carry.display(),

@@ -24,8 +24,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-use crate::torch_ext::{root, target_dir};
-use crate::{cargo, run};
+use crate::torch_ext::root;
 
 struct Args {
     time_budget: f64,
@@ -102,17 +101,7 @@ impl Row {
 
 pub fn planner_bench(args: &[String]) -> Result<()> {
     let args = parse(args)?;
-    let mut c = cargo();
-    c.current_dir(root()).args([
-        "build",
-        "--release",
-        "-p",
-        "stweaver-planner",
-        "--bin",
-        "stweaver",
-    ]);
-    run(c)?;
-    let bin = target_dir().join("release/stweaver");
+    let bin = crate::gpu_bench::build_cli()?;
     let data = root().join("data");
     let mut inputs: Vec<(&'static str, PathBuf)> = Vec::new();
     for dir in ["minimalloc-challenging", "real"] {

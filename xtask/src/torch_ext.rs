@@ -16,6 +16,7 @@
 //!   No GPU and no CUDA toolkit needed.
 
 use std::collections::HashSet;
+use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -43,11 +44,22 @@ pub(crate) fn target_dir() -> PathBuf {
     }
 }
 
+/// The warnings every g++ compile of the C++ sources turns on (as errors).
+const GXX_WARNINGS: [&str; 4] = ["-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror"];
+
+/// `py -m module`, run in the repository root.
+pub(crate) fn python_module(py: impl AsRef<OsStr>, module: &str) -> Command {
+    let mut c = Command::new(py);
+    c.current_dir(root()).args(["-m", module]);
+    c
+}
+
 pub(crate) fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
-fn output(cmd: &mut Command) -> Result<String> {
+/// Runs `cmd` and returns its stdout; an error with both outputs if it fails.
+pub(crate) fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
     if !out.status.success() {
         bail!(
@@ -124,16 +136,8 @@ pub fn python_tests() -> Result<()> {
         eprintln!("python tests: skipped ({py} has no pytest; `pip install pytest` to run them)");
         return Ok(());
     }
-    let mut c = Command::new(&py);
-    c.current_dir(root())
-        .args([
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "python/tests",
-        ])
+    let mut c = python_module(&py, "pytest");
+    c.args(["-q", "-p", "no:cacheprovider", "python/tests"])
         .env("TORCH_CUDA_ARCH_LIST", "9.0");
     run(c)
 }
@@ -164,6 +168,25 @@ pub(crate) fn strip_debug(path: &Path) {
         .arg("--strip-debug")
         .arg(path)
         .status();
+}
+
+/// Copies `src` to `dst` and strips its debug information; `dst`'s size.
+pub(crate) fn copy_stripped(src: &Path, dst: &Path) -> Result<u64> {
+    fs::copy(src, dst)?;
+    strip_debug(dst);
+    Ok(fs::metadata(dst)?.len())
+}
+
+/// Makes `carry` afresh (an empty `bin/` in it) holding the stripped staticlib `lib`
+/// and the cxx headers, symlinks resolved; the bytes of both.
+pub(crate) fn fresh_carry(carry: &Path, lib: &Path) -> Result<u64> {
+    if carry.exists() {
+        fs::remove_dir_all(carry)?;
+    }
+    fs::create_dir_all(carry.join("bin"))?;
+    let lib_len = copy_stripped(lib, &carry.join("libstweaver_torch.a"))?;
+    let hdr = copy_resolved(&target_dir().join("cxxbridge"), &carry.join("cxxbridge"))?;
+    Ok(lib_len + hdr)
 }
 
 pub(crate) fn ensure_excluded(entry: &str) -> Result<()> {
@@ -320,28 +343,17 @@ pub fn gpu_test(args: &[String]) -> Result<()> {
     let cli = crate::gpu_bench::build_cli()?;
     let mut exes = test_executables("stweaver-cuda")?;
     exes.extend(test_executables("stweaver-torch")?);
-    if carry.exists() {
-        fs::remove_dir_all(&carry)?;
-    }
-    fs::create_dir_all(carry.join("bin"))?;
-    let lib_dst = carry.join("libstweaver_torch.a");
-    fs::copy(&lib, &lib_dst)?;
-    strip_debug(&lib_dst);
-    let hdr = copy_resolved(&target_dir().join("cxxbridge"), &carry.join("cxxbridge"))?;
+    let lib_and_headers = fresh_carry(&carry, &lib)?;
     for exe in &exes {
         let name = exe.file_name().context("test executable without a name")?;
-        let dst = carry.join("bin").join(name);
-        fs::copy(exe, &dst)?;
-        strip_debug(&dst);
+        copy_stripped(exe, &carry.join("bin").join(name))?;
     }
     // The release CLI (the budget benchmark's planner), outside bin/ (test binaries).
     fs::create_dir_all(carry.join("cli"))?;
-    let cli_dst = carry.join("cli/stweaver");
-    fs::copy(&cli, &cli_dst)?;
-    strip_debug(&cli_dst);
+    let cli_len = copy_stripped(&cli, &carry.join("cli/stweaver"))?;
     let pywheels = carry_build_requirements(&carry)?;
     ensure_excluded("/.carry/")?;
-    let mut total = fs::metadata(&lib_dst)?.len() + hdr + fs::metadata(&cli_dst)?.len() + pywheels;
+    let mut total = lib_and_headers + cli_len + pywheels;
     for e in fs::read_dir(carry.join("bin"))? {
         total += e?.metadata()?.len();
     }
@@ -441,14 +453,8 @@ fn check_one(version: &str, lib: &Path) -> Result<String> {
         let obj = work.join(src.replace(".cpp", ".o"));
         let mut c = Command::new("g++");
         c.arg(format!("-std={std}"))
-            .args([
-                "-fPIC",
-                "-O1",
-                "-Wall",
-                "-Wextra",
-                "-Wno-unused-parameter",
-                "-Werror",
-            ])
+            .args(["-fPIC", "-O1"])
+            .args(GXX_WARNINGS)
             .args([
                 "-DTORCH_EXTENSION_NAME=_C",
                 "-DTORCH_API_INCLUDE_EXTENSION_H",
@@ -578,13 +584,8 @@ fn example_build(
     let obj = work.join("train.o");
     let mut c = Command::new("g++");
     c.arg(format!("-std={std}"))
-        .args([
-            "-O1",
-            "-Wall",
-            "-Wextra",
-            "-Wno-unused-parameter",
-            "-Werror",
-        ])
+        .arg("-O1")
+        .args(GXX_WARNINGS)
         .arg("-c")
         .arg(root().join("examples/cpp/train.cpp"))
         .arg("-o")

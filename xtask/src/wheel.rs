@@ -11,6 +11,7 @@
 //!    PATH: `import stweaver`, the extension loaded (its symbols resolved against the real
 //!    torch libraries) without initialising CUDA, and `stweaver --help` from PATH.
 
+use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,26 +20,21 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 use crate::run;
-use crate::torch_ext::{root, target_dir};
+use crate::torch_ext::{output, python_module, root, target_dir};
 
 const TORCH: &str = "2.11.0";
 
-fn stdout_of(cmd: &mut Command) -> Result<String> {
-    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed with {}:\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+/// Runs `py -m pip install -q --disable-pip-version-check` with `args`.
+fn pip_install(py: &Path, args: &[&OsStr]) -> Result<()> {
+    let mut c = Command::new(py);
+    c.args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+        .args(args);
+    run(c)
 }
 
 /// The torch venv's path (created once, cached under `~/.cache/stweaver`).
 fn torch_venv() -> Result<PathBuf> {
-    let out = stdout_of(
+    let out = output(
         Command::new("bash")
             .arg(root().join("scripts/fetch_torch_headers.sh"))
             .args([TORCH, "--venv"]),
@@ -67,16 +63,7 @@ fn ensure_wheel_support(py: &Path) -> Result<()> {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !ok {
-        let mut c = Command::new(py);
-        c.args([
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "wheel",
-        ]);
-        run(c)?;
+        pip_install(py, &["wheel".as_ref()])?;
     }
     Ok(())
 }
@@ -116,19 +103,16 @@ pub fn wheel_check() -> Result<()> {
         fs::remove_dir_all(&dist)?;
     }
     let t_build = Instant::now();
-    let mut c = Command::new(&py);
-    c.current_dir(root())
-        .args([
-            "-m",
-            "pip",
-            "wheel",
-            "--disable-pip-version-check",
-            "--no-build-isolation",
-            "--no-deps",
-            ".",
-            "-w",
-        ])
-        .arg(&dist);
+    let mut c = python_module(&py, "pip");
+    c.args([
+        "wheel",
+        "--disable-pip-version-check",
+        "--no-build-isolation",
+        "--no-deps",
+        ".",
+        "-w",
+    ])
+    .arg(&dist);
     run(c)?;
     let build_s = t_build.elapsed().as_secs_f64();
     let wheels: Vec<PathBuf> = fs::read_dir(&dist)?
@@ -154,17 +138,7 @@ pub fn wheel_check() -> Result<()> {
         format!("{}\n", site_packages(&venv)?.display()),
     )?;
     let fresh_py = fresh.join("bin/python");
-    let mut c = Command::new(&fresh_py);
-    c.args([
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--disable-pip-version-check",
-        "--no-index",
-    ])
-    .arg(wheel);
-    run(c)?;
+    pip_install(&fresh_py, &["--no-index".as_ref(), wheel.as_ref()])?;
     let install_s = t_install.elapsed().as_secs_f64();
 
     // Outside the repository (no python/ on sys.path), no cargo on PATH.
@@ -183,7 +157,7 @@ pub fn wheel_check() -> Result<()> {
          print('stweaver', here, '| extension built for torch', ext.torch_version, '| torch', torch.__version__)\n",
         site = site_packages(&fresh)?.display().to_string()
     );
-    let out = stdout_of(
+    let out = output(
         Command::new(&fresh_py)
             .current_dir(&outside)
             .env("PATH", &path)
@@ -192,7 +166,7 @@ pub fn wheel_check() -> Result<()> {
     )
     .context("importing the installed stweaver")?;
     print!("{out}");
-    let which = stdout_of(
+    let which = output(
         Command::new("sh")
             .current_dir(&outside)
             .env("PATH", &path)
@@ -206,7 +180,7 @@ pub fn wheel_check() -> Result<()> {
             expected.display()
         );
     }
-    let help = stdout_of(
+    let help = output(
         Command::new("stweaver")
             .current_dir(&outside)
             .env("PATH", &path)
