@@ -21,18 +21,14 @@ use anyhow::{Context, Result, bail};
 /// The fuzz targets (`fuzz/Cargo.toml`'s `[[bin]]`s).
 const TARGETS: [&str; 3] = ["engine_ops", "trace_file", "plan_file"];
 
-/// splitmix64: a seeded byte source for the inputs. Written here rather than taking a
-/// random-number crate as an xtask dependency: the inputs need only be fixed by the seed,
-/// and these eight lines are the whole generator.
+/// A seeded byte source for the inputs ([`stweaver_core::splitmix`], the project's
+/// generator, rather than a random-number crate: the inputs need only be fixed by the
+/// seed).
 struct SplitMix(u64);
 
 impl SplitMix {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        stweaver_core::splitmix::next(&mut self.0)
     }
 }
 

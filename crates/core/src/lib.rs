@@ -171,6 +171,7 @@ pub mod engine;
 pub mod file_format;
 pub mod plan;
 pub mod plan_file;
+pub mod splitmix;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 pub mod trace;

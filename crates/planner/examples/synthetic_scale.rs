@@ -19,16 +19,12 @@ use stweaver_planner::solver::{
     Buffer, Instance, SolveOptions, check_solution, lower_bound, solve,
 };
 
-/// A small seeded generator (SplitMix64), enough for size jitter.
+/// A small seeded generator ([`stweaver_core::splitmix`]), enough for size jitter.
 struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        stweaver_core::splitmix::next(&mut self.0)
     }
     fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
         xs[(self.next() % xs.len() as u64) as usize]

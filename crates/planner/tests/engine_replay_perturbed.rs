@@ -7,7 +7,7 @@
 
 mod common;
 
-use stweaver_core::{AllocId, Allocation, Bytes, Event, EventKind, Trace};
+use stweaver_core::{AllocId, Allocation, Bytes, Event, EventKind, Trace, splitmix};
 use stweaver_planner::engine_replay::{
     EngineReplayOptions, ServeMode, Served, iteration_boundaries, plan_first_iterations,
     replay_engine, with_iteration_markers,
@@ -51,10 +51,7 @@ struct Perturbed {
 /// Builds the perturbed run (module docs). `trace` carries `IterationBegin` markers.
 fn perturb(trace: &Trace, seed: u64, rate_per_10k: u64) -> Perturbed {
     // splitmix64 of the seed: distinct seeds, distinct non-zero states.
-    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    let mut rng = Rng((z ^ (z >> 31)) | 1);
+    let mut rng = Rng(splitmix::mix(seed.wrapping_add(splitmix::GAMMA)) | 1);
     let n = trace.allocations.len();
     let mut fate = vec![Fate::Kept; n];
     let mut new_size: Vec<Bytes> = trace.allocations.iter().map(|a| a.size).collect();

@@ -11,10 +11,7 @@ use crate::engine::stats::PoolKind;
 
 /// splitmix64 finaliser: treap priorities independent of slot order.
 fn mix(i: u64) -> u32 {
-    let mut z = i.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)) as u32
+    crate::splitmix::mix(i.wrapping_add(crate::splitmix::GAMMA)) as u32
 }
 
 impl Arenas {
