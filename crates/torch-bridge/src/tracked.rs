@@ -14,10 +14,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use stweaver_core::engine::{
-    DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostBuffer, HostMemory,
-};
-use stweaver_core::units::{Bytes, StreamId};
+use stweaver_core::engine::{DeviceError, DeviceMemory, DevicePtr, HostMemory};
+use stweaver_core::units::Bytes;
 use stweaver_cuda::CudaMemory;
 
 use crate::error::{BridgeError, Result};
@@ -235,17 +233,7 @@ impl Tracked {
 }
 
 impl DeviceMemory for Tracked {
-    fn granularity(&self) -> Bytes {
-        self.inner.granularity()
-    }
-
-    fn total_memory(&self) -> Bytes {
-        self.inner.total_memory()
-    }
-
-    fn free_memory(&self) -> Result<Bytes, DeviceError> {
-        self.inner.free_memory()
-    }
+    stweaver_core::forward_device_memory!(self => self.inner; sizes);
 
     fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
         let base = self.inner.reserve(size)?;
@@ -297,39 +285,5 @@ impl DeviceMemory for Tracked {
         !self.captures.active()
     }
 
-    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
-        self.inner.create_event()
-    }
-
-    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
-        self.inner.record_event(event, stream)
-    }
-
-    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.inner.wait_event(stream, event)
-    }
-
-    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
-        self.inner.query_event(event)
-    }
-
-    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.inner.synchronize_event(event)
-    }
-
-    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.inner.destroy_event(event)
-    }
-
-    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
-        self.inner.copy_to_host(addr, out)
-    }
-
-    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
-        self.inner.copy_from_host(addr, data)
-    }
-
-    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
-        self.inner.alloc_host(bytes)
-    }
+    stweaver_core::forward_device_memory!(self => self.inner; events, host_copies);
 }

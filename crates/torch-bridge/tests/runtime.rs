@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use stweaver_core::engine::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostMemory};
+use stweaver_core::engine::{DeviceError, DeviceMemory, DevicePtr, HostMemory};
 use stweaver_core::trace_file::read_trace_file;
 use stweaver_core::units::{Bytes, StreamId};
 use stweaver_torch::ffi::bridge::HistoryAction;
@@ -413,15 +413,7 @@ struct Shifted {
 }
 
 impl DeviceMemory for Shifted {
-    fn granularity(&self) -> Bytes {
-        self.inner.granularity()
-    }
-    fn total_memory(&self) -> Bytes {
-        self.inner.total_memory()
-    }
-    fn free_memory(&self) -> Result<Bytes, DeviceError> {
-        self.inner.free_memory()
-    }
+    stweaver_core::forward_device_memory!(self => self.inner; sizes, synchronize, events);
     fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
         Ok(DevicePtr(self.inner.reserve(size)?.get() + self.off))
     }
@@ -433,27 +425,6 @@ impl DeviceMemory for Shifted {
     }
     fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
         self.inner.unmap(DevicePtr(addr.get() - self.off), size)
-    }
-    fn synchronize(&self) -> Result<(), DeviceError> {
-        self.inner.synchronize()
-    }
-    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
-        self.inner.create_event()
-    }
-    fn record_event(&self, e: DeviceEvent, s: StreamId) -> Result<(), DeviceError> {
-        self.inner.record_event(e, s)
-    }
-    fn wait_event(&self, s: StreamId, e: DeviceEvent) -> Result<(), DeviceError> {
-        self.inner.wait_event(s, e)
-    }
-    fn query_event(&self, e: DeviceEvent) -> Result<bool, DeviceError> {
-        self.inner.query_event(e)
-    }
-    fn synchronize_event(&self, e: DeviceEvent) -> Result<(), DeviceError> {
-        self.inner.synchronize_event(e)
-    }
-    fn destroy_event(&self, e: DeviceEvent) -> Result<(), DeviceError> {
-        self.inner.destroy_event(e)
     }
 }
 

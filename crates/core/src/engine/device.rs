@@ -282,58 +282,56 @@ pub trait DeviceMemory: Send + Sync {
 
 /// A shared device (one device behind several engines or a test's own handle).
 impl<T: DeviceMemory + ?Sized> DeviceMemory for std::sync::Arc<T> {
-    fn granularity(&self) -> Bytes {
-        (**self).granularity()
-    }
-    fn total_memory(&self) -> Bytes {
-        (**self).total_memory()
-    }
-    fn free_memory(&self) -> Result<Bytes, DeviceError> {
-        (**self).free_memory()
-    }
-    fn reserve(&self, size: Bytes) -> Result<DevicePtr, DeviceError> {
-        (**self).reserve(size)
-    }
-    fn release(&self, base: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
-        (**self).release(base, size)
-    }
-    fn map(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
-        (**self).map(addr, size)
-    }
-    fn unmap(&self, addr: DevicePtr, size: Bytes) -> Result<(), DeviceError> {
-        (**self).unmap(addr, size)
-    }
-    fn synchronize(&self) -> Result<(), DeviceError> {
-        (**self).synchronize()
-    }
-    fn may_synchronize(&self) -> bool {
-        (**self).may_synchronize()
-    }
-    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
-        (**self).create_event()
-    }
-    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
-        (**self).record_event(event, stream)
-    }
-    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
-        (**self).wait_event(stream, event)
-    }
-    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
-        (**self).query_event(event)
-    }
-    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        (**self).synchronize_event(event)
-    }
-    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        (**self).destroy_event(event)
-    }
-    fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
-        (**self).copy_to_host(addr, out)
-    }
-    fn copy_from_host(&self, addr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
-        (**self).copy_from_host(addr, data)
-    }
-    fn alloc_host(&self, bytes: Bytes) -> Result<HostBuffer, DeviceError> {
-        (**self).alloc_host(bytes)
-    }
+    crate::forward_device_memory!(self => (**self);
+        sizes, address_space, synchronize, events, host_copies);
+}
+
+/// Implements groups of [`DeviceMemory`]'s methods by calling the same method of `$to`
+/// (an expression of `$self`, written `self` at the call site) with the same
+/// arguments: for a device that wraps another (an `Arc`, a test's shifted or tracked
+/// device) or hands its events to a [`FakeEvents`](crate::engine::FakeEvents). The
+/// groups: `sizes` (`granularity`, `total_memory`, `free_memory`), `address_space`
+/// (`reserve`, `release`, `map`, `unmap`), `synchronize` (and `may_synchronize`),
+/// `events` (the six `*_event` methods) and `host_copies` (`copy_to_host`,
+/// `copy_from_host`, `alloc_host`).
+///
+/// ```ignore
+/// impl DeviceMemory for Wrapper {
+///     stweaver_core::forward_device_memory!(self => self.inner; sizes, events);
+///     // ... the methods it implements itself
+/// }
+/// ```
+#[macro_export]
+macro_rules! forward_device_memory {
+    ($self:ident => $to:expr; $($group:ident),+ $(,)?) => {
+        $($crate::forward_device_memory!(@$group $self ($to));)+
+    };
+    (@sizes $self:ident ($to:expr)) => {
+        fn granularity(&$self) -> $crate::units::Bytes { $to.granularity() }
+        fn total_memory(&$self) -> $crate::units::Bytes { $to.total_memory() }
+        fn free_memory(&$self) -> ::core::result::Result<$crate::units::Bytes, $crate::engine::DeviceError> { $to.free_memory() }
+    };
+    (@address_space $self:ident ($to:expr)) => {
+        fn reserve(&$self, size: $crate::units::Bytes) -> ::core::result::Result<$crate::engine::DevicePtr, $crate::engine::DeviceError> { $to.reserve(size) }
+        fn release(&$self, base: $crate::engine::DevicePtr, size: $crate::units::Bytes) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.release(base, size) }
+        fn map(&$self, addr: $crate::engine::DevicePtr, size: $crate::units::Bytes) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.map(addr, size) }
+        fn unmap(&$self, addr: $crate::engine::DevicePtr, size: $crate::units::Bytes) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.unmap(addr, size) }
+    };
+    (@synchronize $self:ident ($to:expr)) => {
+        fn synchronize(&$self) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.synchronize() }
+        fn may_synchronize(&$self) -> bool { $to.may_synchronize() }
+    };
+    (@events $self:ident ($to:expr)) => {
+        fn create_event(&$self) -> ::core::result::Result<$crate::engine::DeviceEvent, $crate::engine::DeviceError> { $to.create_event() }
+        fn record_event(&$self, event: $crate::engine::DeviceEvent, stream: $crate::units::StreamId) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.record_event(event, stream) }
+        fn wait_event(&$self, stream: $crate::units::StreamId, event: $crate::engine::DeviceEvent) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.wait_event(stream, event) }
+        fn query_event(&$self, event: $crate::engine::DeviceEvent) -> ::core::result::Result<bool, $crate::engine::DeviceError> { $to.query_event(event) }
+        fn synchronize_event(&$self, event: $crate::engine::DeviceEvent) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.synchronize_event(event) }
+        fn destroy_event(&$self, event: $crate::engine::DeviceEvent) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.destroy_event(event) }
+    };
+    (@host_copies $self:ident ($to:expr)) => {
+        fn copy_to_host(&$self, addr: $crate::engine::DevicePtr, out: &mut [u8]) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.copy_to_host(addr, out) }
+        fn copy_from_host(&$self, addr: $crate::engine::DevicePtr, data: &[u8]) -> ::core::result::Result<(), $crate::engine::DeviceError> { $to.copy_from_host(addr, data) }
+        fn alloc_host(&$self, bytes: $crate::units::Bytes) -> ::core::result::Result<$crate::engine::HostBuffer, $crate::engine::DeviceError> { $to.alloc_host(bytes) }
+    };
 }

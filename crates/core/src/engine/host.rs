@@ -457,29 +457,7 @@ impl DeviceMemory for HostMemory {
         Ok(())
     }
 
-    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
-        Ok(self.events.create())
-    }
-
-    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
-        self.events.record(event, stream)
-    }
-
-    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.events.wait(stream, event)
-    }
-
-    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
-        self.events.query(event)
-    }
-
-    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.events.synchronize(event)
-    }
-
-    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.events.destroy(event)
-    }
+    crate::forward_device_memory!(self => self.events; events);
 
     fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
         self.read(addr, out)
@@ -525,6 +503,9 @@ impl DeviceMemory for HostMemory {
 #[derive(Debug, Default)]
 pub struct FakeEvents {
     inner: Mutex<FakeInner>,
+    /// Each recording is passed at once (its stream's events all pass), as
+    /// [`crate::engine::VirtualMemory`]'s are by default.
+    pub(crate) auto_pass: bool,
 }
 
 #[derive(Debug, Default)]
@@ -642,28 +623,49 @@ struct StreamClock {
 }
 
 impl FakeEvents {
-    pub(crate) fn create(&self) -> DeviceEvent {
+    /// Events each passed as soon as it is recorded (`auto_pass`).
+    pub(crate) fn passing_at_record() -> FakeEvents {
+        FakeEvents {
+            auto_pass: true,
+            ..FakeEvents::default()
+        }
+    }
+
+    pub(crate) fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
         let mut inner = lock(&self.inner);
         inner.next_id += 1;
         let id = inner.next_id;
         inner.events.insert(id, None);
-        DeviceEvent(id)
+        Ok(DeviceEvent(id))
     }
 
-    pub(crate) fn record(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
-        let mut inner = lock(&self.inner);
-        if !inner.events.contains_key(&event.0) {
-            return Err(DeviceError::UnknownEvent(event));
+    pub(crate) fn record_event(
+        &self,
+        event: DeviceEvent,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        {
+            let mut inner = lock(&self.inner);
+            if !inner.events.contains_key(&event.0) {
+                return Err(DeviceError::UnknownEvent(event));
+            }
+            let clock = inner.streams.entry(stream).or_default();
+            clock.recorded += 1;
+            let seq = clock.recorded;
+            inner.events.insert(event.0, Some((stream, seq)));
+            inner.log.push((stream, seq));
         }
-        let clock = inner.streams.entry(stream).or_default();
-        clock.recorded += 1;
-        let seq = clock.recorded;
-        inner.events.insert(event.0, Some((stream, seq)));
-        inner.log.push((stream, seq));
+        if self.auto_pass {
+            self.pass_all(stream);
+        }
         Ok(())
     }
 
-    pub(crate) fn wait(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
+    pub(crate) fn wait_event(
+        &self,
+        stream: StreamId,
+        event: DeviceEvent,
+    ) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
         if inner.refuse_waits {
             return Err(DeviceError::Driver {
@@ -725,7 +727,7 @@ impl FakeEvents {
         lock(&self.inner).wait_calls
     }
 
-    pub(crate) fn query(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
+    pub(crate) fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
         let inner = lock(&self.inner);
         match inner.events.get(&event.0) {
             None => Err(DeviceError::UnknownEvent(event)),
@@ -736,7 +738,7 @@ impl FakeEvents {
         }
     }
 
-    pub(crate) fn synchronize(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+    pub(crate) fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         let mut inner = lock(&self.inner);
         match inner.events.get(&event.0).copied() {
             None => Err(DeviceError::UnknownEvent(event)),
@@ -748,7 +750,7 @@ impl FakeEvents {
         }
     }
 
-    pub(crate) fn destroy(&self, event: DeviceEvent) -> Result<(), DeviceError> {
+    pub(crate) fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
         match lock(&self.inner).events.remove(&event.0) {
             Some(_) => Ok(()),
             None => Err(DeviceError::UnknownEvent(event)),

@@ -26,9 +26,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
-use crate::engine::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr};
+use crate::engine::device::{DeviceError, DeviceMemory, DevicePtr};
 use crate::engine::host::{FakeEvents, HostCounters, VaSpace};
-use crate::units::{Bytes, StreamId};
+use crate::units::Bytes;
 
 /// First address handed out by [`VirtualMemory::reserve`].
 const VA_START: u64 = 0x7f00_0000_0000;
@@ -38,7 +38,6 @@ const VA_START: u64 = 0x7f00_0000_0000;
 pub struct VirtualMemory {
     granule: u64,
     capacity: u64,
-    auto_pass: bool,
     inner: Mutex<Inner>,
     events: FakeEvents,
 }
@@ -66,7 +65,6 @@ impl VirtualMemory {
         VirtualMemory {
             granule,
             capacity: capacity.get(),
-            auto_pass: true,
             inner: Mutex::new(Inner {
                 va: VaSpace::new(VA_START, granule),
                 mapped: BTreeMap::new(),
@@ -74,14 +72,14 @@ impl VirtualMemory {
                 peak_mapped: 0,
                 counters: HostCounters::default(),
             }),
-            events: FakeEvents::default(),
+            events: FakeEvents::passing_at_record(),
         }
     }
 
     /// The same device whose events complete only when the caller says so
     /// ([`VirtualMemory::events`]), or at a device synchronisation.
     pub fn manual_events(mut self) -> VirtualMemory {
-        self.auto_pass = false;
+        self.events.auto_pass = false;
         self
     }
 
@@ -225,33 +223,7 @@ impl DeviceMemory for VirtualMemory {
         Ok(())
     }
 
-    fn create_event(&self) -> Result<DeviceEvent, DeviceError> {
-        Ok(self.events.create())
-    }
-
-    fn record_event(&self, event: DeviceEvent, stream: StreamId) -> Result<(), DeviceError> {
-        self.events.record(event, stream)?;
-        if self.auto_pass {
-            self.events.pass_all(stream);
-        }
-        Ok(())
-    }
-
-    fn wait_event(&self, stream: StreamId, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.events.wait(stream, event)
-    }
-
-    fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
-        self.events.query(event)
-    }
-
-    fn synchronize_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.events.synchronize(event)
-    }
-
-    fn destroy_event(&self, event: DeviceEvent) -> Result<(), DeviceError> {
-        self.events.destroy(event)
-    }
+    crate::forward_device_memory!(self => self.events; events);
 
     /// No bytes are kept: checks the range is mapped and leaves `out` as it is.
     fn copy_to_host(&self, addr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
@@ -289,6 +261,7 @@ impl VirtualMemory {
 mod tests {
     use super::*;
     use crate::engine::{Engine, EngineConfig};
+    use crate::units::StreamId;
 
     const G: u64 = 2 << 20;
 
