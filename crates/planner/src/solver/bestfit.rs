@@ -257,16 +257,7 @@ pub(crate) fn place_in_order(p: &Problem, order: &[u32], fit: Fit) -> (Vec<u64>,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::solver::problem::RawBuf;
-
-    fn rb(start: u64, len: u64, size: u64) -> RawBuf {
-        RawBuf {
-            start,
-            len,
-            size,
-            align: 1,
-        }
-    }
+    use crate::solver::problem::rb;
 
     #[test]
     fn best_fit_takes_the_smallest_gap() {

@@ -61,17 +61,11 @@ pub fn lower_bound(instance: &Instance) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::solver::instance::Buffer;
+    use crate::solver::instance::{Buffer, minimalloc_example};
 
     #[test]
     fn linear_bound_is_the_peak_of_live_bytes() {
-        let inst = Instance::new(vec![
-            Buffer::new(0, 3, Bytes(4)),
-            Buffer::new(3, 9, Bytes(4)),
-            Buffer::new(0, 9, Bytes(4)),
-            Buffer::new(9, 21, Bytes(4)),
-            Buffer::new(0, 21, Bytes(4)),
-        ]);
+        let inst = minimalloc_example();
         assert_eq!(lower_bound(&inst), Bytes(12));
         assert_eq!(lower_bound(&Instance::default()), Bytes(0));
     }

@@ -194,7 +194,7 @@ fn overlap(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::solver::instance::Buffer;
+    use crate::solver::instance::{Buffer, minimalloc_example};
     use stweaver_core::{Bytes, Offset};
 
     fn sol(offsets: &[u64], peak: u64) -> Solution {
@@ -206,13 +206,7 @@ mod tests {
 
     #[test]
     fn accepts_a_valid_packing() {
-        let inst = Instance::new(vec![
-            Buffer::new(0, 3, Bytes(4)),
-            Buffer::new(3, 9, Bytes(4)),
-            Buffer::new(0, 9, Bytes(4)),
-            Buffer::new(9, 21, Bytes(4)),
-            Buffer::new(0, 21, Bytes(4)),
-        ]);
+        let inst = minimalloc_example();
         assert_eq!(check_solution(&inst, &sol(&[8, 8, 4, 4, 0], 12)), Ok(()));
     }
 

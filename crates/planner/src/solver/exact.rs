@@ -770,16 +770,8 @@ impl State<'_, '_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::solver::problem::RawBuf;
-
-    fn rb(start: u64, len: u64, size: u64) -> RawBuf {
-        RawBuf {
-            start,
-            len,
-            size,
-            align: 1,
-        }
-    }
+    use crate::solver::instance::minimalloc_example;
+    use crate::solver::problem::{RawBuf, rb};
 
     fn limits() -> Limits<'static> {
         Limits {
@@ -804,16 +796,7 @@ mod tests {
 
     #[test]
     fn solves_the_minimalloc_example_at_capacity_12() {
-        let p = Problem::build(
-            vec![
-                rb(0, 3, 4),
-                rb(3, 6, 4),
-                rb(0, 9, 4),
-                rb(9, 12, 4),
-                rb(0, 21, 4),
-            ],
-            None,
-        );
+        let (p, _) = crate::solver::portfolio::normalise(&minimalloc_example());
         let ex = Exact::new(&p, None);
         for h in Preorder::ALL {
             match ex.decide(12, h, limits()) {

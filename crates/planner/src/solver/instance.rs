@@ -83,6 +83,19 @@ pub enum InstanceError {
     TooLarge,
 }
 
+/// minimalloc's example (its `input.12.csv`): five 4-byte buffers over `[0, 21)`
+/// whose best packing peaks at 12 bytes. For the solver's unit tests.
+#[cfg(test)]
+pub(crate) fn minimalloc_example() -> Instance {
+    Instance::new(vec![
+        Buffer::new(0, 3, Bytes(4)),
+        Buffer::new(3, 9, Bytes(4)),
+        Buffer::new(0, 9, Bytes(4)),
+        Buffer::new(9, 21, Bytes(4)),
+        Buffer::new(0, 21, Bytes(4)),
+    ])
+}
+
 impl Instance {
     /// A linear-time instance.
     pub fn new(buffers: Vec<Buffer>) -> Instance {

@@ -37,6 +37,18 @@ pub(crate) struct RawBuf {
     pub align: u64,
 }
 
+/// A buffer of alignment 1 starting at `start` for `len` ticks (the solver's unit
+/// tests).
+#[cfg(test)]
+pub(crate) fn rb(start: u64, len: u64, size: u64) -> RawBuf {
+    RawBuf {
+        start,
+        len,
+        size,
+        align: 1,
+    }
+}
+
 /// A normalised problem. Buffer `i` of a problem is `raw[i]`.
 #[derive(Debug, Clone)]
 pub struct Problem {
@@ -315,15 +327,6 @@ impl UnionFind {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rb(start: u64, len: u64, size: u64) -> RawBuf {
-        RawBuf {
-            start,
-            len,
-            size,
-            align: 1,
-        }
-    }
 
     #[test]
     fn compresses_time_and_keeps_conflicts() {
