@@ -451,6 +451,22 @@ impl Trace {
         best
     }
 
+    /// Indices of the marker events for which `pred(kind, label text)` holds,
+    /// ascending (a label index out of range reads as no label).
+    pub fn marker_events(&self, pred: impl Fn(MarkerKind, Option<&str>) -> bool) -> Vec<usize> {
+        self.events
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| match e.kind {
+                EventKind::Marker { kind, label } => {
+                    let label = label.and_then(|l| self.labels.get(l as usize));
+                    pred(kind, label.map(String::as_str)).then_some(i)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Number of `Alloc` events.
     pub fn alloc_event_count(&self) -> usize {
         self.events

@@ -475,31 +475,17 @@ fn periodic(
 
 /// Event indices where iteration windows begin (module docs), ascending, deduplicated.
 fn window_cuts(trace: &Trace) -> Vec<usize> {
-    let cuts_of = |pred: &dyn Fn(MarkerKind, Option<&str>) -> bool| -> Vec<usize> {
-        let mut v: Vec<usize> = trace
-            .events
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| match e.kind {
-                EventKind::Marker { kind, label } => {
-                    let label = label.and_then(|l| trace.labels.get(l as usize));
-                    pred(kind, label.map(String::as_str)).then_some(i)
-                }
-                _ => None,
-            })
-            .collect();
-        v.dedup();
-        v
-    };
-    let begin = cuts_of(&|k, _| k == MarkerKind::IterationBegin);
+    let begin = trace.marker_events(|k, _| k == MarkerKind::IterationBegin);
     if !begin.is_empty() {
         return begin;
     }
-    let end = cuts_of(&|k, _| k == MarkerKind::IterationEnd);
+    let end = trace.marker_events(|k, _| k == MarkerKind::IterationEnd);
     if !end.is_empty() {
         return end;
     }
-    cuts_of(&|k, l| k == MarkerKind::PhaseEnd && l.is_some_and(|l| l.starts_with("Optimizer.step")))
+    trace.marker_events(|k, l| {
+        k == MarkerKind::PhaseEnd && l.is_some_and(|l| l.starts_with("Optimizer.step"))
+    })
 }
 
 fn aperiodic(trace: &Trace, total: u64, life: &[(u64, Option<u64>)]) -> Classification {

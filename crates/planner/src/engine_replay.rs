@@ -407,25 +407,11 @@ pub fn plan_stats_json(s: &PlanStats) -> serde_json::Value {
 /// Event indices where the replay calls `mark_iteration` (before handling the event),
 /// ascending (module docs).
 pub fn iteration_boundaries(trace: &Trace) -> Vec<usize> {
-    let markers = |pred: &dyn Fn(MarkerKind, Option<&str>) -> bool| -> Vec<usize> {
-        trace
-            .events
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| match e.kind {
-                EventKind::Marker { kind, label } => {
-                    let label = label.and_then(|l| trace.labels.get(l as usize));
-                    pred(kind, label.map(String::as_str)).then_some(i)
-                }
-                _ => None,
-            })
-            .collect()
-    };
-    let begin = markers(&|k, _| k == MarkerKind::IterationBegin);
+    let begin = trace.marker_events(|k, _| k == MarkerKind::IterationBegin);
     if !begin.is_empty() {
         return begin;
     }
-    let steps = markers(&|k, l| {
+    let steps = trace.marker_events(|k, l| {
         k == MarkerKind::PhaseEnd && l.is_some_and(|l| l.starts_with("Optimizer.step"))
     });
     if !steps.is_empty() {
