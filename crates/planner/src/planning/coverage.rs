@@ -227,8 +227,13 @@ pub fn check_coverage(
             AllocClass::PerIteration { iteration, .. } => {
                 let k = u64::from(iteration);
                 let base = p + k * l;
-                let rel = start.checked_sub(base).filter(|&s| s < l);
-                let Some(rel) = rel else {
+                // The iteration request starting where this allocation does (relative
+                // to its iteration), if it starts inside that iteration at all.
+                let request = start
+                    .checked_sub(base)
+                    .filter(|&rel| rel < l)
+                    .and_then(|rel| it_at.get(&rel).copied());
+                let Some(r) = request else {
                     push(
                         &mut problems,
                         CoverageProblem::Missing {
@@ -238,20 +243,6 @@ pub fn check_coverage(
                             start,
                             section: "iteration",
                             rel_start: start.saturating_sub(base),
-                        },
-                    );
-                    continue;
-                };
-                let Some(&r) = it_at.get(&rel) else {
-                    push(
-                        &mut problems,
-                        CoverageProblem::Missing {
-                            alloc: id,
-                            size: a.size,
-                            stream: a.stream,
-                            start,
-                            section: "iteration",
-                            rel_start: rel,
                         },
                     );
                     continue;
