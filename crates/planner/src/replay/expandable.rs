@@ -97,30 +97,18 @@ impl Engine<'_> {
         let va = (dm + dm / 8).div_ceil(page).max(1) * page;
         let base = self.synthetic_base(va)?;
         let now = self.now.unwrap_or(0);
-        let seg = self.new_segment(Segment {
-            base,
-            size: va,
-            stream,
-            pool,
-            page,
-            created: now,
-            released: None,
-        });
-        let b = self.new_block(Block {
-            ptr: base,
-            size: va,
-            stream,
-            pool,
-            segment: seg,
-            prev: NIL,
-            next: NIL,
-            state: State::Free,
-            mapped: false,
-            requested: 0,
-            alloc: NIL,
-            span: NIL,
-            gc_base: 0,
-        });
+        let b = self.new_segment_block(
+            Segment {
+                base,
+                size: va,
+                stream,
+                pool,
+                page,
+                created: now,
+                released: None,
+            },
+            false,
+        );
         self.insert_unmapped(b);
         Ok(b)
     }

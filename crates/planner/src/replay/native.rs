@@ -77,6 +77,34 @@ pub(super) struct Block {
     pub gc_base: u64,
 }
 
+impl Block {
+    /// A free block with no user, not linked to neighbours (`prev`, `next`: `NIL`).
+    pub(super) fn free(
+        ptr: u64,
+        size: u64,
+        stream: u64,
+        pool: PoolKind,
+        segment: u32,
+        mapped: bool,
+    ) -> Block {
+        Block {
+            ptr,
+            size,
+            stream,
+            pool,
+            segment,
+            prev: NIL,
+            next: NIL,
+            state: State::Free,
+            mapped,
+            requested: 0,
+            alloc: NIL,
+            span: NIL,
+            gc_base: 0,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(super) struct Pool {
     /// Free mapped blocks: (stream, size, ptr, block).
@@ -322,6 +350,15 @@ impl<'c> Engine<'c> {
         (self.segments.len() - 1) as u32
     }
 
+    /// A new segment `seg` and one free block (`mapped` or not) spanning all of it;
+    /// the block.
+    pub(super) fn new_segment_block(&mut self, seg: Segment, mapped: bool) -> u32 {
+        let s = self.new_segment(seg);
+        self.new_block(Block::free(
+            seg.base, seg.size, seg.stream, seg.pool, s, mapped,
+        ))
+    }
+
     pub(super) fn retire_segment(&mut self, s: u32) {
         let now = self.now_idx();
         let seg = &mut self.segments[s as usize];
@@ -367,30 +404,18 @@ impl<'c> Engine<'c> {
             _ => self.synthetic_base(alloc_size)?,
         };
         let now = self.now_idx();
-        let seg = self.new_segment(Segment {
-            base,
-            size: alloc_size,
-            stream,
-            pool,
-            page: 0,
-            created: now,
-            released: None,
-        });
-        let b = self.new_block(Block {
-            ptr: base,
-            size: alloc_size,
-            stream,
-            pool,
-            segment: seg,
-            prev: NIL,
-            next: NIL,
-            state: State::Free,
-            mapped: true,
-            requested: 0,
-            alloc: NIL,
-            span: NIL,
-            gc_base: 0,
-        });
+        let b = self.new_segment_block(
+            Segment {
+                base,
+                size: alloc_size,
+                stream,
+                pool,
+                page: 0,
+                created: now,
+                released: None,
+            },
+            true,
+        );
         self.add_reserved(alloc_size);
         Ok(Some(b))
     }
@@ -650,19 +675,9 @@ impl<'c> Engine<'c> {
         if self.should_split(b, size) {
             let r = *self.b(b);
             let head = self.new_block(Block {
-                ptr: r.ptr,
-                size,
-                stream,
-                pool,
-                segment: r.segment,
                 prev: r.prev,
                 next: b,
-                state: State::Free,
-                mapped: true,
-                requested: 0,
-                alloc: NIL,
-                span: NIL,
-                gc_base: 0,
+                ..Block::free(r.ptr, size, stream, pool, r.segment, true)
             });
             if r.prev != NIL {
                 self.bm(r.prev).next = head;
