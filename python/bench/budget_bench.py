@@ -31,10 +31,11 @@ random token ids, deterministic algorithms (as gpu_bench).
      recomputed in backward (``stweaver.recompute_blocks``): offload alone is bound by the
      link (everything off the device at the peak crosses it during forward), recomputing a
      few blocks takes their activations off the peak for ~k/N of a forward. A trace run per
-     candidate k (0, ~N/8, N/4, 3N/8, N/2, 3N/4; shared by the budgets), ``stweaver plan
-     --budget`` on each, and the k whose predicted step (k/N x forward's device time + the
-     plan's planned copy waits) is least is run; the sweep stops once the best plan waits
-     <= 2 % of the unlimited step or a k predicts worse than the best before it;
+     candidate k (0, ~N/8, N/4, 3N/8, N/2, 3N/4) and placement (``--hybrid-where``: the last
+     k blocks, the first k), shared by the budgets and kept in --out; ``stweaver plan
+     --budget`` on each, and the choice whose predicted step (k/N x forward's device time +
+     the plan's planned copy waits) is least is run; the sweep stops once the best plan
+     waits <= 2 % of the unlimited step or three larger k's did no better;
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
@@ -276,7 +277,8 @@ def run_row(spec: dict) -> dict:
         # as planned (the trace and its plan run recompute the same blocks).
         from stweaver._recompute import recompute_blocks
 
-        res["recomputed"] = recompute_blocks(model, spec["recompute"], where=spec.get("recompute_where", "last"))
+        res["recompute_where"] = spec.get("recompute_where", "last")
+        res["recomputed"] = recompute_blocks(model, spec["recompute"], where=res["recompute_where"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
@@ -418,7 +420,7 @@ def row_details(r: dict) -> List[str]:
         p = r["planner"]
         o = p.get("offload") or {}
         for sw in p.get("sweep") or []:
-            out.append(f"hybrid sweep: {sw['k']} recomputed blocks: planned wait {sw['wait_ms']} ms, predicted "
+            out.append(f"hybrid sweep: {sw['where']} {sw['k']} blocks recomputed: planned wait {sw['wait_ms']} ms, predicted "
                        f"+{sw['predicted_ms']} ms, bytes/it {sw['bytes_per_iteration']}"
                        f"{', refused' if sw['refused'] else ''}")
         out.append(f"planner: pool {p.get('pool')} tensors {o.get('tensors')} bytes/it {o.get('bytes_per_iteration')} "
@@ -466,7 +468,7 @@ def child_env(row: str) -> dict:
 def spawn(spec: dict, tmp: str, timeout: float) -> dict:
     name = f"{spec.get('workload', {}).get('name', 'link')}_{spec['row']}_{spec.get('fraction')}"
     if spec.get("recompute"):
-        name += f"_k{spec['recompute']}"
+        name += f"_{spec.get('recompute_where', 'last')}{spec['recompute']}"
     spec = dict(spec, result=os.path.join(tmp, name + ".json"))
     log_path = os.path.join(tmp, name + ".log")
     t0 = time.time()
@@ -559,6 +561,12 @@ def hybrid_candidates(n_blocks: int) -> List[int]:
     return ks
 
 
+def hybrid_choices(n_blocks: int, wheres: List[str]) -> List[tuple]:
+    """(where, k) in the order tried: nothing recomputed first, then each k of
+    :func:`hybrid_candidates` at each placement ("last" blocks, "first" blocks)."""
+    return [(wheres[0], 0)] + [(wh, k) for k in hybrid_candidates(n_blocks)[1:] for wh in wheres]
+
+
 def predicted_ms(k: int, n_blocks: int, forward_ms: float, wait_ms: Optional[float]) -> Optional[float]:
     """What k recomputed blocks are expected to add to a step: k/N of forward's device time
     (backward runs their forward again) plus the plan's planned waits; None if refused."""
@@ -568,17 +576,18 @@ def predicted_ms(k: int, n_blocks: int, forward_ms: float, wait_ms: Optional[flo
 
 
 def sweep_done(sweep: List[dict], step_ms: float) -> bool:
-    """Stop trying more recomputed blocks once the best plan found waits no more than 2 % of
-    the unlimited step (more recomputation only adds time), or a candidate predicted worse
-    than the best one before it (the prediction grows with k past its minimum)."""
+    """Asked after each k, every placement tried: stop trying more recomputed blocks once the
+    best plan found waits no more than 2 % of the unlimited step (more recomputation only
+    adds time), or three k's larger than the best's were tried (predicted worse or refused (the
+    prediction grows with k past its minimum; one k can be refused, or barely better, where
+    a larger one is not: GPT-2 XL at 0.8 x LB, 3 blocks refused, 6 predicted worse than 0)."""
     ok = [s for s in sweep if s.get("predicted_ms") is not None]
     if not ok:
         return False
     best = min(ok, key=lambda s: s["predicted_ms"])
     if best["wait_ms"] <= 0.02 * step_ms:
         return True
-    last = sweep[-1]
-    return last is not best and last.get("predicted_ms") is not None and last["predicted_ms"] > best["predicted_ms"]
+    return len({s["k"] for s in sweep if s["k"] > best["k"]}) >= 3
 
 
 def derive(row: dict, ref: dict, link: dict) -> dict:
@@ -652,7 +661,7 @@ def fmt_table(doc: dict) -> str:
                 f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
                 f"{('yes' if d.get('losses_equal') else 'NO' if d.get('losses_compared') else '-'):<6} "
                 f"{r.get('offload_mode') or ''}"
-                f"{' + last %d blocks recomputed' % len(r['recomputed']) if r.get('recomputed') else ''}")
+                f"{' + %d blocks recomputed (%s)' % (len(r['recomputed']), r.get('recompute_where')) if r.get('recomputed') else ''}")
     link = doc.get("link") or {}
     lines.append(f"link: H2D {_g(link.get('h2d_GBps'))} GB/s, D2H {_g(link.get('d2h_GBps'))} GB/s (pinned 1 GiB)")
     if doc.get("cap"):
@@ -687,6 +696,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="threshold offload: smallest tensor")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per child process")
     ap.add_argument("--stweaver-bin", default="", help="the stweaver CLI (stweaver_plan row)")
+    ap.add_argument("--hybrid-where", default="last,first",
+                    help="stweaver_hybrid: which blocks to recompute, tried in turn at each k (last, first)")
     ap.add_argument("--served-traces", action="store_true",
                     help="plan rows: record each plan run's own requests (STWEAVER_TRACE in plan mode) "
                          "and keep them with the plan files in --out, for `stweaver replay` on a CPU")
@@ -770,21 +781,25 @@ def main(argv=None) -> int:
                 shutil.copy(devtrace, os.path.join(args.out, os.path.basename(devtrace)))
         # stweaver_hybrid: a trace run per number of recomputed blocks, made when first needed
         # and shared by every budget.
-        traces = {0: trace}
+        wheres = [x for x in args.hybrid_where.split(",") if x.strip()]
+        traces = {(wh, 0): trace for wh in wheres}
         n_blocks = w["layers"]
 
-        def trace_for(k: int) -> Optional[str]:
-            if k not in traces:
-                path = os.path.join(tmp, f"{w['name']}_k{k}.stwt")
-                tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=path, recompute=k), tmp,
-                           args.timeout_s)
-                entry.setdefault("hybrid_trace_runs", {})[str(k)] = {
+        def trace_for(where: str, k: int) -> Optional[str]:
+            if (where, k) not in traces:
+                path = os.path.join(tmp, f"{w['name']}_{where}{k}.stwt")
+                tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=path, recompute=k,
+                                recompute_where=where), tmp, args.timeout_s)
+                entry.setdefault("hybrid_trace_runs", {})[f"{where}{k}"] = {
                     kk: tr.get(kk) for kk in ("ok", "error", "step_median_s", "max_allocated", "recomputed",
                                               "log_tail")}
-                print(f"{w['name']}: trace run with {k} recomputed blocks "
+                print(f"{w['name']}: trace run with the {where} {k} blocks recomputed "
                       f"{'ok' if tr.get('ok') else tr.get('error')}", flush=True)
-                traces[k] = (tr.get("trace_files") or [path])[0] if tr.get("ok") else None
-            return traces[k]
+                got = (tr.get("trace_files") or [path])[0] if tr.get("ok") else None
+                if got and os.path.isfile(got):
+                    shutil.copy(got, os.path.join(args.out, os.path.basename(got)))  # CPU re-planning
+                traces[(where, k)] = got
+            return traces[(where, k)]
 
         # A fixed cap: the one budget, as its fraction of this workload's LB.
         fracs = [args.cap_gib * GiB / lb] if args.cap_gib and lb else fractions
@@ -806,28 +821,31 @@ def main(argv=None) -> int:
                         # Try more recomputed blocks until the planned waits stop paying for them.
                         fwd_ms = phases.get("device_forward") or 0.0
                         best = None
-                        for k in hybrid_candidates(n_blocks):
-                            src = trace_for(k)
-                            if src is None:
-                                continue
-                            kpath = os.path.join(tmp, f"{w['name']}_{f}_{row}_k{k}.stwp")
-                            p = run_planner(plan_command(args, src, budget, kpath, row, phases))
-                            wait = planned_wait_ms(p)
-                            s = {"k": k, "wait_ms": wait, "predicted_ms": predicted_ms(k, n_blocks, fwd_ms, wait),
-                                 "bytes_per_iteration": (p.get("offload") or {}).get("bytes_per_iteration"),
-                                 "refused": (p.get("error") or "")[-300:] or None}
-                            sweep.append(s)
-                            print(f"  {f:.2f} x LB hybrid k={k}: planned wait {wait} ms, predicted +{s['predicted_ms']} ms"
-                                  f"{' (refused)' if wait is None else ''}", flush=True)
-                            if wait is not None and (best is None or s["predicted_ms"] < best[0]["predicted_ms"]):
-                                best = (s, p, kpath, src)
-                            if sweep_done(sweep, (ref.get("step_median_s") or 0) * 1e3):
+                        choices = hybrid_choices(n_blocks, wheres)
+                        for ci, (where, k) in enumerate(choices):
+                            src = trace_for(where, k)
+                            if src is not None:
+                                kpath = os.path.join(tmp, f"{w['name']}_{f}_{row}_{where}{k}.stwp")
+                                p = run_planner(plan_command(args, src, budget, kpath, row, phases))
+                                wait = planned_wait_ms(p)
+                                s = {"k": k, "where": where, "wait_ms": wait,
+                                     "predicted_ms": predicted_ms(k, n_blocks, fwd_ms, wait),
+                                     "bytes_per_iteration": (p.get("offload") or {}).get("bytes_per_iteration"),
+                                     "refused": (p.get("error") or "")[-300:] or None}
+                                sweep.append(s)
+                                print(f"  {f:.2f} x LB hybrid {where} {k}: planned wait {wait} ms, predicted "
+                                      f"+{s['predicted_ms']} ms{' (refused)' if wait is None else ''}", flush=True)
+                                if wait is not None and (best is None or s["predicted_ms"] < best[0]["predicted_ms"]):
+                                    best = (s, p, kpath, src)
+                            level_done = ci + 1 == len(choices) or choices[ci + 1][1] != k
+                            if level_done and sweep_done(sweep, (ref.get("step_median_s") or 0) * 1e3):
                                 break
                         if best is None:
                             planned = {"error": "every number of recomputed blocks was refused: "
                                        + str(sweep[-1]["refused"] if sweep else "no trace"), "rc": 1, "sweep": sweep}
                         else:
-                            planned = dict(best[1], sweep=sweep, recompute=best[0]["k"])
+                            planned = dict(best[1], sweep=sweep, recompute=best[0]["k"],
+                                           recompute_where=best[0]["where"])
                             shutil.copy(best[2], plan_path)
                     else:
                         src = devtrace if row == "stweaver_plan_devtime" else trace
@@ -846,6 +864,7 @@ def main(argv=None) -> int:
                     extra = {"plan": plan_path, "planner": planned}
                     if planned.get("recompute"):
                         extra["recompute"] = planned["recompute"]
+                        extra["recompute_where"] = planned["recompute_where"]
                     if args.served_traces:
                         extra["served_trace"] = os.path.join(tmp, f"{w['name']}_{f}_{row}_served.stwt")
                         shutil.copy(plan_path, args.out)

@@ -16,6 +16,13 @@ def test_hybrid_candidates_start_at_zero_and_grow():
     assert bb.hybrid_candidates(1) == [0, 1]
 
 
+def test_hybrid_choices_try_each_placement_at_each_k():
+    assert bb.hybrid_choices(8, ["last", "first"]) == [
+        ("last", 0), ("last", 1), ("first", 1), ("last", 2), ("first", 2), ("last", 3), ("first", 3),
+        ("last", 4), ("first", 4), ("last", 6), ("first", 6)]
+    assert bb.hybrid_choices(16, ["last"]) == [("last", k) for k in (0, 2, 4, 6, 8, 12)]
+
+
 def test_planned_wait_is_copy_out_waits_plus_stalls_and_none_when_refused():
     assert bb.planned_wait_ms({"offload": {"copy_out_wait_us": 1500, "stall_us": 500}}) == 2.0
     assert bb.planned_wait_ms({"offload": {}}) == 0.0
@@ -39,8 +46,63 @@ def test_sweep_goes_on_while_refused_or_improving():
     assert not bb.sweep_done([s(0, 90.0, 90.0), s(2, 40.0, 51.0)], step)
 
 
-def test_sweep_stops_when_waits_are_small_or_a_candidate_is_worse():
+def test_sweep_stops_when_waits_are_small_or_three_larger_k_did_no_better():
     step = 300.0
     assert bb.sweep_done([s(0, 90.0, 90.0), s(2, 5.0, 16.0)], step)  # 5 ms <= 2 % of 300
-    assert bb.sweep_done([s(0, 90.0, 90.0), s(2, 40.0, 51.0), s(4, 30.0, 52.5)], step)
-    assert not bb.sweep_done([s(0, 90.0, 90.0), s(2, 40.0, 51.0), s(4, None, None)], step)
+    worse = [s(0, 90.0, 90.0), s(2, 40.0, 51.0), s(4, 30.0, 52.5), s(6, 30.0, 64.0)]
+    assert not bb.sweep_done(worse, step)
+    assert bb.sweep_done(worse + [s(8, 20.0, 65.0)], step)
+    # GPT-2 XL at 0.8 x LB on the H100: 3 refused, 6 barely better than nothing: go on
+    gpt2 = [s(0, 113.7, 113.7), s(3, None, None), s(6, 102.6, 118.0)]
+    assert not bb.sweep_done(gpt2, step)
+    assert not bb.sweep_done(gpt2 + [s(9, 40.0, 63.1)], step)
+    assert bb.sweep_done(gpt2 + [s(9, 40.0, 63.1), s(12, 0.0, 30.8)], step)
+
+
+def test_the_hybrid_row_sweeps_traces_and_runs_the_best_choice(tmp_path, monkeypatch):
+    """The driver with its children and the planner faked: a trace per (placement, k) made
+    once and kept, the plan with the least predicted step run with its blocks recomputed."""
+    spawned = []
+
+    def fake_spawn(spec, tmp, timeout):
+        spawned.append(spec)
+        row = spec["row"]
+        if row == "link":
+            return {"ok": True, "h2d_GBps": 55.0, "d2h_GBps": 55.0}
+        if row == "unlimited":
+            return {"ok": True, "max_allocated": 10 << 30, "step_median_s": 0.2, "step_min_s": 0.2,
+                    "losses": ["0x1p+0"], "phases_ms": {"device_forward": 60.0, "device_backward": 120.0,
+                                                        "device_optimizer": 10.0}}
+        if row == "stweaver_trace":
+            with open(spec["trace"], "w") as f:
+                f.write("trace")
+            return {"ok": True, "trace_files": [spec["trace"]]}
+        return {"ok": True, "row": row, "step_median_s": 0.22, "step_min_s": 0.22, "losses": ["0x1p+0"]}
+
+    # planned waits by trace: "first" placements plan better here, 6 blocks is best
+    waits = {"gpt2xl_norcp.stwt": 110.0, "last3": None, "first3": 60.0, "last6": 100.0, "first6": 3.0}
+
+    def fake_planner(cmd):
+        src = os.path.basename(cmd[2])
+        key = next((k for k in waits if k in src), None)
+        wait = waits[key]
+        if wait is None:
+            return {"error": "no plan within the budget", "rc": 1}
+        with open(cmd[cmd.index("-o") + 1], "w") as f:
+            f.write("plan")
+        return {"offload": {"copy_out_wait_us": wait * 1e3, "stall_us": 0, "bytes_per_iteration": 1}}
+
+    monkeypatch.setattr(bb, "spawn", fake_spawn)
+    monkeypatch.setattr(bb, "run_planner", fake_planner)
+    assert bb.main(["--out", str(tmp_path), "--stweaver-bin", "/bin/true", "--rows", "stweaver_hybrid",
+                    "--workloads", "gpt2xl_norcp", "--fractions", "0.8"]) == 0
+    traces = [(s.get("recompute_where"), s.get("recompute")) for s in spawned if s["row"] == "stweaver_trace"]
+    assert traces == [(None, None), ("last", 3), ("first", 3), ("last", 6), ("first", 6)]
+    run = [s for s in spawned if s["row"] == "stweaver_hybrid"]
+    assert len(run) == 1 and run[0]["recompute"] == 6 and run[0]["recompute_where"] == "first"
+    assert run[0]["planner"]["sweep"][-1] == {"k": 6, "where": "first", "wait_ms": 3.0,
+                                             "predicted_ms": 6 / 24 * 60.0 + 3.0,
+                                             "bytes_per_iteration": 1, "refused": None}
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".stwt")
+    assert kept == ["gpt2xl_norcp.stwt", "gpt2xl_norcp_first3.stwt", "gpt2xl_norcp_first6.stwt",
+                    "gpt2xl_norcp_last3.stwt", "gpt2xl_norcp_last6.stwt"]
