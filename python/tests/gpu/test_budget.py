@@ -39,3 +39,30 @@ def test_budget_as_a_fraction_of_the_device(metric):
     assert r["fill_max_reserved"] <= r["budget_bytes"], r
     assert r["fill_tensors"] == r["budget_bytes"] // (256 << 20), r
     metric("budget_fraction_bytes_GiB", r["budget_bytes"] / GIB)
+
+
+def test_processes_sharing_a_gpu_each_get_their_budget_at_once(metric, tmp_path):
+    """Three processes, each under 0.3 of the device (issue #17 item 2): all three fill
+    their own share at the same time (each as many 256 MiB tensors as its budget holds, not
+    fewer because another took more), none reserves past its budget, and each then trains
+    under it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 3
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    script = os.path.join(SCRIPTS, "shared_budget_probe.py")
+    with ThreadPoolExecutor(n) as ex:
+        rs = [last_json(r) for r in ex.map(lambda _: run([script, "0.3", str(sync), str(n)]), range(n))]
+    limit = rs[0]["budget_bytes"]
+    for r in rs:
+        assert r["all_holding"], r
+        assert r["fill_tensors"] == limit // (256 << 20), r
+        assert r["fill_reserved"] <= limit, r
+        assert "STWEAVER_BUDGET" in r["fill_message"], r
+        assert r["train_losses_finite"] and r["train_max_reserved"] <= limit, r
+    held = sum(r["fill_tensors"] for r in rs) * (256 << 20)
+    assert max(r["device_used_while_all_hold"] for r in rs) >= held, rs
+    metric("shared_budget_processes", n)
+    metric("shared_budget_fill_tensors_each", rs[0]["fill_tensors"])
+    metric("shared_budget_device_used_GiB", max(r["device_used_while_all_hold"] for r in rs) / GIB)
