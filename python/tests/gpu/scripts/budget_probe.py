@@ -89,22 +89,7 @@ torch.cuda.synchronize()
 out["after_capture_oom_ok"] = bool(torch.equal(x.clone(), x)) and bool(torch.isfinite(x @ x).all())
 
 # 3. Train under the budget.
-torch.cuda.empty_cache()
-torch.cuda.reset_peak_memory_stats()
-torch.manual_seed(0)
-model = torch.nn.Sequential(
-    torch.nn.Linear(2048, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 2048)
-).cuda()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-losses = []
-for _ in range(12):
-    xb = torch.randn(4096, 2048, device="cuda")
-    loss = model(xb).pow(2).mean()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
-out["train_losses_finite"] = all(l == l and abs(l) < float("inf") for l in losses)
-out["train_max_reserved"] = torch.cuda.max_memory_reserved()
-out["train_mode"] = stweaver.mode()
+from budget_train import train_under_budget  # noqa: E402 (beside this script)
+
+out.update(train_under_budget(torch, stweaver))
 print(json.dumps(out))
