@@ -82,7 +82,9 @@ pub struct OffloadEntry {
 pub struct DynamicSummary {
     /// Number of requests not planned.
     pub requests: u64,
-    /// Their peak of live bytes.
+    /// Their peak of live bytes, without the copies of the recording's last iteration
+    /// that the iteration section serves at run time (irregular only for their lifetime:
+    /// the planner's `planning::dynamic_summary`).
     pub peak_bytes: Bytes,
 }
 
