@@ -626,7 +626,8 @@ fn dynamic_summary(
         && let Some(first_tail) = life.iter().position(|&(start, _)| start >= tail_start)
     {
         let mut next = 0usize;
-        for i in first_tail..trace.allocations.len() {
+        let tail = (first_tail..trace.allocations.len()).zip(&mut served_by_its_slot[first_tail..]);
+        for (i, served) in tail {
             match c.classes[i] {
                 AllocClass::PerIteration { slot, .. } => next = slot as usize + 1,
                 AllocClass::Dynamic(DynamicReason::Irregular) => {
@@ -640,7 +641,7 @@ fn dynamic_summary(
                         .take(TAIL_SKIP_WINDOW)
                         .position(|s| trace.allocations[s.alloc.index()].size == size)
                     {
-                        served_by_its_slot[i] = true;
+                        *served = true;
                         next += k + 1;
                     }
                 }

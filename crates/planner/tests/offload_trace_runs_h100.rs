@@ -36,8 +36,16 @@ fn two_recordings_of_one_loop_plan_alike_under_a_budget() {
         o.forward_share = Some(0.34);
         let r = plan_with_budget(&t, &o).unwrap_or_else(|e| panic!("run {run}: {e}"));
         let plan = &r.outcome.plan;
-        assert!(plan.pool_size <= budget, "run {run}: {} > {budget}", plan.pool_size);
-        planned.push((plan.pool_size, r.offload.bytes_per_iteration, r.offload.tensors));
+        assert!(
+            plan.pool_size <= budget,
+            "run {run}: {} > {budget}",
+            plan.pool_size
+        );
+        planned.push((
+            plan.pool_size,
+            r.offload.bytes_per_iteration,
+            r.offload.tensors,
+        ));
     }
     assert_eq!(planned[0], planned[1], "the same loop, the same plan");
 }
