@@ -11,9 +11,9 @@ them offloaded: the cost every saved tensor pays whether or not the plan moves i
 - ``identity``: a pack and an unpack hook that return their argument (the floor of any
   Python ``saved_tensors_hooks``);
 - ``offloader``: ``stweaver._offload.Offloader`` in schedule mode with an empty schedule,
-  over a backend whose CPU tensors count as device tensors and whose stream calls do
-  nothing (so the tensors take the counted path, ordinals and all, as CUDA tensors do);
-  its CudaBackend's ``is_device`` is ``t.is_cuda``, the same kind of attribute read.
+  over budget_bench's ``--dry-run`` backend, whose CPU tensors count as device tensors and
+  whose stream calls do nothing (so the tensors take the counted path, ordinals and all, as
+  CUDA tensors do; CudaBackend's ``is_device`` is ``t.is_cuda``, the same kind of read).
 
 It reports µs per call (pack or unpack) as min and median over ``--reps`` iterations, and
 the implied host time per iteration for N packs + N unpacks. Hooks are called directly (not
@@ -30,47 +30,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # python/: the stweaver package
+sys.path.insert(0, HERE)
 
-
-class _CpuAsDevice:
-    """The offloader's backend with CPU tensors as "device" tensors and no-op streams."""
-
-    timing = False
-
-    def is_device(self, t):
-        return True
-
-    def current_stream(self, device):
-        return None
-
-    def side_stream(self, device, kind):
-        return None
-
-    def wait_stream(self, waiter, waitee):
-        pass
-
-    def wait_event(self, stream, event):
-        pass
-
-    def event(self, stream):
-        return None
-
-    def query(self, event):
-        return True
-
-    def elapsed_ms(self, a, b):
-        return None
-
-    def copy(self, dst, src, stream):
-        dst.copy_(src)
-
-    def record_stream(self, t, stream):
-        pass
-
-    def empty_device(self, size, stride, dtype, device):
-        import torch
-
-        return torch.empty_strided(size, stride, dtype=dtype)
+from budget_bench import _DryBackend  # noqa: E402 (the offloader's backend over CPU tensors)
 
 
 def run(pack, unpack, tensors, reps: int, end=None):
@@ -99,7 +61,7 @@ def main(argv=None) -> int:
     sizes = [64, 4096, 1 << 16, 1 << 20]
     tensors = [torch.empty(sizes[i % len(sizes)] // 4) for i in range(args.packs)]
     rows = [("identity", *run(lambda t: t, lambda t: t, tensors, args.reps))]
-    off = Offloader(schedule=[], backend=_CpuAsDevice(),
+    off = Offloader(schedule=[], backend=_DryBackend(),
                     pool=PinnedPool(pin=lambda n: torch.empty(n, dtype=torch.uint8)))
     rows.append(("offloader", *run(off.pack, off.unpack, tensors, args.reps, off.iteration_end)))
     print(f"{args.packs} packs + {args.packs} unpacks per iteration, {args.reps} iterations, "
