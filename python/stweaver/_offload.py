@@ -41,7 +41,10 @@ keeps the id of its pack, and when its copy back is allocated the offloader call
 ``ext.record_restore(copy_back.data_ptr(), id)``: a *restore link* in the trace, saying that
 the copy back is the offloaded allocation again. A trace recorded with offload on (threshold
 mode, so that recording fits a budget) is thereby the run without offload to the planner,
-which chooses afresh what to offload (``stweaver_planner::unoffload``). A counted call that recorded nothing
+which chooses afresh what to offload (``stweaver_planner::unoffload``). Once stweaver can no longer record
+(its mode, read at each boundary, says it serves a plan or online, or its trace is written),
+the hooks stop calling ``record_saved`` (a call into the extension per counted hook call,
+for nothing). A counted call that recorded nothing
 while others did (an allocation of a CUDA graph's private pool, say) is counted in
 ``stats()["marker_misses"]``: the ordinals after it no longer match the plan's, which makes
 schedule entries mismatch (``schedule_mismatch``) rather than anything unsafe.
@@ -152,6 +155,7 @@ __all__ = [
 ]
 
 ALIGN = 512
+_NEVER = float("inf")  # a prefetch point no unpack ordinal reaches
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -490,7 +494,12 @@ class Offloader:
         self.ext = ext
         self._record = getattr(ext, "record_saved", None) if ext is not None else None
         self._restore = getattr(ext, "record_restore", None) if ext is not None else None
+        # record_saved while stweaver may record a trace, None once it no longer can (read
+        # at each boundary): a call into the extension per counted hook call is the hooks'
+        # largest host cost when nothing is recorded.
+        self._rec = self._record if self._may_record() else None
         self.backend = backend if backend is not None else CudaBackend()
+        self._is_device = self.backend.is_device  # bound once: the hooks call it per tensor
         self.pool = pool if pool is not None else PinnedPool()
         self.prefetch = prefetch
         self._lock = threading.RLock()
@@ -537,6 +546,9 @@ class Offloader:
         self._by_ptr: Dict[int, weakref.ref] = {}  # device pointer -> handle (this iteration)
         self._started: set = set()
         self._prefetch_pos = 0
+        # The prefetch point of _by_prefetch[_prefetch_pos] (_NEVER past the end): an unpack
+        # before it with nothing due has no copy back to start (the hot path's test).
+        self._next_prefetch = self._by_prefetch[0][0] if self._by_prefetch else _NEVER
         self._due: List[int] = []  # pack ordinals due for copy back, not packed yet
         self._order: List[int] = []  # threshold mode: offloaded pack ordinals, in order
 
@@ -547,6 +559,8 @@ class Offloader:
             self._schedule = entries
             self._by_pack = {e[0]: e for e in entries}
             self._by_prefetch = sorted((e[2], e[0]) for e in entries)
+            self._next_prefetch = (self._by_prefetch[self._prefetch_pos][0]
+                                   if self._prefetch_pos < len(self._by_prefetch) else _NEVER)
             need = schedule_host_bytes(entries, self.pool.align)
             if need and self.off_reason is None:
                 try:
@@ -574,6 +588,19 @@ class Offloader:
             return False
         return m.startswith("auto (recording") or m.startswith("auto (planning")
 
+    def _may_record(self) -> bool:
+        """Whether stweaver may record saved-tensor markers from now on: not once its mode
+        says it serves online or a plan, or has written its trace (states a run does not
+        leave). An extension without ``mode()``: yes."""
+        if self._record is None:
+            return False
+        try:
+            m = str(self.ext.mode())
+        except Exception:
+            return True
+        return not (m in ("online", "plan", "auto (plan)", "trace (written)")
+                    or m.startswith("online (") or m.startswith("auto (online"))
+
     def _turn_off(self, err: PinnedMemoryError) -> None:
         self._it["pin_failures"] += 1
         if self.off_reason is None:
@@ -584,7 +611,7 @@ class Offloader:
     def _mark(self, t, dev: bool, pack: bool) -> Optional[int]:
         """Records the saved-tensor event; the allocation's trace id, None when nothing was
         recorded (or the extension gives no id)."""
-        if self._record is None:
+        if self._rec is None:
             return None
         ptr = 0
         if dev:
@@ -592,7 +619,7 @@ class Offloader:
                 ptr = t.data_ptr()
             except RuntimeError:  # a tensor without storage (fake / functional): no marker
                 ptr = 0
-        r = self._record(ptr, pack)
+        r = self._rec(ptr, pack)
         if isinstance(r, bool):  # an extension that only says whether it recorded
             ok, rid = r, None
         else:
@@ -637,40 +664,43 @@ class Offloader:
     def counted(self, t) -> bool:
         """Whether a hook call on t counts as an ordinal (see the module doc): a device tensor
         that covers its whole (non-empty) storage."""
-        if not self.backend.is_device(t):
-            return False
-        try:
-            st = t.untyped_storage()
-            n = st.nbytes()
-            return n > 0 and t.data_ptr() == st.data_ptr() and t.numel() * t.element_size() == n
-        except (RuntimeError, NotImplementedError):  # no storage (fake / functional tensors)
-            return False
+        return self.backend.is_device(t) and _whole_storage_bytes(t) > 0
 
     # -- hooks
     def pack(self, t):
-        with self._lock:
+        # The hot path (every saved tensor of the iteration, a few thousand per step, most
+        # of them left alone): attribute reads hoisted into locals, the counted test
+        # inlined (``_whole_storage_bytes``), and the slice reaping skipped when nothing waits.
+        lock = self._lock  # acquire / release: half the cost of `with` here
+        lock.acquire()
+        try:
             it = self._it
             it["packs"] += 1
-            dev = self.backend.is_device(t)
-            if dev:
-                it["packs_device"] += 1
-            if not self.counted(t):
-                self._reap()
+            dev = self._is_device(t)
+            if not dev:
+                if self._zombies or self._pending:
+                    self._reap()
+                return t
+            it["packs_device"] += 1
+            nbytes = _whole_storage_bytes(t)
+            if not nbytes:  # not counted: a view of part of a storage, empty, no storage
+                if self._zombies or self._pending:
+                    self._reap()
                 return t
             k = self.k
-            self.k += 1
-            rid = self._mark(t, dev, True)
-            self._reap()
+            self.k = k + 1
+            rid = self._mark(t, True, True) if self._rec is not None else None
+            if self._zombies or self._pending:
+                self._reap()
             if self.off_reason is not None:
                 return t
-            if dev and self._by_ptr:
+            if self._by_ptr:
                 shared = self._shared(t, k)  # scheduled or not: the device copy is gone already
                 if shared is not None:
                     return shared
-            nbytes = t.numel() * t.element_size() if dev else 0
             if self._threshold_now():
                 floor = self.min_bytes if self.mode == "threshold" else self.first_min_bytes
-                if not (dev and nbytes >= floor and self.eligible(t)):
+                if not (nbytes >= floor and self.eligible(t)):
                     return t
                 j_expected = -1
             else:
@@ -689,6 +719,8 @@ class Offloader:
             except PinnedMemoryError as err:
                 self._turn_off(err)
                 return t
+        finally:
+            lock.release()
 
     def _shared(self, t, k: int):
         """The handle of this very tensor, or of another whole view of the same storage, if it
@@ -795,22 +827,31 @@ class Offloader:
         return k < self.k  # packed (and not offloaded, or dead) vs not packed yet
 
     def unpack(self, x):
-        with self._lock:
+        # The hot path, as pack's: most unpacks get back the tensor pack returned.
+        lock = self._lock  # acquire / release: half the cost of `with` here
+        lock.acquire()
+        try:
             self._it["unpacks"] += 1
             view = None
             if isinstance(x, _View):
                 view, x = x, x.main
-            if not isinstance(x, _Handle) and not self.counted(x):
-                self._reap()
+            handle = isinstance(x, _Handle)
+            if not handle and not (self._is_device(x) and _whole_storage_bytes(x)):
+                if self._zombies or self._pending:
+                    self._reap()
                 return x
             j = self.j
-            self.j += 1
-            if not self._threshold_now():
+            self.j = j + 1
+            plan = not self._threshold_now()
+            if plan and (self._due or self._next_prefetch <= j - 1):
                 self._trigger(j - 1)  # due before this unpack (p = -1 at the first one)
-            if not isinstance(x, _Handle):
-                self._mark(x, self.backend.is_device(x), False)
-                self._reap()
-                self._prefetch_after(j, None)
+            if not handle:
+                if self._rec is not None:
+                    self._mark(x, True, False)
+                if self._zombies or self._pending:
+                    self._reap()
+                if plan and (self._due or self._next_prefetch <= j):
+                    self._trigger(j)
                 return x
             h = x
             if h.ev_in is None:
@@ -834,6 +875,8 @@ class Offloader:
             self._reap()
             self._prefetch_after(j, h)
             return h.dev if view is None else h.dev.as_strided(view.size, view.stride)
+        finally:
+            lock.release()
 
     def _prefetch_after(self, j: int, h: Optional[_Handle]) -> None:
         if self.off_reason is not None and not self._live:
@@ -861,6 +904,7 @@ class Offloader:
         while self._prefetch_pos < len(bp) and bp[self._prefetch_pos][0] <= j:
             self._due.append(bp[self._prefetch_pos][1])
             self._prefetch_pos += 1
+        self._next_prefetch = bp[self._prefetch_pos][0] if self._prefetch_pos < len(bp) else _NEVER
         if self._due:
             self._due = [k for k in self._due if not self._start_if_live(k)]
 
@@ -891,6 +935,7 @@ class Offloader:
             if self.mode == "plan":
                 self._read_plan()
                 self._before_plan = self._runtime_before_plan()
+            self._rec = self._record if self._may_record() else None
             if it.get("not_unpacked"):
                 warnings.warn(
                     f"stweaver offload: {it['not_unpacked']} offloaded tensor(s) of the iteration "
@@ -942,6 +987,18 @@ class Offloader:
                 current_iteration=dict(self._it),
             )
             return out
+
+
+def _whole_storage_bytes(t) -> int:
+    """t's bytes when t covers its whole storage (starts it and spans all of it), else 0
+    (a view of part of a storage, an empty tensor, a tensor without storage: fake or
+    functional tensors). The counted test of the module doc, without the device part."""
+    try:
+        st = t.untyped_storage()
+        n = st.nbytes()
+        return n if n > 0 and t.nbytes == n and t.data_ptr() == st.data_ptr() else 0
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _dense(t) -> bool:

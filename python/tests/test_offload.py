@@ -831,3 +831,35 @@ def test_two_whole_views_of_one_storage_share_one_copy_and_a_parameter_view_stay
     w = torch.nn.Parameter(torch.randn(16, 8))
     wt = w.t()
     assert o3.pack(wt) is wt and be3.ops("copy") == []
+
+
+def test_markers_stop_once_the_runtime_can_no_longer_record():
+    # record_saved is a call into the extension per counted hook call: made while stweaver
+    # may record (recording, planning, an extension without mode()), not once it serves a
+    # plan or online, read at each boundary; ordinals and schedules are unchanged by it.
+    ext = FakeExt(recording=True, schedule=[])
+    ext.stage = "auto (recording)"
+    ext.mode = lambda: ext.stage
+    o, _ = offloader(schedule="plan", ext=ext)
+    t = torch.randn(300)
+    o.unpack(o.pack(t))
+    assert len(ext.calls) == 2
+    ext.stage = "auto (plan)"
+    o.iteration_end()
+    o.unpack(o.pack(t))
+    assert len(ext.calls) == 2, "no marker call while a plan is served"
+    st = o.iteration_end()
+    assert st["packs"] == 1 and st["unpacks"] == 1
+    for stage, calls in (("auto (online: plan refused)", 0), ("online", 0), ("trace (written)", 0),
+                         ("online (plan given up: x)", 0), ("trace", 2), ("auto (planning)", 2)):
+        ext.calls.clear()
+        o2, _ = offloader(schedule=[], ext=ext)
+        ext.stage = stage
+        o2.iteration_end()  # the boundary reads the mode
+        o2.unpack(o2.pack(t))
+        assert len(ext.calls) == calls, stage
+    del ext.mode  # an extension without mode(): every counted call records
+    ext.calls.clear()
+    o3, _ = offloader(schedule=[], ext=ext)
+    o3.unpack(o3.pack(t))
+    assert len(ext.calls) == 2
