@@ -45,7 +45,10 @@ random token ids, deterministic algorithms (as gpu_bench).
      instead of the iteration spread evenly over its requests;
    - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around forward;
    - ``recompute``: full activation checkpointing (HF ``gradient_checkpointing_enable``);
-   - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not).
+   - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not);
+   - ``unlimited_aa``: the unlimited run again, in its place among the rows (no cap): the
+     A/A control, its ratio to the first unlimited run is the spread between two runs of the
+     same thing on this machine.
 
 Per row: fits or OOM (and at which iteration), peak reserved/allocated, step time min and
 median over the measured iterations (after ``--warmup``) and their ratio to unlimited's, bytes
@@ -98,7 +101,7 @@ WORKLOADS = [
 PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
 ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_offload",
-        "save_on_cpu", "recompute", "native", "expandable")
+        "save_on_cpu", "recompute", "native", "expandable", "unlimited_aa")
 
 
 def dry_workloads() -> List[dict]:
@@ -655,7 +658,8 @@ def fmt_table(doc: dict) -> str:
             pct = lambda v: f"{100 * v:4.0f}" if v else "-"  # noqa: E731
             ratio = d.get("step_median_ratio")
             lines.append(
-                f"{'':<14} {r['row']:<17} {r['fraction']:>5.2f}xLB {fits:<5} "
+                f"{'':<14} {r['row']:<17} "
+                f"{('uncapped' if r['row'] == 'unlimited_aa' else '%5.2fxLB' % r['fraction']):>9} {fits:<5} "
                 f"{(r.get('max_reserved') or 0) / GiB:8.2f}G {_s(r.get('step_median_s')):>9} "
                 f"{(f'{ratio:.3f}' if ratio else '-'):>8} {d.get('moved_bytes_per_iter', 0) / GiB:8.2f}G "
                 f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
@@ -870,7 +874,12 @@ def main(argv=None) -> int:
                         shutil.copy(plan_path, args.out)
                 if row == "stweaver_offload" and not args.dry_run:
                     extra = {"auto_trace": os.path.join(tmp, f"{w['name']}_auto_{f}.stwt")}
-                r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget, **extra), tmp, args.timeout_s)
+                if row == "unlimited_aa":  # the A/A control: the reference, uncapped, again
+                    r = spawn(dict(base, row="unlimited", workload=w, fraction=f), tmp, args.timeout_s)
+                    r["row"] = row
+                else:
+                    r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget, **extra), tmp,
+                              args.timeout_s)
                 for kept in ("auto_trace", "served_trace"):
                     if extra.get(kept) and os.path.isfile(extra[kept]):
                         shutil.copy(extra[kept], args.out)
