@@ -36,6 +36,8 @@ random token ids, deterministic algorithms (as gpu_bench).
      --budget`` on each, and the choice whose predicted step (k/N x forward's device time +
      the plan's planned copy waits) is least is run; the sweep stops once the best plan
      waits <= 2 % of the unlimited step or three larger k's did no better;
+     ``--hybrid-k 6`` (or ``3,6``) tries only those k's (no plain trace when 0 is not
+     among them): a choice an earlier sweep made, re-measured;
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
@@ -702,6 +704,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stweaver-bin", default="", help="the stweaver CLI (stweaver_plan row)")
     ap.add_argument("--hybrid-where", default="last,first",
                     help="stweaver_hybrid: which blocks to recompute, tried in turn at each k (last, first)")
+    ap.add_argument("--hybrid-k", default="",
+                    help="stweaver_hybrid: only these numbers of recomputed blocks (e.g. 6 or 3,6), "
+                         "instead of the sweep from 0 (a choice a sweep made before, re-measured)")
     ap.add_argument("--served-traces", action="store_true",
                     help="plan rows: record each plan run's own requests (STWEAVER_TRACE in plan mode) "
                          "and keep them with the plan files in --out, for `stweaver replay` on a CPU")
@@ -762,7 +767,12 @@ def main(argv=None) -> int:
         print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}, "
               f"phases (median ms) {json.dumps(ref.get('phases_ms'))}", flush=True)
         trace = None
-        if any(r in PLAN_ROWS and r != "stweaver_plan_devtime" for r in rows) and not args.dry_run:
+        # The plain trace (nothing recomputed): every plan row's but the device-timed one's,
+        # and the hybrid sweep's start (unless --hybrid-k leaves 0 out).
+        hybrid_ks = [int(k) for k in args.hybrid_k.split(",") if k.strip()]
+        plain = [r for r in rows if r in PLAN_ROWS and r != "stweaver_plan_devtime"
+                 and not (r == "stweaver_hybrid" and hybrid_ks and 0 not in hybrid_ks)]
+        if plain and not args.dry_run:
             trace = os.path.join(tmp, w["name"] + ".stwt")
             tr = spawn(dict(base, row="stweaver_trace", workload=w, trace=trace), tmp, args.timeout_s)
             entry["trace_run"] = {k: tr.get(k) for k in ("ok", "error", "max_allocated", "max_reserved",
@@ -826,6 +836,8 @@ def main(argv=None) -> int:
                         fwd_ms = phases.get("device_forward") or 0.0
                         best = None
                         choices = hybrid_choices(n_blocks, wheres)
+                        if hybrid_ks:
+                            choices = [(wh, k) for k in hybrid_ks for wh in wheres]
                         for ci, (where, k) in enumerate(choices):
                             src = trace_for(where, k)
                             if src is not None:

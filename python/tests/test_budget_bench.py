@@ -106,3 +106,46 @@ def test_the_hybrid_row_sweeps_traces_and_runs_the_best_choice(tmp_path, monkeyp
     kept = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".stwt")
     assert kept == ["gpt2xl_norcp.stwt", "gpt2xl_norcp_first3.stwt", "gpt2xl_norcp_first6.stwt",
                     "gpt2xl_norcp_last3.stwt", "gpt2xl_norcp_last6.stwt"]
+
+
+def test_hybrid_k_runs_only_the_given_choices_and_the_aa_row_reruns_the_reference(tmp_path, monkeypatch):
+    """--hybrid-k 6: no plain trace, no sweep from 0, only the 6-block traces; unlimited_aa: the
+    uncapped reference again, with its ratio to the first run."""
+    spawned = []
+
+    def fake_spawn(spec, tmp, timeout):
+        spawned.append(spec)
+        row = spec["row"]
+        if row == "link":
+            return {"ok": True, "h2d_GBps": 55.0, "d2h_GBps": 55.0}
+        if row == "unlimited":
+            n = sum(1 for s in spawned if s["row"] == "unlimited")
+            return {"ok": True, "row": row, "max_allocated": 10 << 30, "step_median_s": 0.2 * n,
+                    "step_min_s": 0.2, "losses": ["0x1p+0"], "phases_ms": {"device_forward": 60.0}}
+        if row == "stweaver_trace":
+            with open(spec["trace"], "w") as f:
+                f.write("trace")
+            return {"ok": True, "trace_files": [spec["trace"]]}
+        return {"ok": True, "row": row, "step_median_s": 0.22, "step_min_s": 0.22, "losses": ["0x1p+0"]}
+
+    def fake_planner(cmd):
+        with open(cmd[cmd.index("-o") + 1], "w") as f:
+            f.write("plan")
+        return {"offload": {"copy_out_wait_us": 0, "stall_us": 0, "bytes_per_iteration": 1}}
+
+    monkeypatch.setattr(bb, "spawn", fake_spawn)
+    monkeypatch.setattr(bb, "run_planner", fake_planner)
+    assert bb.main(["--out", str(tmp_path), "--stweaver-bin", "/bin/true", "--rows",
+                    "stweaver_hybrid,unlimited_aa", "--workloads", "gpt2xl_norcp", "--fractions", "0.8",
+                    "--hybrid-k", "6", "--hybrid-where", "last"]) == 0
+    traces = [(s.get("recompute_where"), s.get("recompute")) for s in spawned if s["row"] == "stweaver_trace"]
+    assert traces == [("last", 6)]
+    run = [s for s in spawned if s["row"] == "stweaver_hybrid"]
+    assert len(run) == 1 and run[0]["recompute"] == 6
+    refs = [s for s in spawned if s["row"] == "unlimited"]
+    assert len(refs) == 2 and "budget" not in refs[1], "the A/A run is uncapped"
+    import json
+
+    doc = json.load(open(tmp_path / "budget_bench.json"))
+    aa = [r for r in doc["workloads"][0]["rows"] if r["row"] == "unlimited_aa"]
+    assert len(aa) == 1 and abs(aa[0]["derived"]["step_median_ratio"] - 2.0) < 1e-9
