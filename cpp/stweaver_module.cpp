@@ -159,6 +159,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The served plan's offload schedule on `device` (-1: the current device): a list of "
       "(pack, unpack, prefetch_after_unpack or -1, bytes).");
 
+  m.def(
+      "set_plan_gate",
+      [](bool on) {
+        auto& a = need_installed("set_plan_gate");
+        call("set_plan_gate", [&] { a.runtime().set_plan_gate(on); });
+      },
+      py::arg("on"),
+      "Auto mode: hold a finished plan (mode 'auto (plan held)', its offload outcome in "
+      "info_json) instead of serving it, until release_held_plan.");
+
+  m.def(
+      "set_offload_link",
+      [](double gbps) {
+        auto& a = need_installed("set_offload_link");
+        call("set_offload_link", [&] { a.runtime().set_offload_link(gbps); });
+      },
+      py::arg("gbps"),
+      "Auto mode under a budget: time the next plans' offload schedules with this link "
+      "speed (GB/s per direction) instead of the default.");
+
+  m.def(
+      "release_held_plan",
+      [](bool accept) {
+        auto& a = need_installed("release_held_plan");
+        call("release_held_plan", [&] { a.runtime().release_held_plan(accept); });
+      },
+      py::arg("accept"),
+      "The held plan: accept=True serves it now (call at an iteration boundary), False "
+      "drops it and auto mode records again from here.");
+
   // Pause / resume (issue #17): tags and the device's memory given back, addresses kept.
   m.def(
       "set_tag",

@@ -309,6 +309,15 @@ pub mod bridge {
         fn record_restore(self: &Runtime, ptr: usize, from: i64) -> Result<bool>;
         /// The offload schedule of the plan `device` serves (empty when none).
         fn offload_schedule(self: &Runtime, device: i32) -> Result<Vec<OffloadItem>>;
+        /// Auto mode: hold a finished plan (mode "auto (plan held)") instead of serving
+        /// it, until `release_held_plan`.
+        fn set_plan_gate(self: &Runtime, on: bool) -> Result<()>;
+        /// Auto mode under a budget: time the next offload schedules with this link
+        /// speed (GB/s per direction).
+        fn set_offload_link(self: &Runtime, gbps: f64) -> Result<()>;
+        /// The held plan: `accept` serves it now (at an iteration boundary), else auto
+        /// mode records again from here.
+        fn release_held_plan(self: &Runtime, accept: bool) -> Result<()>;
 
         /// Pause / resume (issue #17). The tag of allocations made from now on, on every
         /// pool of every device (0: untagged, never paused).
@@ -591,6 +600,21 @@ impl Runtime {
                 .record_saved(ptr, pack)?
                 .map_or(-1, |id| i64::from(id.0)))
         })
+    }
+
+    pub fn set_plan_gate(&self, on: bool) -> Result<(), BridgeError> {
+        guard("set_plan_gate", || {
+            self.core.set_plan_gate(on);
+            Ok(())
+        })
+    }
+
+    pub fn set_offload_link(&self, gbps: f64) -> Result<(), BridgeError> {
+        guard("set_offload_link", || self.core.set_offload_link(gbps))
+    }
+
+    pub fn release_held_plan(&self, accept: bool) -> Result<(), BridgeError> {
+        guard("release_held_plan", || self.core.release_held_plan(accept))
     }
 
     pub fn record_restore(&self, ptr: usize, from: i64) -> Result<bool, BridgeError> {

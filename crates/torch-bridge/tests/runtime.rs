@@ -812,6 +812,72 @@ fn auto_mode_under_a_budget_plans_offload_from_a_threshold_recording() {
     rt.free(weights).unwrap();
 }
 
+/// Auto mode with the plan gate on: the finished plan is held (serving stays online,
+/// its offload outcome readable, with the planned waits and the link speed given), a
+/// release without accepting records again from that boundary and plans
+/// `auto_iterations` iterations later, and accepting serves the plan at once.
+#[test]
+fn auto_mode_holds_its_plan_behind_the_gate_and_records_again_when_refused() {
+    let rt = runtime_with_budget("auto", "28MiB", 256);
+    let iters = rt.core().settings().auto_iterations;
+    assert!(
+        rt.release_held_plan(true).is_err(),
+        "nothing held at the start"
+    );
+    assert!(rt.set_offload_link(0.0).is_err() && rt.set_offload_link(f64::NAN).is_err());
+    rt.set_offload_link(40.0).unwrap();
+    rt.set_plan_gate(true).unwrap();
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    // Runs iterations until the mode leaves recording and planning; returns the steps.
+    let until_settled = |rt: &Runtime| {
+        let mut steps = 0u64;
+        loop {
+            let m = rt.mode().unwrap();
+            if !(m == "auto (recording)" || m == "auto (planning)") {
+                return (steps, m);
+            }
+            offload_iteration(rt, 6, true);
+            rt.step().unwrap();
+            steps += 1;
+            assert!(steps < 500, "never planned: {m}");
+        }
+    };
+    let (first, m) = until_settled(&rt);
+    assert_eq!(m, "auto (plan held)");
+    assert!(first > iters, "planned after the recorded iterations");
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    let off = &info["devices"][0]["offload"];
+    assert_eq!(off["planned"], true, "{info}");
+    assert_eq!(off["link_gbps"], 40.0, "{off}");
+    assert!(off["copy_out_wait_us"].as_f64().unwrap() >= 0.0, "{off}");
+    assert!(off["stall_us"].as_f64().unwrap() >= 0.0, "{off}");
+    assert!(
+        rt.offload_schedule(0).unwrap().is_empty(),
+        "a held plan is not served"
+    );
+    // Held: iterations run online, with no recording (no trace id for saved tensors).
+    let act = rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap();
+    assert_eq!(rt.record_saved(act, true).unwrap(), -1);
+    rt.free(act).unwrap();
+    // Refused: recording again from this boundary (saved tensors get trace ids again).
+    rt.release_held_plan(false).unwrap();
+    assert_eq!(rt.mode().unwrap(), "auto (recording)");
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    assert!(info["devices"][0]["offload"].is_null(), "{info}");
+    assert!(rt.release_held_plan(true).is_err(), "nothing held now");
+    let (again, m) = until_settled(&rt);
+    assert_eq!(m, "auto (plan held)");
+    assert!(
+        again > iters && again <= first,
+        "the second recording plans as long after its start ({again} vs {first} steps)"
+    );
+    rt.release_held_plan(true).unwrap();
+    assert_eq!(rt.mode().unwrap(), "auto (plan)");
+    let sched = rt.offload_schedule(0).unwrap();
+    assert!(!sched.is_empty(), "the accepted plan's schedule is served");
+    rt.free(weights).unwrap();
+}
+
 /// A budget below what any offload reaches: the plan is the ordinary one of the
 /// recording, with a note and the reason in `info_json`.
 #[test]

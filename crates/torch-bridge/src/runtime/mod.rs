@@ -692,6 +692,7 @@ impl Core {
             (Mode::Plan, _) => "plan (waiting for its device)".into(),
             (Mode::Auto, PlanStage::Recording) => "auto (recording)".into(),
             (Mode::Auto, PlanStage::Planning) => "auto (planning)".into(),
+            (Mode::Auto, PlanStage::Held) => "auto (plan held)".into(),
             (Mode::Auto, PlanStage::Serving(_)) => "auto (plan)".into(),
             (Mode::Auto, PlanStage::Fallback(why)) => format!("auto (online: {why})"),
             (Mode::Auto, PlanStage::NotPlanning) => "auto".into(),

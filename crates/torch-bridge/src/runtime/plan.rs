@@ -35,6 +35,10 @@ pub enum PlanStage {
     Recording,
     /// Auto: the background planner runs.
     Planning,
+    /// Auto with the plan gate on ([`Core::set_plan_gate`]): the plans are made and
+    /// held, serving stays online, until the caller accepts them or records again
+    /// ([`Core::release_held_plan`]).
+    Held,
     /// A plan is served (on the devices listed).
     Serving(Vec<i32>),
     /// No plan could be served: serving online. The reason, for the user.
@@ -54,6 +58,12 @@ pub(super) enum OffloadOutcome {
         planned_peak: u64,
         pool_without_offload: u64,
         stalls: usize,
+        /// The planned waits per iteration, µs: for copies out before the peak, and
+        /// the longest copy back late for its unpack ([`stweaver_planner::offload::OffloadReport`]).
+        copy_out_wait_us: f64,
+        stall_us: f64,
+        /// The link speed the schedule was timed with, GB/s per direction.
+        link_gbps: f64,
     },
     /// Planned without offload, and why.
     NotPlanned { budget: u64, reason: String },
@@ -69,6 +79,9 @@ impl OffloadOutcome {
                 planned_peak,
                 pool_without_offload,
                 stalls,
+                copy_out_wait_us,
+                stall_us,
+                link_gbps,
             } => serde_json::json!({
                 "planned": true,
                 "budget_bytes": budget,
@@ -77,6 +90,9 @@ impl OffloadOutcome {
                 "planned_peak": planned_peak,
                 "pool_without_offload": pool_without_offload,
                 "stalls": stalls,
+                "copy_out_wait_us": copy_out_wait_us,
+                "stall_us": stall_us,
+                "link_gbps": link_gbps,
             }),
             OffloadOutcome::NotPlanned { budget, reason } => serde_json::json!({
                 "planned": false,
@@ -105,6 +121,20 @@ pub(super) struct PlanControl {
     jobs: Vec<PlanJob>,
     /// Engines to empty once, one iteration after they switched to a plan.
     settle: Vec<i32>,
+    /// Auto: hold finished plans for the caller's decision ([`PlanStage::Held`]).
+    gate: bool,
+    /// The held plans, per device.
+    held: Vec<(i32, Plan)>,
+    /// Auto: the step at which the current recording started (0: at install; the step
+    /// of [`Core::release_held_plan`]'s new recording): it plans `auto_iterations`
+    /// iterations later.
+    record_from: u64,
+    /// The last step seen ([`Core::step`]'s count).
+    last_step: u64,
+    /// Auto under a budget: the link speed (GB/s per direction) to time the offload
+    /// schedule with, instead of [`stweaver_planner::offload::DEFAULT_LINK_GBPS`]
+    /// ([`Core::set_offload_link`]).
+    link_gbps: Option<f64>,
 }
 
 impl PlanControl {
@@ -117,6 +147,11 @@ impl PlanControl {
             source: None,
             jobs: Vec::new(),
             settle: Vec::new(),
+            gate: false,
+            held: Vec::new(),
+            record_from: 0,
+            last_step: 0,
+            link_gbps: None,
         };
         match settings.mode {
             Mode::Auto => control.stage = PlanStage::Recording,
@@ -162,6 +197,7 @@ fn plan_in_background(
     opts: &PlannerOptions,
     budget: Option<u64>,
     has_packs: bool,
+    link_gbps: Option<f64>,
 ) -> PlanResult {
     let plain = |trace: &Trace| plan_recording(trace, opts);
     let Some(budget) = budget else {
@@ -181,6 +217,9 @@ fn plan_in_background(
     }
     let mut o = OffloadOptions::new(Bytes(budget));
     o.plan = opts.clone();
+    if let Some(g) = link_gbps {
+        o.link_gbps = g;
+    }
     match plan_with_budget(trace, &o) {
         Ok(b) => {
             let r = &b.offload;
@@ -191,6 +230,9 @@ fn plan_in_background(
                 planned_peak: r.planned_peak.get(),
                 pool_without_offload: r.pool_without_offload.get(),
                 stalls: r.stalls,
+                copy_out_wait_us: r.copy_out_wait_us,
+                stall_us: r.stall_us,
+                link_gbps: r.link_gbps,
             };
             Ok((b.outcome.plan, Some(outcome)))
         }
@@ -279,9 +321,13 @@ impl Core {
         if self.settings.mode != Mode::Auto {
             return Ok(());
         }
+        pc.last_step = n;
         match pc.stage {
-            PlanStage::Recording if plans_at_step(n, self.settings.auto_iterations) => {
+            PlanStage::Recording
+                if plans_at_step(n - pc.record_from.min(n), self.settings.auto_iterations) =>
+            {
                 let share_streams = self.settings.share_streams;
+                let link_gbps = pc.link_gbps;
                 let mut jobs = Vec::new();
                 for slot in self.slots()? {
                     let Some(e) = slot.default.get() else {
@@ -310,7 +356,7 @@ impl Core {
                             // The greedy stage alone (auto_plan_options), the settings
                             // the engine replay's auto mode plans with too.
                             let opts = auto_plan_options(share_streams);
-                            plan_in_background(&trace, &opts, budget, has_packs)
+                            plan_in_background(&trace, &opts, budget, has_packs, link_gbps)
                         })
                         .map_err(|e| {
                             BridgeError::Settings(format!("cannot start the planner: {e}"))
@@ -328,7 +374,7 @@ impl Core {
                 pc.jobs = jobs;
             }
             PlanStage::Planning if pc.jobs.iter().all(|j| j.handle.is_finished()) => {
-                let mut serving = Vec::new();
+                let mut plans = Vec::new();
                 let mut errors = Vec::new();
                 for job in std::mem::take(&mut pc.jobs) {
                     let d = job.device;
@@ -354,31 +400,103 @@ impl Core {
                     {
                         lock(&self.notes).push(err.to_string());
                     }
-                    let Some(e) = self.slot(d)?.default.get() else {
-                        continue;
-                    };
-                    // The engine serves the plan's steady iteration from here on (the
-                    // prologue already ran online; the persistent tensors' room is squeezed
-                    // out of the pool) and releases the online cache first, so the pool
-                    // replaces it instead of adding to it. step() marked the iteration.
-                    match e.switch_to_plan(&plan, self.plan_options()) {
-                        Ok(()) => {
-                            *lock(&self.slot(d)?.offload) = plan.offload.clone();
-                            serving.push(d);
-                            pc.settle.push(d);
-                        }
-                        Err(err) => errors.push(format!("cuda:{d}: {err}")),
-                    }
+                    plans.push((d, plan));
                 }
-                if serving.is_empty() {
-                    pc.stage = PlanStage::Fallback(errors.join("; "));
-                } else {
+                if pc.gate && !plans.is_empty() {
                     lock(&self.notes).extend(errors);
-                    pc.stage = PlanStage::Serving(serving);
+                    pc.held = plans;
+                    pc.stage = PlanStage::Held;
+                } else {
+                    self.switch_to_plans(&mut pc, plans, errors)?;
                 }
             }
             _ => {}
         }
+        Ok(())
+    }
+
+    /// Auto mode's switch, at an iteration boundary: each device's default engine
+    /// serves its plan from here on; serving stays online (a fallback) where none could.
+    fn switch_to_plans(
+        &self,
+        pc: &mut PlanControl,
+        plans: Vec<(i32, Plan)>,
+        mut errors: Vec<String>,
+    ) -> Result<()> {
+        let mut serving = Vec::new();
+        for (d, plan) in plans {
+            let Some(e) = self.slot(d)?.default.get() else {
+                continue;
+            };
+            // The engine serves the plan's steady iteration from here on (the prologue
+            // already ran online; the persistent tensors' room is squeezed out of the
+            // pool) and releases the online cache first, so the pool replaces it instead
+            // of adding to it. step() marked the iteration.
+            match e.switch_to_plan(&plan, self.plan_options()) {
+                Ok(()) => {
+                    *lock(&self.slot(d)?.offload) = plan.offload.clone();
+                    serving.push(d);
+                    pc.settle.push(d);
+                }
+                Err(err) => errors.push(format!("cuda:{d}: {err}")),
+            }
+        }
+        if serving.is_empty() {
+            pc.stage = PlanStage::Fallback(errors.join("; "));
+        } else {
+            lock(&self.notes).extend(errors);
+            pc.stage = PlanStage::Serving(serving);
+        }
+        Ok(())
+    }
+
+    /// Auto mode: with the gate on, a finished plan is held ([`PlanStage::Held`], mode
+    /// "auto (plan held)", its offload outcome in `info_json`) instead of served, until
+    /// [`Core::release_held_plan`]. For a caller that may change the model first (the
+    /// offloader recomputing blocks when the plan predicts copy waits).
+    pub fn set_plan_gate(&self, on: bool) {
+        lock(&self.plan).gate = on;
+    }
+
+    /// Auto mode under a budget: time the next plans' offload schedules with this link
+    /// speed (GB/s per direction, measured by the caller) instead of the default. Not
+    /// finite or not positive: an error.
+    pub fn set_offload_link(&self, gbps: f64) -> Result<()> {
+        if !(gbps.is_finite() && gbps > 0.0) {
+            return Err(BridgeError::Settings(format!(
+                "the offload link speed must be a positive number of GB/s, got {gbps}"
+            )));
+        }
+        lock(&self.plan).link_gbps = Some(gbps);
+        Ok(())
+    }
+
+    /// The held plans ([`Core::set_plan_gate`]): `accept` serves them now (call it at an
+    /// iteration boundary, right after `step`, as auto's own switch happens); else they
+    /// are dropped and auto mode records again from here, planning `auto_iterations`
+    /// iterations later (the live blocks become the new trace's preexisting
+    /// allocations). An error when no plan is held.
+    pub fn release_held_plan(&self, accept: bool) -> Result<()> {
+        let mut pc = lock(&self.plan);
+        if pc.stage != PlanStage::Held {
+            return Err(BridgeError::Settings(format!(
+                "no plan is held (auto mode with the plan gate on holds one once planned; now: {:?})",
+                pc.stage
+            )));
+        }
+        let plans = std::mem::take(&mut pc.held);
+        if accept {
+            return self.switch_to_plans(&mut pc, plans, Vec::new());
+        }
+        drop(plans);
+        for slot in self.slots()? {
+            if let Some(e) = slot.default.get() {
+                *lock(&slot.offload_outcome) = None;
+                e.start_trace()?;
+            }
+        }
+        pc.record_from = pc.last_step;
+        pc.stage = PlanStage::Recording;
         Ok(())
     }
 
