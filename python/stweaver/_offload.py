@@ -515,6 +515,12 @@ class Offloader:
         self._it = self._zero()
         self.iterations = 0
         self.last_iteration: Optional[dict] = None
+        # Counted pack bytes since construction (what recompute_blocks(model, "auto")
+        # measures per block), and callables run at each boundary before the plan is read,
+        # with the offloader (its AutoRecompute's).
+        self.packed_bytes = 0
+        self.boundary_hooks: List[Callable[["Offloader"], None]] = []
+        self.auto_recompute = None
         self._copy_ms = {"d2h": 0.0, "h2d": 0.0}
         self._copy_bytes_timed = {"d2h": 0, "h2d": 0}
         self._reset_ordinals()
@@ -586,7 +592,7 @@ class Offloader:
             m = str(self.ext.mode())
         except Exception:  # an extension without mode(): no auto stage to wait for
             return False
-        return m.startswith("auto (recording") or m.startswith("auto (planning")
+        return m.startswith("auto (recording") or m.startswith("auto (planning") or m.startswith("auto (plan held")
 
     def _may_record(self) -> bool:
         """Whether stweaver may record saved-tensor markers from now on: not once its mode
@@ -689,6 +695,7 @@ class Offloader:
                 return t
             k = self.k
             self.k = k + 1
+            self.packed_bytes += nbytes
             rid = self._mark(t, True, True) if self._rec is not None else None
             if self._zombies or self._pending:
                 self._reap()
@@ -932,6 +939,11 @@ class Offloader:
                 self.last_iteration = it
             self._it = self._zero()
             self._reset_ordinals()
+            for hook in list(self.boundary_hooks):
+                try:
+                    hook(self)
+                except Exception as e:  # report; never stop training
+                    warnings.warn(f"stweaver offload: a boundary hook failed: {e!r}", RuntimeWarning)
             if self.mode == "plan":
                 self._read_plan()
                 self._before_plan = self._runtime_before_plan()
@@ -942,6 +954,13 @@ class Offloader:
                     f"were not unpacked before its end (kept in host memory until they are or "
                     f"their graph is freed)", RuntimeWarning, stacklevel=2)
             return it if busy else None
+
+    def link_rates(self) -> Tuple[Optional[float], Optional[float]]:
+        """The copies' achieved GB/s so far, (device to host, host to device); None for a
+        direction not timed yet."""
+        with self._lock:
+            return (_rate(self._copy_bytes_timed["d2h"], self._copy_ms["d2h"]),
+                    _rate(self._copy_bytes_timed["h2d"], self._copy_ms["h2d"]))
 
     def _read_timings(self) -> None:
         """Adds the time of the copies finished so far. A copy's start event is recorded on its
@@ -986,6 +1005,8 @@ class Offloader:
                 last_iteration=dict(self.last_iteration) if self.last_iteration else None,
                 current_iteration=dict(self._it),
             )
+            if self.auto_recompute is not None:
+                out["auto_recompute"] = self.auto_recompute.stats()
             return out
 
 

@@ -86,15 +86,25 @@ def recomputed(model) -> List[str]:
     return [n for n, m in model.named_modules() if _ORIG in m.__dict__]
 
 
-def recompute_blocks(model, k: int, *, where: str = "last") -> List[str]:
+def recompute_blocks(model, k, *, where: str = "last") -> List[str]:
     """Recompute k of the model's repeated blocks in backward instead of storing their
     activations (``where``: ``"last"`` or ``"first"`` k in the list's order); k = 0 undoes it.
     Blocks recomputed before and not chosen now store again. Returns the chosen blocks'
-    qualified names."""
+    qualified names.
+
+    ``k="auto"``: under a budget in auto mode, stweaver decides k itself when its plan is
+    ready (recording again with more blocks recomputed while the plan would wait for the
+    host link; ``stweaver._auto_recompute``). Call it right after ``install`` and before
+    training; returns the blocks recomputed now (none yet)."""
     import functools
 
     import torch.utils.checkpoint as cp
 
+    if k == "auto":
+        from . import _auto_recompute
+
+        _auto_recompute.start(model, where=where)
+        return recomputed(model)
     if where not in ("last", "first"):
         raise RecomputeError(f"where must be 'last' or 'first', not {where!r}")
     list_name, blocks = find_blocks(model)

@@ -1,0 +1,244 @@
+"""Auto mode under a budget picks how many blocks to recompute by itself (issue #16).
+
+    import stweaver
+    stweaver.install(budget="0.8")             # auto mode, offload on (STWEAVER_OFFLOAD)
+    model = build_model().cuda()
+    stweaver.recompute_blocks(model, "auto")   # after install, before training
+    ...                                        # train; stweaver.offload_stats()["auto_recompute"]
+
+Why
+===
+Offload alone is bound by the host link: what must be off the device at the peak crosses it
+during forward, and when forward is too short for those bytes, compute waits for the copies
+(Llama 1B at 0.8 x its peak on an H100: 1.28x the unlimited step with offload alone, 1.09x
+with the last 4 of its 16 blocks recomputed; BENCHMARKS.md, session 11). The right number of
+recomputed blocks depends on the model, the batch, the budget and the link; the benchmark
+found it by recording and planning each candidate in a separate process. Here the run finds
+it itself, from the plan auto mode makes anyway.
+
+Algorithm
+=========
+1. Auto mode records (the offloader offloads by threshold meanwhile, to fit the budget) and
+   plans in the background. With the *plan gate* on (``ext.set_plan_gate(True)``), the
+   finished plan is held (mode ``auto (plan held)``) instead of served; the offloader keeps
+   offloading by threshold.
+2. At the boundary where the plan is held, its offload outcome (``info_json``) gives the
+   planned waits per iteration, ``w = copy_out_wait_us + stall_us``, timed with the link
+   speed the offloader measured while recording (``ext.set_offload_link``, 90 % of the
+   slower direction, as the benchmark plans). If ``w`` is at most ``wait_share`` (2 %) of the
+   median recorded iteration (host wall time between boundaries), the plan is served
+   (``release_held_plan(True)``), as auto mode would have.
+3. Else more blocks are recomputed: each block's saved bytes are measured in forward (the
+   offloader's counted pack bytes between the block's forward pre-hook and forward hook; the
+   median over blocks not recomputed), and the bytes the link could not move in time are
+   ``w x link``; ``k += ceil(w x link / block bytes)`` (a refused plan, no offload within
+   the budget: ``k += ceil(N / 8)``), at most N. The model's blocks are recomputed
+   (:func:`stweaver.recompute_blocks`, ``where`` as given), the held plan is dropped and
+   auto mode records again from this boundary (``release_held_plan(False)``): the recording
+   is of the model as it will run.
+4. After ``max_rounds`` re-recordings (default 2), or when k cannot grow, the held plan is
+   served whatever it waits.
+
+Each decision is printed to stderr (one line) and kept in :meth:`AutoRecompute.stats`.
+Cost: two module hooks per block per forward and one ``info_json`` read at the boundary
+where a plan is held; nothing per saved tensor beyond the offloader's byte count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from typing import List, Optional
+
+# The benchmark's rule (budget_bench.sweep_done): a plan waiting at most this share of the
+# step is as good as recomputing more.
+WAIT_SHARE = 0.02
+MAX_ROUNDS = 2
+# The planner's link, from the measured rate: 90 % of the slower direction (the benchmark's
+# planning_link_gbps).
+LINK_SHARE = 0.9
+
+
+class AutoRecomputeError(RuntimeError):
+    """recompute_blocks(model, "auto") without auto mode, a budget and the offloader."""
+
+
+class AutoRecompute:
+    """The decision loop of the module doc, driven by the offloader's boundaries."""
+
+    def __init__(self, model, offloader, ext, *, where: str = "last", max_rounds: int = MAX_ROUNDS,
+                 wait_share: float = WAIT_SHARE, log=None):
+        from ._recompute import RecomputeError, find_blocks, recomputed
+
+        if where not in ("last", "first"):
+            raise RecomputeError(f"where must be 'last' or 'first', not {where!r}")
+        self.model = model
+        self.off = offloader
+        self.ext = ext
+        self.where = where
+        self.max_rounds = max_rounds
+        self.wait_share = wait_share
+        self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.list_name, self.blocks = find_blocks(model)
+        self.n = len(self.blocks)
+        self.k = len([b for b in recomputed(model)])
+        self.rounds = 0
+        self.decisions: List[dict] = []
+        self.done = False
+        self._iter_ms: List[float] = []
+        self._t = time.perf_counter()
+        self._start: dict = {}
+        self._block_bytes: dict = {}  # block index -> counted pack bytes in forward, this iteration
+        self._per_block: List[float] = []  # medians of recent iterations
+        self._handles = []
+        for i, b in enumerate(self.blocks):
+            self._handles.append(b.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(b.register_forward_hook(self._post(i)))
+        ext.set_plan_gate(True)
+        offloader.boundary_hooks.append(self.boundary)
+
+    # -- forward hooks: a block's counted pack bytes (forward only: no unpack yet)
+    def _pre(self, i: int):
+        def hook(module, args):
+            if self.off.j == 0:
+                self._start[i] = self.off.packed_bytes
+        return hook
+
+    def _post(self, i: int):
+        def hook(module, args, out):
+            s = self._start.pop(i, None)
+            if s is not None and self.off.j == 0:
+                self._block_bytes[i] = self._block_bytes.get(i, 0) + self.off.packed_bytes - s
+        return hook
+
+    def remove(self) -> None:
+        """Removes the block hooks and the gate (a held plan stays held: release it)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.boundary in self.off.boundary_hooks:
+            self.off.boundary_hooks.remove(self.boundary)
+
+    # -- the boundary
+    def boundary(self, off) -> None:
+        """Called by the offloader at each iteration boundary (before it reads the plan)."""
+        now = time.perf_counter()
+        self._iter_ms.append((now - self._t) * 1e3)
+        self._t = now
+        recomputed_now = set(range(self.n - self.k, self.n)) if self.where == "last" else set(range(self.k))
+        stored = [v for i, v in self._block_bytes.items() if i not in recomputed_now and v > 0]
+        if stored:
+            self._per_block.append(statistics.median(stored))
+        self._block_bytes = {}
+        if self.done:
+            return
+        mode = str(self.ext.mode())
+        if mode == "auto (recording)":
+            self._set_link(off)
+            return
+        if mode != "auto (plan held)":
+            if not mode.startswith("auto (planning"):
+                self.done = True  # served, refused, or given up: nothing left to decide
+            return
+        self._decide()
+
+    def _set_link(self, off) -> None:
+        st = off.link_rates()
+        rates = [r for r in st if r]
+        if rates:
+            try:
+                self.ext.set_offload_link(LINK_SHARE * min(rates))
+            except Exception as e:  # never stop training for a timing hint
+                self.log(f"stweaver: auto recompute: cannot set the link speed: {e}")
+
+    def _outcome(self) -> Optional[dict]:
+        try:
+            info = json.loads(self.ext.info_json())
+        except Exception:
+            return None
+        for d in info.get("devices") or []:
+            if d.get("offload") is not None:
+                return d["offload"]
+        return None
+
+    def _decide(self) -> None:
+        o = self._outcome() or {}
+        planned = bool(o.get("planned"))
+        wait_ms = (o.get("copy_out_wait_us", 0.0) + o.get("stall_us", 0.0)) / 1e3 if planned else None
+        # The recorded iterations since the last (re)start, the first of them aside (its
+        # prologue pins host memory).
+        recent = self._iter_ms[-4:] if len(self._iter_ms) > 4 else self._iter_ms[1:] or self._iter_ms
+        iter_ms = statistics.median(recent) if recent else 0.0
+        block = statistics.median(self._per_block[-4:]) if self._per_block else 0.0
+        link = o.get("link_gbps") or 0.0
+        d = {"round": self.rounds, "k": self.k, "planned": planned, "wait_ms": wait_ms,
+             "iteration_ms": iter_ms, "block_bytes": block, "link_gbps": link,
+             "bytes_per_iteration": o.get("bytes_per_iteration"), "reason": o.get("reason")}
+        k_new = self.k
+        if planned and wait_ms <= self.wait_share * iter_ms:
+            why = f"plans {wait_ms:.1f} ms of copy waits per {iter_ms:.0f} ms iteration"
+        elif self.rounds >= self.max_rounds:
+            why = f"{self.rounds} re-recordings made; serving the plan as it is"
+        else:
+            if planned and block > 0 and link > 0:
+                k_add = math.ceil(wait_ms * 1e-3 * link * 1e9 / block)
+            else:
+                k_add = math.ceil(self.n / 8)
+            k_new = min(self.n, self.k + max(1, k_add))
+            why = ""
+        if k_new == self.k:
+            d["action"] = "serve"
+            self.decisions.append(d)
+            self.done = True
+            self.log(f"stweaver: auto recompute: {self.k} of {self.n} blocks recomputed, serving the plan "
+                     f"({why or 'no more blocks to recompute'})")
+            self.ext.release_held_plan(True)
+            return
+        from ._recompute import recompute_blocks
+
+        recompute_blocks(self.model, k_new, where=self.where)
+        d["action"] = "recompute"
+        d["k_new"] = k_new
+        self.decisions.append(d)
+        self.log(f"stweaver: auto recompute: the plan under the budget "
+                 f"{'waits %.1f ms per iteration for copies' % wait_ms if planned else 'offloads nothing (' + str(o.get('reason')) + ')'}; "
+                 f"recomputing the {self.where} {k_new} of {self.n} blocks and recording again")
+        self.k = k_new
+        self.rounds += 1
+        self._iter_ms = []
+        self._per_block = []
+        self.ext.release_held_plan(False)
+
+    def stats(self) -> dict:
+        return {"blocks": self.n, "recomputed": self.k, "where": self.where, "rounds": self.rounds,
+                "done": self.done, "decisions": list(self.decisions)}
+
+
+def start(model, *, where: str = "last", max_rounds: int = MAX_ROUNDS) -> AutoRecompute:
+    """``recompute_blocks(model, "auto")``: the offloader stweaver started under a budget in
+    auto mode decides, at the boundary where auto mode's plan is ready, how many of the
+    model's blocks to recompute (module doc)."""
+    import stweaver
+
+    from . import _offload
+
+    off = _offload.current()
+    mode = stweaver.mode() if stweaver.is_installed() else None
+    if off is None or mode is None or not str(mode).startswith("auto") or off.ext is None:
+        raise AutoRecomputeError(
+            "recompute_blocks(model, 'auto') needs stweaver installed in auto mode under a budget "
+            "(stweaver.install(budget=...), or STWEAVER_BUDGET with python -m stweaver run) with "
+            f"offload on (STWEAVER_OFFLOAD not 0); now: mode {mode!r}, offloader "
+            f"{'on' if off is not None else 'off'}")
+    if not (str(mode).startswith("auto (recording") or str(mode).startswith("auto (planning")):
+        raise AutoRecomputeError(
+            f"recompute_blocks(model, 'auto') must be called before auto mode serves its plan "
+            f"(right after install, before training); now: {mode!r}")
+    if off.auto_recompute is not None:
+        off.auto_recompute.remove()
+    ar = AutoRecompute(model, off, off.ext, where=where, max_rounds=max_rounds)
+    off.auto_recompute = ar
+    return ar

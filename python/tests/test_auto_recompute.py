@@ -1,0 +1,170 @@
+"""recompute_blocks(model, "auto") without a GPU: the decision loop of
+stweaver._auto_recompute over the real Offloader (fake streams, CPU tensors) and a fake
+extension that plays auto mode's plan gate: per-block bytes measured in forward, the held
+plan served when it waits little, more blocks recomputed and a new recording asked for when
+it waits, the number of blocks from the planned wait and the link, the rounds bounded, and
+clear errors outside auto mode."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+torch = pytest.importorskip("torch")
+
+from stweaver import _auto_recompute as ar_mod  # noqa: E402
+from stweaver._recompute import recompute_blocks, recomputed  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_offload import FakeExt, offloader  # noqa: E402
+from test_recompute import Net, step  # noqa: E402
+
+
+class GateExt(FakeExt):
+    """FakeExt with auto mode's stage, the plan gate and a held plan's outcome."""
+
+    def __init__(self):
+        super().__init__(recording=True, schedule=[])
+        self.stage = "auto (recording)"
+        self.gate = None
+        self.link = None
+        self.outcome = None
+        self.releases = []
+
+    def mode(self):
+        return self.stage
+
+    def set_plan_gate(self, on):
+        self.gate = on
+
+    def set_offload_link(self, gbps):
+        self.link = gbps
+
+    def info_json(self):
+        return json.dumps({"devices": [{"device": 0, "offload": self.outcome}]})
+
+    def release_held_plan(self, accept):
+        assert self.stage == "auto (plan held)"
+        self.releases.append(accept)
+        self.stage = "auto (plan)" if accept else "auto (recording)"
+
+
+def setup(depth=8, **kw):
+    ext = GateExt()
+    off, _ = offloader(schedule="plan", ext=ext, first_min_bytes=1 << 30)
+    torch.manual_seed(0)
+    model = Net(width=32, depth=depth, p=0.0)
+    logs = []
+    ar = ar_mod.AutoRecompute(model, off, ext, log=logs.append, **kw)
+    off.auto_recompute = ar
+    return ext, off, model, ar, logs
+
+
+def iteration(model, off, x):
+    step(model, x, hooks=off)
+    off.iteration_end()
+
+
+def test_a_plan_that_waits_little_is_served_with_nothing_recomputed():
+    ext, off, model, ar, logs = setup()
+    assert ext.gate is True, "the gate is on from the start"
+    x = torch.randn(16, 32)
+    for _ in range(3):
+        iteration(model, off, x)
+    assert ar._per_block and ar._per_block[-1] > 0, "each block's saved bytes measured in forward"
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 0.0, "stall_us": 0.0, "link_gbps": 20.0,
+                   "bytes_per_iteration": 1000}
+    iteration(model, off, x)
+    assert ext.releases == [True] and ext.stage == "auto (plan)"
+    assert recomputed(model) == [] and ar.done
+    assert off.stats()["auto_recompute"]["decisions"][0]["action"] == "serve"
+    assert "serving the plan" in logs[-1]
+
+
+def test_a_plan_that_waits_recomputes_blocks_for_the_bytes_the_link_missed_and_records_again():
+    ext, off, model, ar, logs = setup()
+    x = torch.randn(16, 32)
+    for _ in range(2):
+        iteration(model, off, x)
+    block = ar._per_block[-1]
+    # The link missed 2.5 blocks' bytes: 3 more blocks recomputed.
+    link = 10.0
+    wait_us = 2.5 * block / (link * 1e9) * 1e6
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": wait_us, "stall_us": 0.0, "link_gbps": link}
+    ar.wait_share = 0.0  # any wait is too much here (the CPU's iterations are short)
+    iteration(model, off, x)
+    assert ext.releases == [False] and ext.stage == "auto (recording)"
+    assert recomputed(model) == [f"layers.{i}" for i in range(5, 8)]
+    d = off.stats()["auto_recompute"]["decisions"][0]
+    assert d["action"] == "recompute" and d["k"] == 0 and d["k_new"] == 3
+    assert "recomputing the last 3 of 8 blocks" in logs[-1]
+    # The next recording measures only the blocks still stored; a plan without waits is served.
+    for _ in range(2):
+        iteration(model, off, x)
+    assert ar._per_block and abs(ar._per_block[-1] - block) <= 0.01 * block
+    ext.stage = "auto (plan held)"
+    ext.outcome = dict(ext.outcome, copy_out_wait_us=0.0)
+    iteration(model, off, x)
+    assert ext.releases == [False, True] and len(recomputed(model)) == 3
+    # Once served, nothing more is decided.
+    iteration(model, off, x)
+    assert len(off.stats()["auto_recompute"]["decisions"]) == 2
+
+
+def test_rounds_are_bounded_and_a_refused_plan_recomputes_an_eighth():
+    ext, off, model, ar, logs = setup(depth=16, max_rounds=2, where="first")
+    ar.wait_share = 0.0
+    x = torch.randn(16, 32)
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": False, "reason": "the budget is below the minimum"}
+    iteration(model, off, x)
+    assert recomputed(model) == ["layers.0", "layers.1"], "a refusal: ceil(16 / 8) more blocks"
+    for expected in (4, 4):  # a second refusal grows it once more, then the rounds are spent
+        ext.stage = "auto (plan held)"
+        iteration(model, off, x)
+        assert len(recomputed(model)) == expected
+    assert ext.releases == [False, False, True]
+    assert "2 re-recordings made" in logs[-1]
+
+
+def test_the_link_the_recording_measured_is_given_to_the_planner():
+    ext, off, model, ar, logs = setup()
+    off.link_rates = lambda: (30.0, 20.0)
+    iteration(model, off, torch.randn(4, 32))
+    assert ext.link == pytest.approx(0.9 * 20.0)
+
+
+def test_a_wait_with_every_block_recomputed_serves_the_plan():
+    ext, off, model, ar, logs = setup(depth=4)
+    recompute_blocks(model, 4)
+    ar.k = 4
+    ar.wait_share = 0.0
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 5e3, "stall_us": 0.0, "link_gbps": 10.0}
+    iteration(model, off, torch.randn(4, 32))
+    assert ext.releases == [True] and "no more blocks" in logs[-1]
+
+
+def test_auto_outside_auto_mode_is_a_clear_error():
+    torch.manual_seed(0)
+    with pytest.raises(ar_mod.AutoRecomputeError, match="auto mode under a budget"):
+        recompute_blocks(Net(), "auto")
+
+
+def test_the_offloader_keeps_offloading_by_threshold_while_a_plan_is_held():
+    ext, off, model, ar, logs = setup()
+    off.first_min_bytes = 1
+    x = torch.randn(16, 32)
+    iteration(model, off, x)
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 1e6, "stall_us": 0.0, "link_gbps": 10.0}
+    ar.done = True  # no decision: the plan stays held
+    iteration(model, off, x)
+    assert off._runtime_before_plan(), "held counts as before the plan"
+    step(model, x, hooks=off)
+    assert off.iteration_end()["tensors_out"] > 0
