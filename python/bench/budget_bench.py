@@ -38,6 +38,10 @@ random token ids, deterministic algorithms (as gpu_bench).
      waits <= 2 % of the unlimited step or three larger k's did no better;
      ``--hybrid-k 6`` (or ``3,6``) tries only those k's (no plain trace when 0 is not
      among them): a choice an earlier sweep made, re-measured;
+   - ``stweaver_auto``: the user's way with no offline step: ``stweaver.install("auto",
+     budget=...)`` (its own offloader) and ``stweaver.recompute_blocks(model, "auto")``: auto
+     mode records, plans, holds the plan and recomputes more blocks and records again while
+     the plan would wait for the link (``stweaver._auto_recompute``); measured after the switch;
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
@@ -102,7 +106,8 @@ WORKLOADS = [
 # Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
 PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
-ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_offload",
+ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_plan_at_pack", "stweaver_plan_devtime",
+        "stweaver_offload",
         "save_on_cpu", "recompute", "native", "expandable", "unlimited_aa")
 
 
@@ -251,6 +256,15 @@ def run_row(spec: dict) -> dict:
             stweaver.install("plan", plan=spec["plan"], budget=str(spec["budget"]),
                              trace=spec.get("served_trace"))
         st = stweaver
+    if row == "stweaver_auto" and not dry:
+        import stweaver
+
+        # The user's way, all in the run: auto mode under the budget with install()'s own
+        # offloader (threshold while recording, then the plan's schedule), and
+        # recompute_blocks(model, "auto") below (more blocks recomputed and recorded again
+        # while the held plan would wait for the link).
+        stweaver.install("auto", budget=str(spec["budget"]), hook_optimizer=True)
+        st = stweaver
     if row == "stweaver_offload" and not dry:
         import stweaver
 
@@ -284,6 +298,10 @@ def run_row(spec: dict) -> dict:
 
         res["recompute_where"] = spec.get("recompute_where", "last")
         res["recomputed"] = recompute_blocks(model, spec["recompute"], where=res["recompute_where"])
+    if row == "stweaver_auto" and st is not None:
+        from stweaver._recompute import recompute_blocks
+
+        recompute_blocks(model, "auto")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1234)
@@ -310,6 +328,10 @@ def run_row(spec: dict) -> dict:
 
     n_total = spec["iters"] + spec["warmup"]
     max_n = n_total + (spec["extra_auto"] if row == "stweaver_offload" and st is not None else 0)
+    if row == "stweaver_auto" and st is not None:
+        from stweaver._auto_recompute import MAX_ROUNDS
+
+        max_n = n_total + spec["extra_auto"] * (1 + MAX_ROUNDS)  # a recording per round
     losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
     phases: List[dict] = []
     offload_iters: List[dict] = []
@@ -359,6 +381,17 @@ def run_row(spec: dict) -> dict:
                 o = st.offload_stats()
                 offload_modes.append(o.get("mode"))
                 modes.append(st.mode())
+            elif st is not None and row == "stweaver_auto":
+                m = st.mode()
+                modes.append(m)
+                last = st.offload_stats().get("last_iteration") or {}
+                offload_iters.append(last)
+                moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
+                offload_modes.append(st.offload_stats().get("mode"))
+                if switched_at is None and m == "auto (plan)":
+                    switched_at = i
+                    measured_from = max(measured_from, i + 2)
+                    max_n = min(max_n, measured_from + spec["iters"])
             elif st is not None and row == "stweaver_offload":
                 m = st.mode()
                 modes.append(m)
@@ -393,7 +426,12 @@ def run_row(spec: dict) -> dict:
     res["modes"] = modes
     res["switched_at"] = switched_at
     res["offload_modes"] = offload_modes
-    if st is not None and row in PLAN_ROWS:
+    if row == "stweaver_auto" and st is not None:
+        from stweaver._recompute import recomputed
+
+        res["recomputed"] = recomputed(model)
+        res["recompute_where"] = "last"
+    if st is not None and (row in PLAN_ROWS or row == "stweaver_auto"):
         res["offload"] = st.offload_stats()
         res["offload_iters"] = offload_iters
         res["offload_mode"] = res["offload"].get("mode")
@@ -433,8 +471,10 @@ def row_details(r: dict) -> List[str]:
                    f"({o.get('stall_us')} us) timing {o.get('timing')} "
                    f"error {str(p.get('error'))[:200] if p.get('error') else None}")
     o = r.get("offload") or {}
+    for d in (o.get("auto_recompute") or {}).get("decisions") or []:
+        out.append(f"auto recompute: {json.dumps(d)[:400]}")
     if o:
-        keep = {k: v for k, v in o.items() if k not in ("last_iteration", "current_iteration")}
+        keep = {k: v for k, v in o.items() if k not in ("last_iteration", "current_iteration", "auto_recompute")}
         out.append(f"offload: {json.dumps(keep)[:900]}")
         for it in (r.get("offload_iters") or [])[:5]:
             out.append(f"  iteration: {json.dumps(it)[:400]}")
