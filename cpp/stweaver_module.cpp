@@ -170,14 +170,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "info_json) instead of serving it, until release_held_plan.");
 
   m.def(
-      "set_offload_link",
-      [](double gbps) {
-        auto& a = need_installed("set_offload_link");
-        call("set_offload_link", [&] { a.runtime().set_offload_link(gbps); });
+      "set_offload_timing",
+      [](double link_gbps, double iteration_us) {
+        auto& a = need_installed("set_offload_timing");
+        call("set_offload_timing", [&] { a.runtime().set_offload_timing(link_gbps, iteration_us); });
       },
-      py::arg("gbps"),
+      py::arg("link_gbps"),
+      py::arg("iteration_us") = 0.0,
       "Auto mode under a budget: time the next plans' offload schedules with this link "
-      "speed (GB/s per direction) instead of the default.");
+      "speed (GB/s per direction) and device time per iteration (us) instead of the "
+      "defaults (0: unchanged).");
 
   m.def(
       "release_held_plan",

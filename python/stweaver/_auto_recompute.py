@@ -22,10 +22,18 @@ Algorithm
    plans in the background. With the *plan gate* on (``ext.set_plan_gate(True)``), the
    finished plan is held (mode ``auto (plan held)``) instead of served; the offloader keeps
    offloading by threshold.
-2. At the boundary where the plan is held, its offload outcome (``info_json``) gives the
-   planned waits per iteration, ``w = copy_out_wait_us + stall_us``, timed with the link
-   speed the offloader measured while recording (``ext.set_offload_link``, 90 % of the
-   slower direction, as the benchmark plans). If ``w`` is at most ``wait_share`` (2 %) of the
+2. While recording, the schedule's clock is measured and given to the planner
+   (``ext.set_offload_timing``): the link, 90 % of the slower direction of the offloader's
+   timed copies (as the benchmark plans), and the device time of an iteration, 3 x (a
+   third of an iteration is forward, the planner's default share) N x the median device
+   time of one block's forward (CUDA events on the current stream at each block's forward
+   pre-hook and forward hook, read only once they have passed; the smallest of the
+   recorded iterations). Without it the planner would time the schedule by the recording's
+   host clock, which the recording's threshold offload stretches several times (GPT-2 XL at
+   0.8 x LB: 1.35 s recorded iterations for a 0.18 s step, a plan "without waits" that ran
+   at 1.96x; BENCHMARKS.md, session 12); a block's compute is what its copies race.
+   At the boundary where the plan is held, its offload outcome (``info_json``) gives the
+   planned waits per iteration, ``w = copy_out_wait_us + stall_us``. If ``w`` is at most ``wait_share`` (2 %) of the
    median recorded iteration (host wall time between boundaries), the plan is served
    (``release_held_plan(True)``), as auto mode would have.
 3. Else more blocks are recomputed: each block's saved bytes are measured in forward (the
@@ -60,6 +68,9 @@ MAX_ROUNDS = 2
 # The planner's link, from the measured rate: 90 % of the slower direction (the benchmark's
 # planning_link_gbps).
 LINK_SHARE = 0.9
+# Forward's share of an iteration's device time, as the planner assumes
+# (stweaver_planner::offload::DEFAULT_FORWARD_SHARE).
+FORWARD_SHARE = 1.0 / 3.0
 
 
 class AutoRecomputeError(RuntimeError):
@@ -70,7 +81,7 @@ class AutoRecompute:
     """The decision loop of the module doc, driven by the offloader's boundaries."""
 
     def __init__(self, model, offloader, ext, *, where: str = "last", max_rounds: int = MAX_ROUNDS,
-                 wait_share: float = WAIT_SHARE, log=None):
+                 wait_share: float = WAIT_SHARE, log=None, event=None):
         from ._recompute import RecomputeError, find_blocks, recomputed
 
         if where not in ("last", "first"):
@@ -93,6 +104,16 @@ class AutoRecompute:
         self._start: dict = {}
         self._block_bytes: dict = {}  # block index -> counted pack bytes in forward, this iteration
         self._per_block: List[float] = []  # medians of recent iterations
+        # Device timing of each block's forward: ``event()`` makes a recorded-on-demand event
+        # (``record()``, ``query()``, ``elapsed_time(later)``, as torch.cuda.Event); default:
+        # CUDA events when the model is on a GPU, else no timing.
+        if event is None:
+            event = _cuda_event_factory(model)
+        self._event = event
+        self._ev_start: dict = {}
+        self._ev_iter: List[tuple] = []  # (block, start, end) of this iteration's forward
+        self._ev_pending: List[List[tuple]] = []  # earlier iterations' events not read yet
+        self._block_ms: List[float] = []  # per recorded iteration: median block forward ms
         self._handles = []
         for i, b in enumerate(self.blocks):
             self._handles.append(b.register_forward_pre_hook(self._pre(i)))
@@ -105,6 +126,10 @@ class AutoRecompute:
         def hook(module, args):
             if self.off.j == 0:
                 self._start[i] = self.off.packed_bytes
+                if self._event is not None and not self.done:
+                    e = self._event()
+                    e.record()
+                    self._ev_start[i] = e
         return hook
 
     def _post(self, i: int):
@@ -112,6 +137,11 @@ class AutoRecompute:
             s = self._start.pop(i, None)
             if s is not None and self.off.j == 0:
                 self._block_bytes[i] = self._block_bytes.get(i, 0) + self.off.packed_bytes - s
+                e0 = self._ev_start.pop(i, None)
+                if e0 is not None:
+                    e1 = self._event()
+                    e1.record()
+                    self._ev_iter.append((i, e0, e1))
         return hook
 
     def remove(self) -> None:
@@ -133,6 +163,7 @@ class AutoRecompute:
         if stored:
             self._per_block.append(statistics.median(stored))
         self._block_bytes = {}
+        self._read_block_times()
         if self.done:
             return
         mode = str(self.ext.mode())
@@ -145,14 +176,40 @@ class AutoRecompute:
             return
         self._decide()
 
+    def _read_block_times(self) -> None:
+        """Moves this iteration's block events to the pending list and reads those that have
+        passed (never waits): one median block forward time per iteration."""
+        if self._ev_iter:
+            self._ev_pending.append(self._ev_iter)
+            self._ev_iter = []
+        self._ev_start = {}
+        keep = []
+        for evs in self._ev_pending:
+            if not all(e1.query() for _, _, e1 in evs):
+                keep.append(evs)
+                continue
+            ms = [e0.elapsed_time(e1) for _, e0, e1 in evs]
+            if ms:
+                self._block_ms.append(statistics.median(ms))
+        self._ev_pending = keep
+
+    def forward_ms(self) -> Optional[float]:
+        """The device time of forward's blocks, N x the median block time of the fastest
+        recorded iteration (the first after a (re)start aside when there are more); None
+        before any was read."""
+        times = self._block_ms[1:] if len(self._block_ms) > 1 else self._block_ms
+        return self.n * min(times) if times else None
+
     def _set_link(self, off) -> None:
-        st = off.link_rates()
-        rates = [r for r in st if r]
-        if rates:
+        rates = [r for r in off.link_rates() if r]
+        link = LINK_SHARE * min(rates) if rates else 0.0
+        fwd = self.forward_ms()
+        iteration_us = fwd * 1e3 / FORWARD_SHARE if fwd else 0.0
+        if link or iteration_us:
             try:
-                self.ext.set_offload_link(LINK_SHARE * min(rates))
+                self.ext.set_offload_timing(link, iteration_us)
             except Exception as e:  # never stop training for a timing hint
-                self.log(f"stweaver: auto recompute: cannot set the link speed: {e}")
+                self.log(f"stweaver: auto recompute: cannot set the offload timing: {e}")
 
     def _outcome(self) -> Optional[dict]:
         try:
@@ -170,12 +227,17 @@ class AutoRecompute:
         wait_ms = (o.get("copy_out_wait_us", 0.0) + o.get("stall_us", 0.0)) / 1e3 if planned else None
         # The recorded iterations since the last (re)start, the first of them aside (its
         # prologue pins host memory).
+        # The iteration's device time as the planner was told it (forward's blocks / its
+        # share), else the recorded iterations' host time (the first after a (re)start
+        # aside: its prologue pins host memory), which the recording's offload stretches.
+        fwd = self.forward_ms()
         recent = self._iter_ms[-4:] if len(self._iter_ms) > 4 else self._iter_ms[1:] or self._iter_ms
-        iter_ms = statistics.median(recent) if recent else 0.0
+        iter_ms = fwd / FORWARD_SHARE if fwd else (statistics.median(recent) if recent else 0.0)
         block = statistics.median(self._per_block[-4:]) if self._per_block else 0.0
         link = o.get("link_gbps") or 0.0
         d = {"round": self.rounds, "k": self.k, "planned": planned, "wait_ms": wait_ms,
-             "iteration_ms": iter_ms, "block_bytes": block, "link_gbps": link,
+             "iteration_ms": iter_ms, "forward_device_ms": self.forward_ms(), "block_bytes": block,
+             "link_gbps": link,
              "bytes_per_iteration": o.get("bytes_per_iteration"), "reason": o.get("reason")}
         k_new = self.k
         if planned and wait_ms <= self.wait_share * iter_ms:
@@ -210,11 +272,22 @@ class AutoRecompute:
         self.rounds += 1
         self._iter_ms = []
         self._per_block = []
+        self._block_ms = []
         self.ext.release_held_plan(False)
 
     def stats(self) -> dict:
         return {"blocks": self.n, "recomputed": self.k, "where": self.where, "rounds": self.rounds,
                 "done": self.done, "decisions": list(self.decisions)}
+
+
+def _cuda_event_factory(model):
+    """torch.cuda.Event with timing when the model's parameters are on a GPU, else None."""
+    import torch
+
+    p = next(iter(model.parameters()), None)
+    if p is None or not p.is_cuda:
+        return None
+    return lambda: torch.cuda.Event(enable_timing=True)
 
 
 def start(model, *, where: str = "last", max_rounds: int = MAX_ROUNDS) -> AutoRecompute:

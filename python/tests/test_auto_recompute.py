@@ -40,8 +40,9 @@ class GateExt(FakeExt):
     def set_plan_gate(self, on):
         self.gate = on
 
-    def set_offload_link(self, gbps):
-        self.link = gbps
+    def set_offload_timing(self, link_gbps, iteration_us):
+        self.link = link_gbps
+        self.iteration_us = iteration_us
 
     def info_json(self):
         return json.dumps({"devices": [{"device": 0, "offload": self.outcome}]})
@@ -132,11 +133,47 @@ def test_rounds_are_bounded_and_a_refused_plan_recomputes_an_eighth():
     assert "2 re-recordings made" in logs[-1]
 
 
-def test_the_link_the_recording_measured_is_given_to_the_planner():
+class FakeEvent:
+    """A device event whose elapsed time is set by the test (ms per block, by block)."""
+
+    clock = {"t": 0.0, "ms": 2.0, "done": True}
+
+    def record(self):
+        FakeEvent.clock["t"] += FakeEvent.clock["ms"] / 2  # pre-hook and hook: half each
+        self.t = FakeEvent.clock["t"]
+
+    def query(self):
+        return FakeEvent.clock["done"]
+
+    def elapsed_time(self, later):
+        return later.t - self.t
+
+
+def test_the_link_and_the_block_times_the_recording_measured_time_the_plan():
     ext, off, model, ar, logs = setup()
     off.link_rates = lambda: (30.0, 20.0)
     iteration(model, off, torch.randn(4, 32))
-    assert ext.link == pytest.approx(0.9 * 20.0)
+    assert ext.link == pytest.approx(0.9 * 20.0) and ext.iteration_us == 0.0, "no device timing on a CPU"
+    FakeEvent.clock.update(ms=2.0, done=False)
+    ext2, off2, model2, ar2, _ = setup(event=FakeEvent)
+    x = torch.randn(4, 32)
+    iteration(model2, off2, x)
+    assert ar2.forward_ms() is None, "events not passed yet: never waited for"
+    FakeEvent.clock.update(done=True)
+    FakeEvent.clock["ms"] = 3.0
+    iteration(model2, off2, x)  # reads both iterations: 1 ms blocks, then 1.5 ms
+    iteration(model2, off2, x)
+    # The first read iteration aside, the fastest: 8 blocks x 1.5 ms, a third of the iteration.
+    assert ar2.forward_ms() == pytest.approx(8 * 1.5)
+    assert ext2.iteration_us == pytest.approx(8 * 1.5e3 * 3)
+    # The decision compares the wait with that device time (2 % of 36 ms: 0.72 ms), not
+    # with the host's iteration (a few ms on this CPU, where 0.5 ms would be too much).
+    ar2.wait_share = 0.02
+    ext2.stage = "auto (plan held)"
+    ext2.outcome = {"planned": True, "copy_out_wait_us": 0.5e3, "stall_us": 0.0, "link_gbps": 18.0}
+    iteration(model2, off2, x)
+    d = off2.stats()["auto_recompute"]["decisions"][0]
+    assert d["iteration_ms"] == pytest.approx(36.0) and d["action"] == "serve", d
 
 
 def test_a_wait_with_every_block_recomputed_serves_the_plan():

@@ -314,7 +314,7 @@ pub mod bridge {
         fn set_plan_gate(self: &Runtime, on: bool) -> Result<()>;
         /// Auto mode under a budget: time the next offload schedules with this link
         /// speed (GB/s per direction).
-        fn set_offload_link(self: &Runtime, gbps: f64) -> Result<()>;
+        fn set_offload_timing(self: &Runtime, link_gbps: f64, iteration_us: f64) -> Result<()>;
         /// The held plan: `accept` serves it now (at an iteration boundary), else auto
         /// mode records again from here.
         fn release_held_plan(self: &Runtime, accept: bool) -> Result<()>;
@@ -609,8 +609,10 @@ impl Runtime {
         })
     }
 
-    pub fn set_offload_link(&self, gbps: f64) -> Result<(), BridgeError> {
-        guard("set_offload_link", || self.core.set_offload_link(gbps))
+    pub fn set_offload_timing(&self, link_gbps: f64, iteration_us: f64) -> Result<(), BridgeError> {
+        guard("set_offload_timing", || {
+            self.core.set_offload_timing(link_gbps, iteration_us)
+        })
     }
 
     pub fn release_held_plan(&self, accept: bool) -> Result<(), BridgeError> {

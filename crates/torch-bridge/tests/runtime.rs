@@ -824,8 +824,11 @@ fn auto_mode_holds_its_plan_behind_the_gate_and_records_again_when_refused() {
         rt.release_held_plan(true).is_err(),
         "nothing held at the start"
     );
-    assert!(rt.set_offload_link(0.0).is_err() && rt.set_offload_link(f64::NAN).is_err());
-    rt.set_offload_link(40.0).unwrap();
+    assert!(rt.set_offload_timing(-1.0, 0.0).is_err());
+    assert!(rt.set_offload_timing(f64::NAN, 0.0).is_err());
+    assert!(rt.set_offload_timing(0.0, f64::INFINITY).is_err());
+    rt.set_offload_timing(40.0, 50_000.0).unwrap();
+    rt.set_offload_timing(0.0, 0.0).unwrap(); // keeps 40 GB/s
     rt.set_plan_gate(true).unwrap();
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
     // Runs iterations until the mode leaves recording and planning; returns the steps.

@@ -131,10 +131,11 @@ pub(super) struct PlanControl {
     record_from: u64,
     /// The last step seen ([`Core::step`]'s count).
     last_step: u64,
-    /// Auto under a budget: the link speed (GB/s per direction) to time the offload
-    /// schedule with, instead of [`stweaver_planner::offload::DEFAULT_LINK_GBPS`]
-    /// ([`Core::set_offload_link`]).
-    link_gbps: Option<f64>,
+    /// Auto mode under a budget: the link speed (GB/s per direction) and the device time
+    /// of an iteration (µs) to time the offload schedule with, instead of
+    /// [`stweaver_planner::offload::DEFAULT_LINK_GBPS`] and the trace's host clock
+    /// ([`Core::set_offload_timing`]).
+    timing: (Option<f64>, Option<f64>),
 }
 
 impl PlanControl {
@@ -151,7 +152,7 @@ impl PlanControl {
             held: Vec::new(),
             record_from: 0,
             last_step: 0,
-            link_gbps: None,
+            timing: (None, None),
         };
         match settings.mode {
             Mode::Auto => control.stage = PlanStage::Recording,
@@ -197,7 +198,7 @@ fn plan_in_background(
     opts: &PlannerOptions,
     budget: Option<u64>,
     has_packs: bool,
-    link_gbps: Option<f64>,
+    (link_gbps, iteration_us): (Option<f64>, Option<f64>),
 ) -> PlanResult {
     let plain = |trace: &Trace| plan_recording(trace, opts);
     let Some(budget) = budget else {
@@ -219,6 +220,9 @@ fn plan_in_background(
     o.plan = opts.clone();
     if let Some(g) = link_gbps {
         o.link_gbps = g;
+    }
+    if iteration_us.is_some() {
+        o.iteration_us = iteration_us;
     }
     match plan_with_budget(trace, &o) {
         Ok(b) => {
@@ -327,7 +331,7 @@ impl Core {
                 if plans_at_step(n - pc.record_from.min(n), self.settings.auto_iterations) =>
             {
                 let share_streams = self.settings.share_streams;
-                let link_gbps = pc.link_gbps;
+                let timing = pc.timing;
                 let mut jobs = Vec::new();
                 for slot in self.slots()? {
                     let Some(e) = slot.default.get() else {
@@ -356,7 +360,7 @@ impl Core {
                             // The greedy stage alone (auto_plan_options), the settings
                             // the engine replay's auto mode plans with too.
                             let opts = auto_plan_options(share_streams);
-                            plan_in_background(&trace, &opts, budget, has_packs, link_gbps)
+                            plan_in_background(&trace, &opts, budget, has_packs, timing)
                         })
                         .map_err(|e| {
                             BridgeError::Settings(format!("cannot start the planner: {e}"))
@@ -459,15 +463,25 @@ impl Core {
     }
 
     /// Auto mode under a budget: time the next plans' offload schedules with this link
-    /// speed (GB/s per direction, measured by the caller) instead of the default. Not
-    /// finite or not positive: an error.
-    pub fn set_offload_link(&self, gbps: f64) -> Result<()> {
-        if !(gbps.is_finite() && gbps > 0.0) {
-            return Err(BridgeError::Settings(format!(
-                "the offload link speed must be a positive number of GB/s, got {gbps}"
-            )));
-        }
-        lock(&self.plan).link_gbps = Some(gbps);
+    /// speed (GB/s per direction) and this device time per iteration (µs; forward is its
+    /// [`stweaver_planner::offload::DEFAULT_FORWARD_SHARE`]), both measured by the
+    /// caller, instead of the default link and the recording's host clock (which its
+    /// threshold offload slows). 0 keeps a value as it is; negative or not finite: an
+    /// error.
+    pub fn set_offload_timing(&self, link_gbps: f64, iteration_us: f64) -> Result<()> {
+        let check = |v: f64, what: &str| {
+            if v.is_finite() && v >= 0.0 {
+                Ok((v > 0.0).then_some(v))
+            } else {
+                Err(BridgeError::Settings(format!(
+                    "the offload {what} must be a positive number (0: unchanged), got {v}"
+                )))
+            }
+        };
+        let g = check(link_gbps, "link speed (GB/s)")?;
+        let t = check(iteration_us, "iteration time (us)")?;
+        let mut pc = lock(&self.plan);
+        pc.timing = (g.or(pc.timing.0), t.or(pc.timing.1));
         Ok(())
     }
 
