@@ -52,6 +52,9 @@ random token ids, deterministic algorithms (as gpu_bench).
    - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around forward;
    - ``recompute``: full activation checkpointing (HF ``gradient_checkpointing_enable``);
    - ``native`` and ``expandable`` (``expandable_segments:True``): no offload (OOM or not);
+   - ``recompute_k``: PyTorch's allocator, no cap, no offload, only the blocks of
+     ``--hybrid-k`` (its first value; ``--hybrid-where``'s first placement) recomputed: what
+     the recomputation of a hybrid row costs by itself;
    - ``unlimited_aa``: the unlimited run again, in its place among the rows (no cap): the
      A/A control, its ratio to the first unlimited run is the spread between two runs of the
      same thing on this machine.
@@ -108,7 +111,7 @@ PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", 
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
 ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_plan_at_pack", "stweaver_plan_devtime",
         "stweaver_offload",
-        "save_on_cpu", "recompute", "native", "expandable", "unlimited_aa")
+        "save_on_cpu", "recompute", "native", "expandable", "unlimited_aa", "recompute_k")
 
 
 def dry_workloads() -> List[dict]:
@@ -701,7 +704,7 @@ def fmt_table(doc: dict) -> str:
             ratio = d.get("step_median_ratio")
             lines.append(
                 f"{'':<14} {r['row']:<17} "
-                f"{('uncapped' if r['row'] == 'unlimited_aa' else '%5.2fxLB' % r['fraction']):>9} {fits:<5} "
+                f"{('uncapped' if r['row'] in ('unlimited_aa', 'recompute_k') else '%5.2fxLB' % r['fraction']):>9} {fits:<5} "
                 f"{(r.get('max_reserved') or 0) / GiB:8.2f}G {_s(r.get('step_median_s')):>9} "
                 f"{(f'{ratio:.3f}' if ratio else '-'):>8} {d.get('moved_bytes_per_iter', 0) / GiB:8.2f}G "
                 f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
@@ -928,6 +931,12 @@ def main(argv=None) -> int:
                     extra = {"auto_trace": os.path.join(tmp, f"{w['name']}_auto_{f}.stwt")}
                 if row == "unlimited_aa":  # the A/A control: the reference, uncapped, again
                     r = spawn(dict(base, row="unlimited", workload=w, fraction=f), tmp, args.timeout_s)
+                    r["row"] = row
+                elif row == "recompute_k":  # the hybrid's recomputation alone, uncapped
+                    if not hybrid_ks:
+                        ap.error("--rows recompute_k needs --hybrid-k")
+                    r = spawn(dict(base, row="unlimited", workload=w, fraction=f, recompute=hybrid_ks[0],
+                                   recompute_where=wheres[0]), tmp, args.timeout_s)
                     r["row"] = row
                 else:
                     r = spawn(dict(base, row=row, workload=w, fraction=f, budget=budget, **extra), tmp,
