@@ -4,6 +4,10 @@
 //!   else live: the fast path.
 //! - `engine/pair_1k_live/<size>`: one thread, 1000 blocks of mixed sizes live, with
 //!   holes between them, so the fit tree is not trivial.
+//! - `engine/pair_pending_300/<size>`: one thread, 300 frees pending on another stream
+//!   that never passes their events (offload's copy stream running behind): every
+//!   `malloc` processes the pending queue first, which queries each stream's events only
+//!   up to its first one still running.
 //! - `engine/contended_2t/<size>`: two threads hammering one engine (same stream, so
 //!   the same arena); the time is per pair, per thread, from a common start to the last
 //!   thread's finish.
@@ -70,6 +74,30 @@ fn single(c: &mut Criterion) {
         }
         warm(&e, size);
         g.bench_function(BenchmarkId::new("pair_1k_live", name), |b| {
+            b.iter(|| {
+                let p = e.malloc(black_box(Bytes(size)), StreamId(0)).unwrap();
+                e.free(black_box(p)).unwrap();
+            })
+        });
+    }
+    g.finish();
+}
+
+fn pending(c: &mut Criterion) {
+    let mut g = c.benchmark_group("engine");
+    for (size, name) in SIZES {
+        let e = engine();
+        let mut held = Vec::new();
+        for _ in 0..300 {
+            let p = e.malloc(Bytes(4096), StreamId(0)).unwrap();
+            e.record_stream(p, StreamId(1)).unwrap();
+            held.push(p);
+        }
+        for p in held {
+            e.free(p).unwrap();
+        }
+        warm(&e, size);
+        g.bench_function(BenchmarkId::new("pair_pending_300", name), |b| {
             b.iter(|| {
                 let p = e.malloc(black_box(Bytes(size)), StreamId(0)).unwrap();
                 e.free(black_box(p)).unwrap();
@@ -225,5 +253,5 @@ fn plan_more(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, single, contended, plan, plan_more);
+criterion_group!(benches, single, pending, contended, plan, plan_more);
 criterion_main!(benches);

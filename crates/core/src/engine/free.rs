@@ -57,7 +57,7 @@ impl State {
                     self.complete_free(e.block);
                 }
             } else {
-                self.events.push(e.event, e.block);
+                self.events.push(e.event, e.block, e.stream);
             }
         }
         self.events.give_back(work);
@@ -144,7 +144,7 @@ impl<D: DeviceMemory> Engine<D> {
         let mut st = self.lock()?;
         for u in uses.iter_mut() {
             match (u.event.take(), u.recorded) {
-                (Some(ev), true) => st.events.push(ev, i),
+                (Some(ev), true) => st.events.push(ev, i, u.stream),
                 (Some(ev), false) => st.events.idle.push(ev),
                 (None, _) => {}
             }
@@ -193,7 +193,14 @@ impl<D: DeviceMemory> Engine<D> {
         let mut work = st.events.take();
         drop(st);
         let mut first_err = None;
+        // Streams with an event still running: their later events are not queried
+        // (module `streams`, step 2). A handful of streams: a linear scan.
+        let mut running: Vec<StreamId> = Vec::new();
         for e in work.iter_mut() {
+            if running.contains(&e.stream) {
+                e.done = false;
+                continue;
+            }
             e.done = match self.dev.query_event(e.event) {
                 Ok(done) => done,
                 Err(err) => {
@@ -201,6 +208,9 @@ impl<D: DeviceMemory> Engine<D> {
                     false
                 }
             };
+            if !e.done {
+                running.push(e.stream);
+            }
         }
         let mut st = self.lock()?;
         st.apply_events(work);

@@ -520,6 +520,8 @@ struct FakeInner {
     log: Vec<(StreamId, u64)>,
     /// Successful waits.
     wait_calls: u64,
+    /// [`DeviceMemory::query_event`] calls so far.
+    query_calls: u64,
     /// Refuse every wait (as CUDA does on a stream being captured).
     refuse_waits: bool,
 }
@@ -727,8 +729,14 @@ impl FakeEvents {
         lock(&self.inner).wait_calls
     }
 
+    /// [`DeviceMemory::query_event`] calls so far.
+    pub fn queries(&self) -> u64 {
+        lock(&self.inner).query_calls
+    }
+
     pub(crate) fn query_event(&self, event: DeviceEvent) -> Result<bool, DeviceError> {
-        let inner = lock(&self.inner);
+        let mut inner = lock(&self.inner);
+        inner.query_calls += 1;
         match inner.events.get(&event.0) {
             None => Err(DeviceError::UnknownEvent(event)),
             Some(None) => Ok(true),

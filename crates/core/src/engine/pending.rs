@@ -97,7 +97,7 @@ impl State {
     /// active until the event completes, as the pending free it was part of did, and
     /// sits in the pointer map (no caller knows its address; a free of it would be
     /// refused as already freed).
-    fn fence(&mut self, f: Idx, event: DeviceEvent) {
+    fn fence(&mut self, f: Idx, event: DeviceEvent, stream: StreamId) {
         let kind = self.kind_of(f);
         let b = self.arenas.block_mut(f);
         b.state = BlockState::PendingFree;
@@ -107,7 +107,7 @@ impl State {
         stats::increase(&mut self.stats.active, kind, 1);
         stats::increase(&mut self.stats.active_bytes, kind, size);
         stats::increase(&mut self.stats.requested_bytes, kind, size);
-        self.events.push(event, f);
+        self.events.push(event, f, stream);
         self.settle_inactive();
     }
 }
@@ -213,7 +213,7 @@ impl<D: DeviceMemory> Engine<D> {
                     "the fence {at:#x} + {len} was not free after its pending free completed"
                 )));
             };
-            st.fence(f, ev);
+            st.fence(f, ev, stream);
         }
         if let Some(p) = st.plan.as_mut() {
             p.cursor.stats.waits += 1;

@@ -215,6 +215,56 @@ fn a_failed_event_record_keeps_the_block_forever() {
     e.check_invariants().unwrap();
 }
 
+/// A stream that runs behind (offload's copy stream) holds many pending frees: a
+/// `malloc` queries its events only up to the first one still running (events of one
+/// stream complete in order), so processing costs O(streams + completed), not one query
+/// per pending free; frees still complete as their events pass, and nothing is reused
+/// early.
+#[test]
+fn processing_stops_at_each_streams_first_running_event() {
+    let dev = flaky(1 << 30);
+    let e = engine(dev.clone(), MemoryLimit::Fraction(1.0));
+    let ev = dev.host.events();
+    let mut held = Vec::new();
+    for _ in 0..50 {
+        let p = e.malloc(Bytes(4096), S0).unwrap();
+        e.record_stream(p, S1).unwrap();
+        held.push(p);
+    }
+    for &p in &held {
+        e.free(p).unwrap();
+    }
+    let active = |e: &Engine<Arc<Flaky>>| e.stats().unwrap().active_bytes[0].current;
+    assert_eq!(active(&e), 50 * 4096, "all pending on S1");
+    let q0 = ev.queries();
+    e.process_events().unwrap();
+    assert_eq!(
+        ev.queries() - q0,
+        1,
+        "one query: S1's oldest event is still running"
+    );
+    for _ in 0..10 {
+        assert!(ev.pass_next(S1));
+    }
+    let q1 = ev.queries();
+    let x = e.malloc(Bytes(512), S0).unwrap(); // processes first
+    assert_eq!(
+        ev.queries() - q1,
+        11,
+        "ten passed events and the first running one"
+    );
+    assert_eq!(
+        active(&e),
+        40 * 4096 + 512,
+        "exactly the passed ones completed"
+    );
+    ev.pass_all(S1);
+    e.process_events().unwrap();
+    assert_eq!(active(&e), 512);
+    e.free(x).unwrap();
+    e.check_invariants().unwrap();
+}
+
 #[test]
 fn failed_queries_and_unmaps_leave_a_consistent_engine() {
     let dev = flaky(1 << 30);
