@@ -59,10 +59,10 @@ def test_sweep_stops_when_waits_are_small_or_three_larger_k_did_no_better():
     assert bb.sweep_done(gpt2 + [s(9, 40.0, 63.1), s(12, 0.0, 30.8)], step)
 
 
-def test_the_hybrid_row_sweeps_traces_and_runs_the_best_choice(tmp_path, monkeypatch):
-    """The driver with its children and the planner faked: a trace per (placement, k) made
-    once and kept, the plan with the least predicted step run with its blocks recomputed."""
-    spawned = []
+def faked_children(spawned, slower_each_unlimited=False):
+    """budget_bench's spawn, faked: the link, the unlimited reference (each later one
+    0.2 s slower with ``slower_each_unlimited``, for the A/A ratio), trace runs that write
+    their file, and rows that train; every spec is appended to ``spawned``."""
 
     def fake_spawn(spec, tmp, timeout):
         spawned.append(spec)
@@ -70,14 +70,24 @@ def test_the_hybrid_row_sweeps_traces_and_runs_the_best_choice(tmp_path, monkeyp
         if row == "link":
             return {"ok": True, "h2d_GBps": 55.0, "d2h_GBps": 55.0}
         if row == "unlimited":
-            return {"ok": True, "max_allocated": 10 << 30, "step_median_s": 0.2, "step_min_s": 0.2,
-                    "losses": ["0x1p+0"], "phases_ms": {"device_forward": 60.0, "device_backward": 120.0,
-                                                        "device_optimizer": 10.0}}
+            n = sum(1 for s in spawned if s["row"] == "unlimited") if slower_each_unlimited else 1
+            return {"ok": True, "row": row, "max_allocated": 10 << 30, "step_median_s": 0.2 * n,
+                    "step_min_s": 0.2, "losses": ["0x1p+0"],
+                    "phases_ms": {"device_forward": 60.0, "device_backward": 120.0, "device_optimizer": 10.0}}
         if row == "stweaver_trace":
             with open(spec["trace"], "w") as f:
                 f.write("trace")
             return {"ok": True, "trace_files": [spec["trace"]]}
         return {"ok": True, "row": row, "step_median_s": 0.22, "step_min_s": 0.22, "losses": ["0x1p+0"]}
+
+    return fake_spawn
+
+
+def test_the_hybrid_row_sweeps_traces_and_runs_the_best_choice(tmp_path, monkeypatch):
+    """The driver with its children and the planner faked: a trace per (placement, k) made
+    once and kept, the plan with the least predicted step run with its blocks recomputed."""
+    spawned = []
+    fake_spawn = faked_children(spawned)
 
     # planned waits by trace: "first" placements plan better here, 6 blocks is best
     waits = {"gpt2xl_norcp.stwt": 110.0, "last3": None, "first3": 60.0, "last6": 100.0, "first6": 3.0}
@@ -112,21 +122,7 @@ def test_hybrid_k_runs_only_the_given_choices_and_the_aa_row_reruns_the_referenc
     """--hybrid-k 6: no plain trace, no sweep from 0, only the 6-block traces; unlimited_aa: the
     uncapped reference again, with its ratio to the first run."""
     spawned = []
-
-    def fake_spawn(spec, tmp, timeout):
-        spawned.append(spec)
-        row = spec["row"]
-        if row == "link":
-            return {"ok": True, "h2d_GBps": 55.0, "d2h_GBps": 55.0}
-        if row == "unlimited":
-            n = sum(1 for s in spawned if s["row"] == "unlimited")
-            return {"ok": True, "row": row, "max_allocated": 10 << 30, "step_median_s": 0.2 * n,
-                    "step_min_s": 0.2, "losses": ["0x1p+0"], "phases_ms": {"device_forward": 60.0}}
-        if row == "stweaver_trace":
-            with open(spec["trace"], "w") as f:
-                f.write("trace")
-            return {"ok": True, "trace_files": [spec["trace"]]}
-        return {"ok": True, "row": row, "step_median_s": 0.22, "step_min_s": 0.22, "losses": ["0x1p+0"]}
+    fake_spawn = faked_children(spawned, slower_each_unlimited=True)
 
     def fake_planner(cmd):
         with open(cmd[cmd.index("-o") + 1], "w") as f:
