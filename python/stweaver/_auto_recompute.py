@@ -146,12 +146,24 @@ class AutoRecompute:
         return hook
 
     def remove(self) -> None:
-        """Removes the block hooks and the gate (a held plan stays held: release it)."""
+        """Removes the block hooks and the gate; a plan held now is served (auto mode's own
+        course), so nothing stays held without a decider."""
         for h in self._handles:
             h.remove()
         self._handles = []
         if self.boundary in self.off.boundary_hooks:
             self.off.boundary_hooks.remove(self.boundary)
+        self._finish()
+
+    def _finish(self) -> None:
+        """Done deciding: the gate off, and a plan held now served."""
+        self.done = True
+        try:
+            self.ext.set_plan_gate(False)
+            if str(self.ext.mode()) == "auto (plan held)":
+                self.ext.release_held_plan(True)
+        except Exception as e:  # report; never stop training
+            self.log(f"stweaver: auto recompute: could not release the plan gate: {e}")
 
     # -- the boundary
     def boundary(self, off) -> None:
@@ -173,9 +185,14 @@ class AutoRecompute:
             return
         if mode != "auto (plan held)":
             if not mode.startswith("auto (planning"):
-                self.done = True  # served, refused, or given up: nothing left to decide
+                self._finish()  # served, refused, or given up: nothing left to decide
             return
-        self._decide()
+        try:
+            self._decide()
+        except Exception as e:
+            # Never leave the plan held (online serving with threshold offload for good).
+            self.log(f"stweaver: auto recompute: deciding failed ({e!r}); serving the plan as it is")
+            self._finish()
 
     def _read_block_times(self) -> None:
         """Moves this iteration's block events to the pending list and reads those that have
@@ -259,10 +276,9 @@ class AutoRecompute:
         if k_new == self.k:
             d["action"] = "serve"
             self.decisions.append(d)
-            self.done = True
             self.log(f"stweaver: auto recompute: {self.k} of {self.n} blocks recomputed, serving the plan "
                      f"({why or 'no more blocks to recompute'})")
-            self.ext.release_held_plan(True)
+            self._finish()  # serves the held plan, gate off
             return
         from ._recompute import recompute_blocks
 

@@ -48,7 +48,8 @@ class GateExt(FakeExt):
         return json.dumps({"devices": [{"device": 0, "offload": self.outcome}]})
 
     def release_held_plan(self, accept):
-        assert self.stage == "auto (plan held)"
+        if self.stage != "auto (plan held)":
+            raise RuntimeError("no plan is held")
         self.releases.append(accept)
         self.stage = "auto (plan)" if accept else "auto (recording)"
 
@@ -205,3 +206,30 @@ def test_the_offloader_keeps_offloading_by_threshold_while_a_plan_is_held():
     assert off._runtime_before_plan(), "held counts as before the plan"
     step(model, x, hooks=off)
     assert off.iteration_end()["tensors_out"] > 0
+
+
+def test_a_failing_decision_or_removal_never_leaves_the_plan_held():
+    ext, off, model, ar, logs = setup()
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 5e3, "stall_us": 0.0, "link_gbps": 10.0}
+    ar.wait_share = 0.0
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    import stweaver._recompute as rc
+
+    real = rc.recompute_blocks
+    rc.recompute_blocks = broken
+    try:
+        iteration(model, off, torch.randn(4, 32))
+    finally:
+        rc.recompute_blocks = real
+    assert ext.releases == [True] and ext.gate is False and ar.done
+    assert any("deciding failed" in m for m in logs), logs
+    # Removing the decider while a plan is held serves it.
+    ext2, off2, model2, ar2, _ = setup()
+    ext2.stage = "auto (plan held)"
+    ar2.remove()
+    assert ext2.releases == [True] and ext2.gate is False
+    assert ar2.boundary not in off2.boundary_hooks
