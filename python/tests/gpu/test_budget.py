@@ -66,3 +66,23 @@ def test_processes_sharing_a_gpu_each_get_their_budget_at_once(metric, tmp_path)
     metric("shared_budget_processes", n)
     metric("shared_budget_fill_tensors_each", rs[0]["fill_tensors"])
     metric("shared_budget_device_used_GiB", max(r["device_used_while_all_hold"] for r in rs) / GIB)
+
+
+def test_auto_recompute_keeps_the_budget_and_the_losses(metric):
+    """recompute_blocks(model, "auto") under 0.7 x the unlimited peak: the run decides (its
+    decisions end in serving the plan), reserves at most the budget, and its losses are
+    bitwise those of the unlimited run (recomputation and offload change no value)."""
+    script = os.path.join(SCRIPTS, "auto_recompute_probe.py")
+    ref = last_json(run([script, "unlimited"]))
+    budget = int(0.7 * ref["max_allocated"])
+    r = last_json(run([script, str(budget)]))
+    ar = r["auto_recompute"]
+    assert ar and ar["decisions"], r
+    assert ar["decisions"][-1]["action"] == "serve", ar
+    assert r["mode"] == "auto (plan)", r
+    assert r["max_reserved"] <= budget, (r["max_reserved"], budget)
+    assert r["losses"] == ref["losses"], "losses differ from the unlimited run's"
+    metric("auto_recompute_blocks", ar["recomputed"])
+    metric("auto_recompute_rounds", ar["rounds"])
+    metric("auto_recompute_reserved_GiB", r["max_reserved"] / GIB)
+    metric("auto_recompute_unlimited_GiB", ref["max_allocated"] / GIB)
