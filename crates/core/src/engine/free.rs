@@ -13,6 +13,10 @@ use super::stream_use::add_use;
 use super::streams::PendingEvent;
 use super::{BlockState, DeviceMemory, DevicePtr, Engine, EngineError, State, stats};
 
+/// Streams with an event still running that one processing remembers (module
+/// `streams`, step 2).
+const RUNNING_STREAMS: usize = 8;
+
 /// The error for a free or `record_stream` of a live block that is not `Allocated`.
 #[cold]
 pub(super) fn not_allocated(ptr: DevicePtr, state: BlockState, tag: u32) -> EngineError {
@@ -194,10 +198,13 @@ impl<D: DeviceMemory> Engine<D> {
         drop(st);
         let mut first_err = None;
         // Streams with an event still running: their later events are not queried
-        // (module `streams`, step 2). A handful of streams: a linear scan.
-        let mut running: Vec<StreamId> = Vec::new();
+        // (module `streams`, step 2). A handful of streams: a linear scan over an array
+        // on the stack (this runs in `malloc`: no heap allocation); past
+        // `RUNNING_STREAMS` streams the rest are queried event by event, only slower.
+        let mut running = [StreamId(0); RUNNING_STREAMS];
+        let mut n_running = 0;
         for e in work.iter_mut() {
-            if running.contains(&e.stream) {
+            if running[..n_running].contains(&e.stream) {
                 e.done = false;
                 continue;
             }
@@ -208,8 +215,9 @@ impl<D: DeviceMemory> Engine<D> {
                     false
                 }
             };
-            if !e.done {
-                running.push(e.stream);
+            if !e.done && n_running < RUNNING_STREAMS {
+                running[n_running] = e.stream;
+                n_running += 1;
             }
         }
         let mut st = self.lock()?;

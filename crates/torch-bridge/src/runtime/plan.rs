@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use stweaver_core::Plan;
 use stweaver_core::engine::PlanOptions as EnginePlanOptions;
@@ -129,8 +130,6 @@ pub(super) struct PlanControl {
     /// of [`Core::release_held_plan`]'s new recording): it plans `auto_iterations`
     /// iterations later.
     record_from: u64,
-    /// The last step seen ([`Core::step`]'s count).
-    last_step: u64,
     /// Auto mode under a budget: the link speed (GB/s per direction) and the device time
     /// of an iteration (µs) to time the offload schedule with, instead of
     /// [`stweaver_planner::offload::DEFAULT_LINK_GBPS`] and the trace's host clock
@@ -151,7 +150,6 @@ impl PlanControl {
             gate: false,
             held: Vec::new(),
             record_from: 0,
-            last_step: 0,
             timing: (None, None),
         };
         match settings.mode {
@@ -325,10 +323,12 @@ impl Core {
         if self.settings.mode != Mode::Auto {
             return Ok(());
         }
-        pc.last_step = n;
         match pc.stage {
             PlanStage::Recording
-                if plans_at_step(n - pc.record_from.min(n), self.settings.auto_iterations) =>
+                if plans_at_step(
+                    n.saturating_sub(pc.record_from),
+                    self.settings.auto_iterations,
+                ) =>
             {
                 let share_streams = self.settings.share_streams;
                 let timing = pc.timing;
@@ -509,7 +509,7 @@ impl Core {
                 e.start_trace()?;
             }
         }
-        pc.record_from = pc.last_step;
+        pc.record_from = self.iterations.load(Ordering::Acquire);
         pc.stage = PlanStage::Recording;
         Ok(())
     }
