@@ -49,8 +49,9 @@ Algorithm
    served whatever it waits.
 
 Each decision is printed to stderr (one line) and kept in :meth:`AutoRecompute.stats`.
-Cost: two module hooks per block per forward and one ``info_json`` read at the boundary
-where a plan is held; nothing per saved tensor beyond the offloader's byte count.
+Cost: two module hooks per block per forward, and until the plan is served two CUDA events
+per block (read at later boundaries, never waited for); one ``info_json`` read at the
+boundary where a plan is held; nothing per saved tensor beyond the offloader's byte count.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class AutoRecompute:
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.list_name, self.blocks = find_blocks(model)
         self.n = len(self.blocks)
-        self.k = len([b for b in recomputed(model)])
+        self.k = len(recomputed(model))
         self.rounds = 0
         self.decisions: List[dict] = []
         self.done = False
