@@ -384,26 +384,21 @@ def run_row(spec: dict) -> dict:
                 o = st.offload_stats()
                 offload_modes.append(o.get("mode"))
                 modes.append(st.mode())
-            elif st is not None and row == "stweaver_auto":
+            elif st is not None and row in ("stweaver_auto", "stweaver_offload"):
                 m = st.mode()
                 modes.append(m)
-                last = st.offload_stats().get("last_iteration") or {}
-                offload_iters.append(last)
-                moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
-                offload_modes.append(st.offload_stats().get("mode"))
-                if switched_at is None and m == "auto (plan)":
-                    switched_at = i
-                    measured_from = max(measured_from, i + 2)
-                    max_n = min(max_n, measured_from + spec["iters"])
-            elif st is not None and row == "stweaver_offload":
-                m = st.mode()
-                modes.append(m)
-                ext = st._extension()
-                sched = list(ext.offload_schedule()) if hasattr(ext, "offload_schedule") else []
-                if sched and offloader.mode == "threshold":
-                    # The plan carries a schedule: follow it from the next iteration on.
-                    off.disable()
-                    offloader = off.enable(schedule="plan", hook_optimizer=False)
+                if row == "stweaver_auto":
+                    last = st.offload_stats().get("last_iteration") or {}
+                    offload_iters.append(last)
+                    moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
+                    offload_modes.append(st.offload_stats().get("mode"))
+                else:
+                    ext = st._extension()
+                    sched = list(ext.offload_schedule()) if hasattr(ext, "offload_schedule") else []
+                    if sched and offloader.mode == "threshold":
+                        # The plan carries a schedule: follow it from the next iteration on.
+                        off.disable()
+                        offloader = off.enable(schedule="plan", hook_optimizer=False)
                 if switched_at is None and m == "auto (plan)":
                     switched_at = i
                     # Measure the iterations after the switch (the online cache released).

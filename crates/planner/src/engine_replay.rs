@@ -321,6 +321,11 @@ pub struct EngineReplayReport {
     pub device_counters: stweaver_core::engine::HostCounters,
     /// The first [`MAX_CONFLICTS_KEPT`] conflicts, in order, with their occupants.
     pub conflicts: Vec<ConflictSeen>,
+    /// At each iteration boundary, in order (before the boundary's own work: a switch or
+    /// a settle): the bytes mapped then and the peak mapped so far. Drift over a long run
+    /// is `peak_by_iteration[n] / peak_by_iteration[20]` (issue #18).
+    pub reserved_by_iteration: Vec<Bytes>,
+    pub peak_by_iteration: Vec<Bytes>,
 }
 
 impl EngineReplayReport {
@@ -896,6 +901,8 @@ pub fn replay_engine(
     let mut planned: Option<(Result<Plan, String>, usize)> = None;
     let mut settle_at: Option<usize> = None;
     let mut auto: Option<AutoOutcome> = None;
+    let mut reserved_by_iteration = Vec::with_capacity(bounds.len());
+    let mut peak_by_iteration = Vec::with_capacity(bounds.len());
     for (i, e) in trace.events.iter().enumerate() {
         if let Some(k) = opts.event_lag
             && k > 0
@@ -906,6 +913,8 @@ pub fn replay_engine(
         }
         if next_bound < bounds.len() && bounds[next_bound] == i {
             next_bound += 1;
+            reserved_by_iteration.push(r.dev.mapped_bytes());
+            peak_by_iteration.push(r.dev.peak_mapped());
             if opts.event_lag.is_some() || opts.deferred_frees {
                 r.dev.events().pass_everything();
                 r.pending.prune(r.dev.events());
@@ -1094,6 +1103,8 @@ pub fn replay_engine(
         switched_at,
         plan_error,
         overlap_checks: r.live.checks,
+        reserved_by_iteration,
+        peak_by_iteration,
     })
 }
 
