@@ -10,7 +10,7 @@ token ids, seeded) so that a whole run's trace stays small enough to live in the
   step an eval pass (``torch.no_grad``, 16 x 1024, 2 micro-batches);
 - ``ckpt20``: the same training, and after every 20th step a checkpoint save: the model's and
   the optimizer's ``state_dict`` copied to CPU memory;
-- ``moe``: Qwen2-MoE (512 hidden, 4 layers, 8 experts top-2, eager experts: token-dependent
+- ``moe``: Qwen2-MoE (512 hidden, 2 layers, 8 experts top-2, eager experts: token-dependent
   shapes), 8 x 512.
 
 Each (loop, allocator) pair runs in its own process; ``--parallel`` of them at a time (the
@@ -18,7 +18,8 @@ numbers here are memory, which one process's neighbours do not change). Allocato
 ``expandable`` (``expandable_segments:True``), ``auto`` (``stweaver.install()``: the default
 mode, zero code changes, the optimizer hook marking iterations) and ``trace`` (stweaver's trace
 mode: online serving, and the whole run written as a ``.stwt`` file, with ``stweaver.phase``
-markers around eval and checkpoint passes: the file the CPU replay tests read).
+markers around eval and checkpoint passes: the file the CPU replay tests read) and
+``auto_phases`` (auto mode with those markers: the one-line hint of ``stweaver.phase``).
 
 Per run: ``memory_reserved`` / ``memory_allocated`` after every iteration, the peaks, stweaver's
 mode after every iteration. The driver writes ``$OUT/long_loops.json``, copies the traces to
@@ -56,10 +57,10 @@ LOOPS = {
                    eval_every=10, eval_batch=16, eval_micro=2),
     "ckpt20": dict(family="llama", hidden=1024, layers=8, heads=16, inter=2816, batch=8, seq=1024,
                    ckpt_every=20),
-    "moe": dict(family="qwen2moe", hidden=512, layers=4, heads=8, inter=1408, batch=8, seq=512,
+    "moe": dict(family="qwen2moe", hidden=512, layers=2, heads=8, inter=1408, batch=8, seq=512,
                 experts=8, topk=2, moe_inter=704),
 }
-ALLOCS = ("native", "expandable", "auto", "trace")
+ALLOCS = ("native", "expandable", "auto", "trace", "auto_phases")
 DRY = dict(hidden=64, layers=2, heads=4, inter=128, moe_inter=32, experts=4, topk=2, batch=2)
 
 
@@ -115,7 +116,7 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
         c["eval_batch"] = 4 if "eval_batch" in c else None
     trace_path = os.path.join(out, f"trace_{loop}.stwt") if alloc == "trace" else None
     st = None
-    if alloc in ("auto", "trace") and not dry:
+    if alloc in ("auto", "trace", "auto_phases") and not dry:
         import stweaver
 
         stweaver.install("trace" if alloc == "trace" else None, trace=trace_path, hook_optimizer=True)
@@ -137,8 +138,9 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
     reserved, allocated, modes, lens, losses, events = [], [], [], [], [], []
 
     def phase(label):
-        # Markers only in the trace run (the auto run is the zero-code user's).
-        return st.phase(label) if (st is not None and alloc == "trace") else contextlib.nullcontext()
+        # Markers in the trace and auto_phases runs only (the auto run is the zero-code user's).
+        marked = st is not None and alloc in ("trace", "auto_phases")
+        return st.phase(label) if marked else contextlib.nullcontext()
 
     t0 = time.time()
     try:

@@ -169,6 +169,11 @@ impl Run {
         leak: Option<usize>,
     ) -> Vec<DevicePtr> {
         self.engine.mark_iteration().unwrap();
+        self.steps(extra, skip, leak)
+    }
+
+    /// One iteration's requests, without its boundary (see [`Run::iteration`]).
+    fn steps(&mut self, extra: bool, skip: Option<usize>, leak: Option<usize>) -> Vec<DevicePtr> {
         let mut ptrs: HashMap<usize, DevicePtr> = HashMap::new();
         let mut kept = Vec::new();
         for (t, s) in iteration().into_iter().enumerate() {
@@ -269,6 +274,73 @@ fn extra_and_missing_requests_do_not_derail_the_plan() {
         r.free(p);
     }
     r.engine.check_invariants().unwrap();
+}
+
+/// An eval pass: the forward's activations and temporaries, each freed at once (no
+/// autograd graph kept), the same sizes as the training forward's.
+fn eval_pass(r: &mut Run) {
+    for l in 0..6u64 {
+        let a = r.alloc((l + 1) * 100_000 + 123);
+        let t = r.alloc(40_000 + l * 512);
+        r.free(t);
+        r.free(a);
+    }
+}
+
+#[test]
+fn an_eval_pass_marked_as_a_phase_is_served_beside_the_plan() {
+    use stweaver_core::trace::MarkerKind;
+    let plan = make_plan();
+    let per = plan.iteration.len() as u64;
+    let mut stats = Vec::new();
+    for phases in [true, false] {
+        let mut r = Run::new();
+        r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+        let ps = r.prologue();
+        r.iteration(false, None, None);
+        for _ in 0..3 {
+            // The boundary comes at the optimizer step; the eval pass after it, before
+            // the next iteration's forward (as `python/bench/long_loops.py`'s eval10).
+            r.engine.mark_iteration().unwrap();
+            if phases {
+                r.engine.mark(MarkerKind::PhaseBegin, Some("eval")).unwrap();
+            }
+            eval_pass(&mut r);
+            if phases {
+                r.engine.mark(MarkerKind::PhaseEnd, Some("eval")).unwrap();
+            }
+            r.steps(false, None, None);
+        }
+        r.engine.check_invariants().unwrap();
+        let st = r.engine.plan_stats().unwrap().unwrap();
+        stats.push(st);
+        if phases {
+            // Every training request at its planned offset; the eval's 36 requests in
+            // the pool's holes; nothing online, the pool not grown.
+            assert_eq!(st.hits, plan.prologue.len() as u64 + 4 * per, "{st:?}");
+            assert_eq!(
+                (st.unplanned, st.holes, st.conflicts, st.grown),
+                (36, 36, 0, 0),
+                "{st:?}"
+            );
+            let pool = plan.pool_size.get().div_ceil(G) * G;
+            assert_eq!(
+                r.engine.stats().unwrap().reserved_bytes[0].peak as u64,
+                pool
+            );
+            assert_eq!(
+                r.engine.plan_position().unwrap(),
+                Some((PlanSection::Iteration, per as usize))
+            );
+        }
+        for p in ps {
+            r.free(p);
+        }
+    }
+    // Without the markers the eval's requests are taken for the iteration's (they match
+    // its forward): the cursor counts them as iterations of their own. (What that costs
+    // on a real loop: `crates/planner/tests/long_loops.rs`.)
+    assert_eq!((stats[1].unplanned, stats[1].iterations), (6, 7), "{stats:?}");
 }
 
 #[test]

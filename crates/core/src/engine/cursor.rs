@@ -190,6 +190,15 @@ pub(crate) struct Cursor {
     pub stats: PlanStats,
 }
 
+/// Where the cursor stood, kept over a phase ([`Cursor::bookmark`], [`Cursor::resume`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bookmark {
+    beam: [Hyp; BEAM],
+    n: usize,
+    streak: u32,
+    at_start: bool,
+}
+
 fn skip_cost(k: u64) -> u32 {
     1 + k.max(1).ilog2()
 }
@@ -538,6 +547,27 @@ impl Cursor {
     }
 
     /// An iteration boundary (module docs: snap to the nearest iteration start).
+    /// The alignment now (not the statistics), for [`Cursor::resume`]: a phase the
+    /// plan does not know (an eval pass between two iterations) is served beside the
+    /// plan, and the run then goes on where it left the plan.
+    pub fn bookmark(&self) -> Bookmark {
+        Bookmark {
+            beam: self.beam,
+            n: self.n,
+            streak: self.streak,
+            at_start: self.at_start,
+        }
+    }
+
+    /// Back to the alignment of `b` (module docs of `crate::engine::plan_serving`,
+    /// phases).
+    pub fn resume(&mut self, b: Bookmark) {
+        self.beam = b.beam;
+        self.n = b.n;
+        self.streak = b.streak;
+        self.at_start = b.at_start;
+    }
+
     pub fn mark_iteration(&mut self) {
         let (p, l) = (self.p(), self.l());
         if l == 0 {

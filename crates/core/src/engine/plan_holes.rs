@@ -119,8 +119,13 @@ impl PlanServing {
     fn unplanned_blocked(&self, len: u64) -> impl Iterator<Item = &cursor::Expected> + '_ {
         // One iteration ahead (a prologue-only plan, an aperiodic run, has none: its
         // unplanned requests are the irregular ones, short-lived), at most HOLE_SPAN_CAP.
-        let near = self.options.hole_horizon;
-        let cycle = self.cursor.iteration_requests().min(HOLE_SPAN_CAP);
+        // Inside a phase nothing: its requests are gone before the plan resumes.
+        let (near, cycle) = if self.phase_depth > 0 {
+            (0, 0)
+        } else {
+            let cycle = self.cursor.iteration_requests().min(HOLE_SPAN_CAP);
+            (self.options.hole_horizon, cycle)
+        };
         self.cursor
             .upcoming(near.max(cycle))
             .enumerate()

@@ -97,10 +97,20 @@ impl<D: DeviceMemory> Engine<D> {
         Ok(rec.restore(b.trace_id, from))
     }
 
-    /// Records a marker in the trace (a no-op when not tracing).
+    /// Records a marker in the trace (when tracing); a phase marker also opens or closes
+    /// a phase of a served plan (`plan_serving`).
     pub fn mark(&self, kind: MarkerKind, label: Option<&str>) -> Result<(), EngineError> {
-        if let Some(r) = self.lock()?.recorder.as_mut() {
+        let mut st = self.lock()?;
+        if let Some(r) = st.recorder.as_mut() {
             r.marker(kind, label);
+        }
+        // A served plan keeps its place over a phase (`plan_serving`'s module docs).
+        if let Some(p) = st.plan.as_mut() {
+            match kind {
+                MarkerKind::PhaseBegin => p.begin_phase(),
+                MarkerKind::PhaseEnd => p.end_phase(),
+                MarkerKind::IterationBegin | MarkerKind::IterationEnd => {}
+            }
         }
         Ok(())
     }
