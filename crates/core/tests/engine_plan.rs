@@ -340,7 +340,11 @@ fn an_eval_pass_marked_as_a_phase_is_served_beside_the_plan() {
     // Without the markers the eval's requests are taken for the iteration's (they match
     // its forward): the cursor counts them as iterations of their own. (What that costs
     // on a real loop: `crates/planner/tests/long_loops.rs`.)
-    assert_eq!((stats[1].unplanned, stats[1].iterations), (6, 7), "{stats:?}");
+    assert_eq!(
+        (stats[1].unplanned, stats[1].iterations),
+        (6, 7),
+        "{stats:?}"
+    );
 }
 
 #[test]

@@ -76,6 +76,7 @@ def test_auto_recompute_keeps_the_budget_and_the_losses(metric):
     ref = last_json(run([script, "unlimited"]))
     budget = int(0.7 * ref["max_allocated"])
     r = last_json(run([script, str(budget)]))
+    assert r["error"] is None, r
     ar = r["auto_recompute"]
     assert ar and ar["decisions"], r
     assert ar["decisions"][-1]["action"] == "serve", ar
