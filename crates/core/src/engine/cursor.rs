@@ -99,6 +99,8 @@ pub const MARGIN: u32 = 8;
 pub const CONFIRM: u32 = 3;
 /// Cost of an extra request.
 const INSERT: u32 = 1;
+/// Cost of going back to the start of the current iteration.
+const RESTART: u32 = 4;
 
 /// What plan serving has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -435,9 +437,9 @@ impl Cursor {
             matched: None,
             direct: false,
             skipped: 0,
-        }; 2 * BEAM];
+        }; 3 * BEAM];
         let mut m = 0;
-        let mut push = |c: Cand, cands: &mut [Cand; 2 * BEAM]| {
+        let mut push = |c: Cand, cands: &mut [Cand; 3 * BEAM]| {
             if let Some(x) = cands[..m].iter_mut().find(|x| x.pos == c.pos) {
                 let better = (c.cost, c.matched.is_none()) < (x.cost, x.matched.is_none());
                 if better {
@@ -488,6 +490,24 @@ impl Cursor {
                             &mut cands,
                         );
                     }
+                    // Restart: the run begins this iteration again (an unmarked eval
+                    // pass took the forward's places; module docs, restarts).
+                    let (p, l) = (self.p(), self.l());
+                    if l > 0 && h.pos > p && (h.pos - p) % l != 0 && (h.pos - p) % l < l / 2 {
+                        let start = h.pos - (h.pos - p) % l;
+                        if self.entry(start).is_some_and(matches) {
+                            push(
+                                Cand {
+                                    pos: start + 1,
+                                    cost: h.cost + RESTART,
+                                    matched: Some(start),
+                                    direct: false,
+                                    skipped: 0,
+                                },
+                                &mut cands,
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -502,7 +522,7 @@ impl Cursor {
             pos: best.pos,
             cost: 0,
         };
-        let mut rest: [Cand; 2 * BEAM] = [best; 2 * BEAM];
+        let mut rest: [Cand; 3 * BEAM] = [best; 3 * BEAM];
         let mut r = 0;
         for c in cands[1..].iter().filter(|c| c.cost <= floor + MARGIN) {
             rest[r] = *c;
@@ -546,7 +566,12 @@ impl Cursor {
         self.stats.conflicts += 1;
     }
 
-    /// An iteration boundary (module docs: snap to the nearest iteration start).
+    /// Whether the cursor stands at an iteration start with nothing matched since (a
+    /// boundary was just marked).
+    pub fn at_iteration_start(&self) -> bool {
+        self.at_start
+    }
+
     /// The alignment now (not the statistics), for [`Cursor::resume`]: a phase the
     /// plan does not know (an eval pass between two iterations) is served beside the
     /// plan, and the run then goes on where it left the plan.
@@ -568,6 +593,7 @@ impl Cursor {
         self.at_start = b.at_start;
     }
 
+    /// An iteration boundary (module docs: snap to the nearest iteration start).
     pub fn mark_iteration(&mut self) {
         let (p, l) = (self.p(), self.l());
         if l == 0 {
