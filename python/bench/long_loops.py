@@ -65,41 +65,16 @@ DRY = dict(hidden=64, layers=2, heads=4, inter=128, moe_inter=32, experts=4, top
 
 
 def build_model(c: dict, device: str, torch):
-    import transformers as tf
+    """The model of loop config `c`, built by the GPU benchmark's builder (bf16 on the
+    device, seeded; no activation checkpointing; eager MoE experts)."""
+    sys.path.insert(0, HERE)
+    from gpubench.child import _build_model
 
-    fam = c["family"]
-    seq = c.get("max_seq", c.get("seq", 1024))
-    if fam == "gpt2":
-        cfg = tf.GPT2Config(n_embd=c["hidden"], n_layer=c["layers"], n_head=c["heads"], n_inner=c["inter"],
-                            vocab_size=c.get("vocab", 50257), n_positions=seq)
-        cls = tf.GPT2LMHeadModel
-    elif fam == "llama":
-        cfg = tf.LlamaConfig(hidden_size=c["hidden"], num_hidden_layers=c["layers"],
-                             num_attention_heads=c["heads"], num_key_value_heads=c["heads"],
-                             intermediate_size=c["inter"], vocab_size=c.get("vocab", 32000),
-                             max_position_embeddings=seq)
-        cls = tf.LlamaForCausalLM
-    elif fam == "qwen2moe":
-        cfg = tf.Qwen2MoeConfig(hidden_size=c["hidden"], num_hidden_layers=c["layers"],
-                                num_attention_heads=c["heads"], num_key_value_heads=c["heads"],
-                                intermediate_size=c["inter"], vocab_size=c.get("vocab", 32000),
-                                num_experts=c["experts"], num_experts_per_tok=c["topk"],
-                                moe_intermediate_size=c["moe_inter"],
-                                shared_expert_intermediate_size=c["moe_inter"], max_position_embeddings=seq)
-        cfg._experts_implementation = "eager"
-        cls = tf.Qwen2MoeForCausalLM
-    else:
-        raise ValueError(fam)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            m = cls(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    m.config.use_cache = False
-    m.train()
-    return m
+    cfg = dict(c, seq=c.get("max_seq", c.get("seq", 1024)), ckpt=False)
+    if c["family"] == "qwen2moe":
+        cfg["experts_impl"] = "eager"
+    model, _ = _build_model(cfg, device, torch)
+    return model
 
 
 def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
