@@ -17,6 +17,7 @@
 mod common;
 
 use stweaver_core::trace::{EventKind, MarkerKind};
+use stweaver_core::units::AllocId;
 use stweaver_core::{Bytes, Trace};
 use stweaver_planner::engine_replay::{EngineReplayReport, EngineReplayRow, EngineRowMode};
 
@@ -132,6 +133,124 @@ fn fixed_shape_loops_do_not_drift() {
             ratio(at200, at20.get()) <= 1.005,
             "{name}: peak {at20} after 20 iterations, {at200} at the end"
         );
+    }
+}
+
+/// The event spans `[begin, end]` of the phases labelled `label`, in order.
+fn phases(t: &Trace, label: &str) -> Vec<(usize, usize)> {
+    let is = |l: Option<u32>| {
+        l.and_then(|l| t.labels.get(l as usize)).map(String::as_str) == Some(label)
+    };
+    let mut out = Vec::new();
+    let mut open = None;
+    for (i, e) in t.events.iter().enumerate() {
+        match e.kind {
+            EventKind::Marker {
+                kind: MarkerKind::PhaseBegin,
+                label: l,
+            } if is(l) => open = Some(i),
+            EventKind::Marker {
+                kind: MarkerKind::PhaseEnd,
+                label: l,
+            } if is(l) => out.extend(open.take().map(|b| (b, i))),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `t` without the events of span `[b, e]` and of every allocation made there
+/// (allocation ids renumbered).
+fn without_span(t: &Trace, (b, e): (usize, usize)) -> Trace {
+    let ev_id = |k: &EventKind| match *k {
+        EventKind::Alloc(id)
+        | EventKind::FreeRequested(id)
+        | EventKind::FreeCompleted(id)
+        | EventKind::SavedPack(id)
+        | EventKind::SavedUnpack(id) => Some(id),
+        EventKind::Marker { .. } => None,
+    };
+    let mut gone = vec![false; t.allocations.len()];
+    for ev in &t.events[b..=e] {
+        if let EventKind::Alloc(id) = ev.kind {
+            gone[id.index()] = true;
+        }
+    }
+    let mut new_id = vec![None; t.allocations.len()];
+    let mut out = t.clone();
+    out.allocations.clear();
+    for (i, a) in t.allocations.iter().enumerate() {
+        if !gone[i] {
+            new_id[i] = Some(AllocId(out.allocations.len() as u32));
+            out.allocations.push(*a);
+        }
+    }
+    out.events = t
+        .events
+        .iter()
+        .enumerate()
+        .filter(|&(i, ev)| {
+            !(b..=e).contains(&i) && ev_id(&ev.kind).is_none_or(|id| !gone[id.index()])
+        })
+        .map(|(_, ev)| {
+            let mut ev = *ev;
+            let re = |id: AllocId| new_id[id.index()].expect("kept");
+            ev.kind = match ev.kind {
+                EventKind::Alloc(id) => EventKind::Alloc(re(id)),
+                EventKind::FreeRequested(id) => EventKind::FreeRequested(re(id)),
+                EventKind::FreeCompleted(id) => EventKind::FreeCompleted(re(id)),
+                EventKind::SavedPack(id) => EventKind::SavedPack(re(id)),
+                EventKind::SavedUnpack(id) => EventKind::SavedUnpack(re(id)),
+                k @ EventKind::Marker { .. } => k,
+            };
+            ev
+        })
+        .collect();
+    out
+}
+
+/// `t` with every allocation made inside span `[b, e]` `num / den` times its size (an
+/// eval pass of another batch size), rounded up to 512 bytes.
+fn scaled_in_span(t: &Trace, (b, e): (usize, usize), num: u64, den: u64) -> Trace {
+    let mut out = t.clone();
+    for ev in &t.events[b..=e] {
+        if let EventKind::Alloc(id) = ev.kind {
+            let a = &mut out.allocations[id.index()];
+            a.size = Bytes((a.size.get() * num / den).div_ceil(512) * 512);
+        }
+    }
+    out
+}
+
+#[test]
+fn perturbed_eval_loops_stay_within_the_lower_bound() {
+    // Issue #18 item 5: a skipped eval, and an eval of another batch size (1.5 x: a class
+    // never seen), each with and without the phase markers; the replay checks every
+    // allocation against the live ones (no overlap) as it goes.
+    let t = load("eval10");
+    let evals = phases(&t, "eval");
+    assert_eq!(evals.len(), 20, "an eval every 10 of 200 iterations");
+    let skipped = without_span(&t, evals[4]);
+    let bigger = scaled_in_span(&t, evals[9], 3, 2);
+    for (what, p) in [("skipped eval", &skipped), ("1.5 x eval batch", &bigger)] {
+        p.validate().unwrap();
+        for (marks, tr) in [("marked", p.clone()), ("unmarked", without_phases(p))] {
+            eprintln!("{what}, {marks}");
+            let r = auto(&tr);
+            // Known gap: an unmarked eval of shapes the plan never saw is served from
+            // holes that keep clear of the next iteration's planned ranges; its large
+            // tensors find none and grow the pool (1.33 x LB). Marked, it is 1.004 x.
+            let cap = if what == "1.5 x eval batch" && marks == "unmarked" {
+                1.35
+            } else {
+                1.01
+            };
+            assert!(
+                r.reserved_over_lb() <= cap,
+                "{what}, {marks}: {:.4} x LB",
+                r.reserved_over_lb()
+            );
+        }
     }
 }
 
