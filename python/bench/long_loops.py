@@ -204,7 +204,7 @@ def driver(args) -> int:
     results: List[dict] = []
     t0 = time.time()
 
-    def reap(_block: bool = False):
+    def reap():
         """Collect every finished child's result."""
         for k in range(len(running) - 1, -1, -1):
             p, lp, al, path, t = running[k]
@@ -223,7 +223,7 @@ def driver(args) -> int:
     for lp, al in jobs:
         while len(running) >= args.parallel:
             time.sleep(0.2)
-            reap(False)
+            reap()
         env = dict(os.environ)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if al == "expandable":
@@ -236,7 +236,7 @@ def driver(args) -> int:
         running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), lp, al, path, time.time()))
         print(f"[{time.time() - t0:6.0f} s] started {lp}/{al}", flush=True)
     while running:
-        reap(False)
+        reap()
         time.sleep(0.2)
     order = {(lp, al): k for k, (lp, al) in enumerate(jobs)}
     results.sort(key=lambda r: order.get((r["loop"], r["alloc"]), 0))

@@ -74,6 +74,33 @@ pub enum EventKind {
 }
 
 impl EventKind {
+    /// The allocation the event is about (`None` for a marker).
+    #[inline]
+    pub fn alloc(self) -> Option<AllocId> {
+        match self {
+            EventKind::Alloc(id)
+            | EventKind::FreeRequested(id)
+            | EventKind::FreeCompleted(id)
+            | EventKind::SavedPack(id)
+            | EventKind::SavedUnpack(id) => Some(id),
+            EventKind::Marker { .. } => None,
+        }
+    }
+
+    /// The same event about allocation `f(id)` (a marker unchanged): for traces whose
+    /// allocations are renumbered.
+    #[inline]
+    pub fn map_alloc(self, f: impl FnOnce(AllocId) -> AllocId) -> EventKind {
+        match self {
+            EventKind::Alloc(id) => EventKind::Alloc(f(id)),
+            EventKind::FreeRequested(id) => EventKind::FreeRequested(f(id)),
+            EventKind::FreeCompleted(id) => EventKind::FreeCompleted(f(id)),
+            EventKind::SavedPack(id) => EventKind::SavedPack(f(id)),
+            EventKind::SavedUnpack(id) => EventKind::SavedUnpack(f(id)),
+            m @ EventKind::Marker { .. } => m,
+        }
+    }
+
     /// True for the events that are requests to the allocator (`Alloc`,
     /// `FreeRequested`, `FreeCompleted`): the ticks of the planner's plan clock. Markers
     /// and saved-tensor events are not.

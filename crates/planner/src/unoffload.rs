@@ -161,12 +161,7 @@ pub fn un_offload_with_releases(trace: &Trace) -> Result<(Trace, Vec<Option<usiz
                 }
                 continue;
             }
-            EventKind::Alloc(a) => EventKind::Alloc(id(a)),
-            EventKind::FreeRequested(a) => EventKind::FreeRequested(id(a)),
-            EventKind::FreeCompleted(a) => EventKind::FreeCompleted(id(a)),
-            EventKind::SavedPack(a) => EventKind::SavedPack(id(a)),
-            EventKind::SavedUnpack(a) => EventKind::SavedUnpack(id(a)),
-            m @ EventKind::Marker { .. } => m,
+            k => k.map_alloc(id),
         };
         events.push(Event {
             kind,

@@ -16,7 +16,7 @@
 
 mod common;
 
-use stweaver_core::trace::{EventKind, MarkerKind};
+use stweaver_core::trace::{Event, EventKind, MarkerKind};
 use stweaver_core::units::AllocId;
 use stweaver_core::{Bytes, Trace};
 use stweaver_planner::engine_replay::{EngineReplayReport, EngineReplayRow, EngineRowMode};
@@ -162,14 +162,6 @@ fn phases(t: &Trace, label: &str) -> Vec<(usize, usize)> {
 /// `t` without the events of span `[b, e]` and of every allocation made there
 /// (allocation ids renumbered).
 fn without_span(t: &Trace, (b, e): (usize, usize)) -> Trace {
-    let ev_id = |k: &EventKind| match *k {
-        EventKind::Alloc(id)
-        | EventKind::FreeRequested(id)
-        | EventKind::FreeCompleted(id)
-        | EventKind::SavedPack(id)
-        | EventKind::SavedUnpack(id) => Some(id),
-        EventKind::Marker { .. } => None,
-    };
     let mut gone = vec![false; t.allocations.len()];
     for ev in &t.events[b..=e] {
         if let EventKind::Alloc(id) = ev.kind {
@@ -190,20 +182,11 @@ fn without_span(t: &Trace, (b, e): (usize, usize)) -> Trace {
         .iter()
         .enumerate()
         .filter(|&(i, ev)| {
-            !(b..=e).contains(&i) && ev_id(&ev.kind).is_none_or(|id| !gone[id.index()])
+            !(b..=e).contains(&i) && ev.kind.alloc().is_none_or(|id| !gone[id.index()])
         })
-        .map(|(_, ev)| {
-            let mut ev = *ev;
-            let re = |id: AllocId| new_id[id.index()].expect("kept");
-            ev.kind = match ev.kind {
-                EventKind::Alloc(id) => EventKind::Alloc(re(id)),
-                EventKind::FreeRequested(id) => EventKind::FreeRequested(re(id)),
-                EventKind::FreeCompleted(id) => EventKind::FreeCompleted(re(id)),
-                EventKind::SavedPack(id) => EventKind::SavedPack(re(id)),
-                EventKind::SavedUnpack(id) => EventKind::SavedUnpack(re(id)),
-                k @ EventKind::Marker { .. } => k,
-            };
-            ev
+        .map(|(_, ev)| Event {
+            kind: ev.kind.map_alloc(|id| new_id[id.index()].expect("kept")),
+            ..*ev
         })
         .collect();
     out
