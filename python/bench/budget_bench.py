@@ -238,6 +238,39 @@ def _phase_medians(phases: List[dict]) -> dict:
     return {k: round(statistics.median(p[k] for p in phases if k in p), 2) for k in keys}
 
 
+def _profile_steps(model, opt, spec, c, vocab, gen, device, torch, st, row) -> dict:
+    """``--profile N``: N more training steps, forward and backward each under its own
+    cProfile; the top functions by own time and by cumulative time, per phase (text)."""
+    import cProfile
+    import io
+    import pstats
+
+    profs = {"forward": cProfile.Profile(), "backward": cProfile.Profile()}
+    for _ in range(int(spec["profile"])):
+        x = torch.randint(0, vocab, (c["batch"], c["seq"]), generator=gen).to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        profs["forward"].enable()
+        loss = model(input_ids=x, labels=x).loss
+        profs["forward"].disable()
+        profs["backward"].enable()
+        loss.backward()
+        profs["backward"].disable()
+        opt.step()
+        if st is not None and row in PLAN_RUN_ROWS and not st._settings.hook_optimizer:
+            st.step()
+        opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    out = {}
+    for name, pr in profs.items():
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).strip_dirs().sort_stats(key).print_stats(int(spec.get("profile_top", 25)))
+            out[f"{name}_{key}"] = buf.getvalue()[-6000:]
+    return out
+
+
 def run_row(spec: dict) -> dict:
     """One training run in this fresh process (CUDA first touched here)."""
     dry = spec["dry_run"]
@@ -410,6 +443,10 @@ def run_row(spec: dict) -> dict:
         res["oom"] = True
         res["oom_iter"] = i
         res["error"] = str(e).splitlines()[0][:300]
+    if res["ok"] and spec.get("profile"):
+        # Where the host's time goes: more iterations after the measured ones under cProfile
+        # (excluded from the step statistics above; cProfile itself slows Python calls).
+        res["profile"] = _profile_steps(model, opt, spec, c, vocab, gen, device, torch, st, row)
     if st is not None and switched_at is None:
         measured_from = max(spec["warmup"], len(steps) - spec["iters"])  # never switched: the last ones
     res["iterations"] = i
@@ -535,6 +572,10 @@ def spawn(spec: dict, tmp: str, timeout: float) -> dict:
         res = {"ok": False, "row": spec["row"], "error": f"no result (rc={rc})"}
     res["rc"] = rc
     res["wall_s"] = time.time() - t0
+    if res.get("profile") and spec.get("profile_dir"):
+        with open(os.path.join(spec["profile_dir"], f"profile_{name}.txt"), "w") as f:
+            for key, text in res["profile"].items():
+                f.write(f"=== {key}\n{text}\n")
     if not res.get("ok") and not res.get("oom"):
         with open(log_path) as f:
             res["log_tail"] = f.read()[-3000:]
@@ -739,6 +780,9 @@ def main(argv=None) -> int:
                     help="one fixed budget (GiB) for every workload and batch instead of --fractions of LB")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="threshold offload: smallest tensor")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per child process")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="N more steps per row after the measured ones, forward and backward under "
+                         "cProfile (host time by function, in the JSON and profile_<row>.txt)")
     ap.add_argument("--stweaver-bin", default="", help="the stweaver CLI (stweaver_plan row)")
     ap.add_argument("--hybrid-where", default="last,first",
                     help="stweaver_hybrid: which blocks to recompute, tried in turn at each k (last, first)")
@@ -777,7 +821,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="stweaver-budget-")
     base = {"dry_run": args.dry_run, "iters": args.iters, "warmup": args.warmup,
-            "extra_auto": args.extra_auto, "min_bytes": args.min_bytes}
+            "extra_auto": args.extra_auto, "min_bytes": args.min_bytes, "profile": args.profile,
+            "profile_dir": args.out}
     doc = {"schema": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
            "fractions": fractions, "args": vars(args), "workloads": []}
     path = os.path.join(args.out, "budget_bench.json")
