@@ -28,9 +28,31 @@ drift between them, the peak reserved, and the peak allocated of the native run 
 bound's stand-in on the GPU; the CPU replay computes the exact one).
 
     python python/bench/long_loops.py --out $OUT [--loops len5,eval10] [--allocs native,auto]
-        [--iters 200] [--parallel 5] [--dry-run]
+        [--iters 200] [--parallel 2] [--budget-s S] [--work DIR] [--dry-run]
+    python python/bench/long_loops.py --report long_loops.json [MORE.json ...] [--stweaver-bin BIN]
 
-``--dry-run`` runs tiny models on the CPU (no allocator installed): it checks the plumbing.
+On the GPU machine, ``scripts/long_loops.sh`` (``cargo xtask gpu-bench --long-loops`` prints
+the commands) builds the extension and runs two calls' worth: ``--parallel 2 --loops
+len5,len50`` (len50's native run grows to 48 GB: at most two of the length loops share an
+80 GB card) and ``--parallel 4 --loops eval10,ckpt20,moe``. ``--budget-s`` bounds a call: no
+run is started that the longest finished one says would end past it, and runs still going at
+the budget are stopped (both named in the table), so the JSON and the table are always
+written. ``--work`` keeps the per-run files (results, logs, raw traces) out of ``--out``, which
+then holds ``long_loops.json``, ``table.txt`` and ``traces/`` only.
+
+``--report`` prints the Markdown table for BENCHMARKS.md with issue #18's targets per loop, met
+or missed, for the zero-code auto run (and the ``auto_phases`` run where there is one): peak
+reserved <= 1.01 x the lower bound; no drift (reserved after the last iteration within 0.5 % of
+after iteration 20); reserved <= expandable segments' after every recorded iteration. The lower
+bound is the trace's peak of live bytes (``stweaver inspect --json`` on ``trace_<loop>.stwt.gz``
+in ``traces/`` beside the JSON or beside it directly, as in ``data/traces/long/``), else the
+least peak allocated of the loop's runs (stweaver's runs count requested bytes: the same to
+within rounding). Several files merge (the two calls), a later file's run replacing an
+earlier one's.
+
+``--dry-run`` runs tiny models on the CPU (no allocator installed): it checks the plumbing. Its
+"memory" numbers are stand-ins (the bytes of the parameters and the optimizer state after each
+iteration), not GPU memory; the JSON says ``"dry_run": true`` and the report says so.
 """
 
 from __future__ import annotations
@@ -150,6 +172,11 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
             if not dry:
                 reserved.append(torch.cuda.memory_reserved())
                 allocated.append(torch.cuda.memory_allocated())
+            else:  # stand-ins for the report's plumbing: the bytes the model and optimizer hold
+                held = sum(p.nbytes for p in model.parameters()) + sum(
+                    t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+                reserved.append(held)
+                allocated.append(held)
             if st is not None:
                 modes.append(st.mode())
         res["ok"] = True
@@ -160,6 +187,10 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
     if not dry:
         res["max_reserved"] = torch.cuda.max_memory_reserved()
         res["max_allocated"] = torch.cuda.max_memory_allocated()
+    else:
+        res["dry_run"] = True
+        res["max_reserved"] = max(reserved, default=0)
+        res["max_allocated"] = max(allocated, default=0)
     if st is not None:
         try:
             res["stweaver"] = json.loads(json.dumps(st.stats(), default=str))
@@ -192,9 +223,17 @@ def table(results: List[dict]) -> str:
     return "\n".join(rows)
 
 
+def _log_tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
 def driver(args) -> int:
     os.makedirs(args.out, exist_ok=True)
-    work = os.path.join(args.out, "runs")
+    work = args.work or os.path.join(args.out, "runs")
     os.makedirs(work, exist_ok=True)
     jobs = [(lp, al) for lp in args.loops.split(",") for al in args.allocs.split(",")]
     for lp, al in jobs:
@@ -202,6 +241,9 @@ def driver(args) -> int:
             raise SystemExit(f"unknown loop or allocator: {lp} / {al} (loops {list(LOOPS)}, allocators {ALLOCS})")
     running: List[tuple] = []
     results: List[dict] = []
+    walls: dict = {}  # loop -> the longest finished run of it (s, start to end, start-up included)
+    killed: set = set()
+    budget = args.budget_s or 0.0
     t0 = time.time()
 
     def reap():
@@ -215,27 +257,56 @@ def driver(args) -> int:
                 with open(path) as f:
                     r = json.load(f)
             except (OSError, ValueError):
-                r = {"loop": lp, "alloc": al, "ok": False, "error": f"child exited {p.returncode}, no result"}
+                why = (f"stopped at the budget ({budget:.0f} s)" if (lp, al) in killed
+                       else f"child exited {p.returncode}, no result")
+                r = {"loop": lp, "alloc": al, "ok": False, "error": why}
+            took = time.time() - t
+            r["driver_wall_s"] = took
+            if r.get("ok"):
+                walls[lp] = max(walls.get(lp, 0.0), took)
             print(f"[{time.time() - t0:6.0f} s] {lp}/{al}: {'ok' if r.get('ok') else r.get('error')} "
-                  f"({time.time() - t:.0f} s)", flush=True)
+                  f"({took:.0f} s)", flush=True)
+            if not r.get("ok"):
+                tail = _log_tail(path[: -len(".json")] + ".log")
+                if tail:
+                    print("  | " + tail.rstrip().replace("\n", "\n  | "), flush=True)
             results.append(r)
+
+    def stop_at_budget():
+        if budget and time.time() - t0 > budget:
+            for p, lp, al, _, _ in running:
+                if p.poll() is None and (lp, al) not in killed:
+                    killed.add((lp, al))
+                    p.kill()
 
     for lp, al in jobs:
         while len(running) >= args.parallel:
             time.sleep(0.2)
+            stop_at_budget()
             reap()
+        if budget:
+            # The longest finished run of this loop (else of any) says how long this one takes.
+            est = walls.get(lp, max(walls.values(), default=0.0))
+            if time.time() - t0 + est > budget:
+                why = f"skipped: the budget ({budget:.0f} s) would be exceeded (a run takes ~{est:.0f} s)"
+                print(f"[{time.time() - t0:6.0f} s] {lp}/{al}: {why}", flush=True)
+                results.append({"loop": lp, "alloc": al, "ok": False, "error": why})
+                continue
         env = dict(os.environ)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if al == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         env["PYTHONPATH"] = PY_DIR + os.pathsep + env.get("PYTHONPATH", "")
         path = os.path.join(work, f"{lp}_{al}.json")
+        if os.path.exists(path):
+            os.remove(path)  # a result left by an earlier run in the same folder is not this one's
         log = open(os.path.join(work, f"{lp}_{al}.log"), "w")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", lp, al, "--iters", str(args.iters),
                "--out", work] + (["--dry-run"] if args.dry_run else [])
         running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), lp, al, path, time.time()))
         print(f"[{time.time() - t0:6.0f} s] started {lp}/{al}", flush=True)
     while running:
+        stop_at_budget()
         reap()
         time.sleep(0.2)
     order = {(lp, al): k for k, (lp, al) in enumerate(jobs)}
@@ -248,22 +319,205 @@ def driver(args) -> int:
             with open(f, "rb") as src, gzip.open(dst, "wb", compresslevel=9) as g:
                 shutil.copyfileobj(src, g)
             r.setdefault("trace_gz", []).append(dst)
+    doc = {"iters": args.iters, "command": " ".join(sys.argv[1:]), "wall_s": time.time() - t0,
+           "results": results}
+    if args.dry_run:
+        doc["dry_run"] = True
     with open(os.path.join(args.out, "long_loops.json"), "w") as f:
-        json.dump({"iters": args.iters, "results": results}, f)
-    print(table(results))
+        json.dump(doc, f)
+    t = table(results)
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(t + "\n")
+    print(t)
     return 0 if all(r.get("ok") for r in results) else 1
+
+
+# --- the report: issue #18's targets per loop -------------------------------------------------
+
+PEAK_TARGET = 1.01  # peak reserved <= 1.01 x the lower bound
+DRIFT_TARGET = 0.005  # reserved after the last iteration within 0.5 % of after iteration 20
+JUDGED = ("auto", "auto_phases")  # the runs the targets are checked on (stweaver's auto mode)
+
+
+def load_runs(paths: List[str]) -> tuple:
+    """(runs by (loop, alloc), documents): the files merged, a later file's run replacing an
+    earlier one's."""
+    runs: dict = {}
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        d["_path"] = p
+        docs.append(d)
+        for r in d.get("results", []):
+            runs[(r["loop"], r["alloc"])] = dict(r, _path=p)
+    return runs, docs
+
+
+def trace_lower_bound(loop: str, runs: List[dict], dirs: List[str], stweaver_bin: Optional[str]):
+    """(bytes, file): the peak of live bytes of the loop's trace (`stweaver inspect --json`),
+    or None when there is no trace here or no CLI."""
+    if not stweaver_bin:
+        return None
+    cands = []
+    for d in dirs:
+        cands += [os.path.join(d, "traces", f"trace_{loop}.stwt.gz"), os.path.join(d, f"trace_{loop}.stwt.gz")]
+    for r in runs:
+        cands += list(r.get("trace_gz") or []) + list(r.get("trace_files") or [])
+    for f in dict.fromkeys(cands):
+        if not os.path.isfile(f):
+            continue
+        try:
+            out = subprocess.run([stweaver_bin, "inspect", "--json", f], capture_output=True, text=True, check=True)
+            return int(json.loads(out.stdout)["devices"][0]["lower_bound"]["bytes"]), f
+        except (OSError, subprocess.CalledProcessError, ValueError, KeyError, IndexError) as e:
+            print(f"long_loops report: {stweaver_bin} inspect {f}: {e}", file=sys.stderr)
+    return None
+
+
+def _short_mode(m: Optional[str]) -> str:
+    if not m:
+        return "-"
+    if m.startswith("auto (") and m.endswith(")"):
+        m = m[len("auto ("):-1]
+    return m.split(":")[0]
+
+
+def check_targets(run: dict, expandable: Optional[dict], lb: Optional[int]) -> dict:
+    """Issue #18's three targets for one stweaver run: each a (met: bool or None, text) pair
+    (None: not measurable here, e.g. a failed run)."""
+    out = {}
+    if not run.get("ok"):
+        why = (run.get("error") or "failed")[:80]
+        return {"peak": (None, f"run failed: {why}"), "drift": (None, "-"), "vs_expandable": (None, "-")}
+    peak = run.get("max_reserved")
+    if lb and peak:
+        ratio = peak / lb
+        out["peak"] = (ratio <= PEAK_TARGET, f"{ratio:.3f} x")
+    else:
+        out["peak"] = (None, "no lower bound" if not lb else "no peak")
+    res = run.get("reserved") or []
+    iters = run.get("iters") or len(res)
+    if len(res) >= 20 and res[19] and len(res) >= iters:
+        d = res[-1] / res[19] - 1
+        text = f"{100 * d:+.2f} %"
+        if expandable and expandable.get("ok") and len(expandable.get("reserved") or []) >= 20:
+            er = expandable["reserved"]
+            text += f" (expandable {100 * (er[-1] / er[19] - 1):+.2f} %)"
+        out["drift"] = (abs(d) <= DRIFT_TARGET, text)
+    else:
+        out["drift"] = (None, f"{len(res)} of {iters} iterations recorded")
+    if not expandable:
+        out["vs_expandable"] = (None, "no expandable run")
+    elif not expandable.get("ok"):
+        out["vs_expandable"] = (None, "expandable run failed")
+    else:
+        er = expandable.get("reserved") or []
+        n = min(len(res), len(er))
+        over = [i for i in range(n) if res[i] > er[i]]
+        if n == 0:
+            out["vs_expandable"] = (None, "no iterations recorded")
+        elif not over:
+            out["vs_expandable"] = (True, f"{n} of {n} iterations")
+        else:
+            worst = max(res[i] / er[i] - 1 for i in over)
+            out["vs_expandable"] = (False, f"above at {len(over)} of {n} (first after iteration {over[0] + 1}, "
+                                           f"worst +{100 * worst:.1f} %)")
+    return out
+
+
+def _cell(t: tuple) -> str:
+    met, text = t
+    if met is None:
+        return text
+    return f"met: {text}" if met else f"**missed**: {text}"
+
+
+def report(paths: List[str], stweaver_bin: Optional[str] = None) -> str:
+    runs, docs = load_runs(paths)
+    if not runs:
+        raise SystemExit(f"no results in {', '.join(paths)}")
+    dirs = [os.path.dirname(os.path.abspath(p)) for p in paths]
+    loops = [lp for lp in LOOPS if any(k[0] == lp for k in runs)]
+    loops += sorted({k[0] for k in runs} - set(loops))
+    devices = sorted({r["device"] for r in runs.values() if r.get("device")})
+    iters = sorted({r.get("iters") for r in runs.values() if r.get("iters")})
+    dry = any(d.get("dry_run") for d in docs) or any(r.get("dry_run") for r in runs.values())
+    lines = []
+    if dry:
+        lines.append("**DRY RUN** (tiny models on the CPU): the numbers are stand-ins (the bytes of the "
+                     "parameters and optimizer state), not GPU memory; only the plumbing is checked.\n")
+    lines.append(f"Long loops ({', '.join(map(str, iters)) or '?'} iterations; "
+                 f"{', '.join(devices) or 'no device named'}; {', '.join(paths)}). Targets (issue #18): peak "
+                 f"reserved <= {PEAK_TARGET} x LB; no drift (reserved after the last iteration within "
+                 f"{100 * DRIFT_TARGET:.1f} % of after iteration 20); reserved <= expandable segments' after "
+                 f"every iteration. Peaks in GiB.\n")
+    lines.append("| loop | stweaver run | LB | native | expandable | stweaver | peak <= 1.01 x LB | "
+                 "no drift (@20 -> end) | <= expandable at every iteration | mode at the end |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    met = total = 0
+    notes = []
+    for lp in loops:
+        mine = [r for (l2, _), r in runs.items() if l2 == lp]
+        tlb = trace_lower_bound(lp, mine, dirs, stweaver_bin)
+        if tlb:
+            lb, src = tlb
+            rel = os.path.relpath(src)
+            notes.append(f"{lp}: LB {gib(lb)} GiB, the peak of live bytes of "
+                         f"{src if rel.startswith('..') else rel}")
+            lb_text = gib(lb)
+        else:
+            allocs = [r["max_allocated"] for r in mine if r.get("ok") and r.get("max_allocated")]
+            lb = min(allocs) if allocs else None
+            lb_text = gib(lb) + ("*" if lb else "")
+            if lb:
+                notes.append(f"{lp}: LB* {gib(lb)} GiB, the least peak allocated of its runs (no trace or no "
+                             "stweaver CLI here)")
+        nat, exp = runs.get((lp, "native")), runs.get((lp, "expandable"))
+
+        def peak(r):
+            return gib(r.get("max_reserved")) if r and r.get("ok") else ("failed" if r else "-")
+
+        judged = [a for a in JUDGED if (lp, a) in runs]
+        if not judged:
+            lines.append(f"| {lp} | none | {lb_text} | {peak(nat)} | {peak(exp)} | - | - | - | - | - |")
+            continue
+        for a in judged:
+            r = runs[(lp, a)]
+            t = check_targets(r, exp, lb)
+            for k in ("peak", "drift", "vs_expandable"):
+                total += 1
+                met += t[k][0] is True
+            label = "auto (zero code)" if a == "auto" else "auto, phases marked"
+            lines.append(f"| {lp} | {label} | {lb_text} | {peak(nat)} | {peak(exp)} | {peak(r)} | "
+                         f"{_cell(t['peak'])} | {_cell(t['drift'])} | {_cell(t['vs_expandable'])} | "
+                         f"{_short_mode((r.get('modes') or [None])[-1])} |")
+    lines.append("")
+    lines.append(f"Targets met: {met} of {total}." + (" (Dry run: the plumbing only.)" if dry else ""))
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "long-loops-out")
+    ap.add_argument("--work", help="per-run files (results, logs, raw traces); default OUT/runs")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--allocs", default=",".join(ALLOCS))
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--parallel", type=int, default=5, help="runs at a time")
+    ap.add_argument("--parallel", type=int, default=2,
+                    help="runs at a time (len50's native run alone reaches 48 GB: 2 for the length loops)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no run that would end past this many seconds, stop those still going (0: none)")
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, no allocator installed")
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="the Markdown table and issue #18's targets")
+    ap.add_argument("--stweaver-bin", default=os.environ.get("STWEAVER_BIN"),
+                    help="the stweaver CLI, for --report's lower bound from the traces")
     ap.add_argument("--child", nargs=2, metavar=("LOOP", "ALLOC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report, args.stweaver_bin))
+        return 0
     if args.child:
         lp, al = args.child
         r = child(lp, al, args.iters, args.out, args.dry_run)

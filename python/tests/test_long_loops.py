@@ -1,9 +1,14 @@
-"""long_loops.py (issue #18's long GPU loops): the table's drift and the driver's plumbing,
-without torch (the children are faked by a script that writes a result file)."""
+"""long_loops.py (issue #18's long GPU loops): the table's drift, the driver's plumbing and
+budget (the children faked by a script that writes a result file), the report's targets (on
+the measured H100 runs too), and the dry run end to end (real tiny CPU children: torch and
+transformers)."""
 
 import json
 import os
+import subprocess
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
@@ -56,3 +61,120 @@ def test_driver_collects_children_and_gzips_traces(tmp_path, monkeypatch):
     assert [(r["loop"], r["alloc"]) for r in res] == [("len5", "native"), ("len5", "trace"),
                                                        ("eval10", "native"), ("eval10", "trace")]
     assert sorted(os.listdir(tmp_path / "o" / "traces")) == ["trace_eval10.stwt.gz", "trace_len5.stwt.gz"]
+
+
+def _fake_child(tmp_path, body: str):
+    """A script standing in for the child: `body` runs with lp, al, out set; then the result
+    file is written (unless body returned)."""
+    fake = tmp_path / "fake_child.py"
+    fake.write_text(
+        "import json, os, sys, time\n"
+        "a = sys.argv\n"
+        "lp, al = a[a.index('--child') + 1], a[a.index('--child') + 2]\n"
+        "out = a[a.index('--out') + 1]\n" + body + "\n"
+        "json.dump({'loop': lp, 'alloc': al, 'ok': True, 'reserved': [1 << 30] * 25},"
+        " open(os.path.join(out, lp + '_' + al + '.json'), 'w'))\n")
+    return fake
+
+
+def _use_fake(monkeypatch, fake):
+    monkeypatch.setattr(ll.os.path, "abspath", lambda p, _real=os.path.abspath: str(fake) if p == ll.__file__ else _real(p))
+
+
+def test_budget_skips_runs_that_would_not_fit_and_stops_those_still_going(tmp_path, monkeypatch):
+    # Each run takes ~1.5 s; with a 2.5 s budget and one at a time the second would end past it.
+    _use_fake(monkeypatch, _fake_child(tmp_path, "time.sleep(1.5)"))
+    out, work = tmp_path / "o", tmp_path / "w"
+    rc = ll.main(["--out", str(out), "--work", str(work), "--loops", "moe", "--allocs", "native,expandable,auto",
+                  "--parallel", "1", "--budget-s", "2.5"])
+    assert rc == 1
+    res = json.load(open(out / "long_loops.json"))["results"]
+    assert [r["ok"] for r in res] == [True, False, False]
+    assert all("skipped: the budget" in r["error"] for r in res[1:])
+    assert "skipped: the budget" in (out / "table.txt").read_text()
+    # --work keeps the per-run files out of --out.
+    assert sorted(os.listdir(out)) == ["long_loops.json", "table.txt"]
+    assert "moe_native.json" in os.listdir(work)
+
+    # A run still going at the budget is stopped, and said so; the JSON is still written.
+    _use_fake(monkeypatch, _fake_child(tmp_path, "print('still training', flush=True); time.sleep(60)"))
+    rc = ll.main(["--out", str(out), "--work", str(work), "--loops", "moe", "--allocs", "native",
+                  "--budget-s", "1"])
+    assert rc == 1
+    (r,) = json.load(open(out / "long_loops.json"))["results"]
+    assert not r["ok"] and "stopped at the budget" in r["error"] and r["driver_wall_s"] < 30
+
+
+def _run(loop, alloc, reserved, max_reserved, max_allocated, ok=True, modes=None):
+    return {"loop": loop, "alloc": alloc, "ok": ok, "iters": len(reserved), "reserved": reserved,
+            "max_reserved": max_reserved, "max_allocated": max_allocated, "modes": modes or []}
+
+
+def test_targets_met_and_missed():
+    exp = _run("eval10", "expandable", [2 * GIB] * 200, 2 * GIB, GIB)
+    # At the lower bound, flat, never above expandable: all three met.
+    t = ll.check_targets(_run("eval10", "auto", [GIB] * 200, GIB, GIB), exp, GIB)
+    assert [t[k][0] for k in ("peak", "drift", "vs_expandable")] == [True, True, True]
+    # 2 % over the bound, +1 % drift from iteration 20, above expandable after iteration 20 and 151..200.
+    res = [GIB] * 150 + [int(2.04 * GIB)] * 50
+    res[19] = int(2.02 * GIB)
+    t = ll.check_targets(_run("eval10", "auto", res, int(2.04 * GIB), GIB), exp, 2 * GIB)
+    assert t["peak"] == (False, "1.020 x")
+    assert t["drift"][0] is False and t["drift"][1].startswith("+0.99 %")
+    assert t["vs_expandable"] == (False, "above at 51 of 200 (first after iteration 20, worst +2.0 %)")
+    # A failed run or a short one is not judged; nor is a run without its expandable run.
+    t = ll.check_targets({"ok": False, "error": "OOM: out of memory"}, exp, GIB)
+    assert t["peak"] == (None, "run failed: OOM: out of memory")
+    t = ll.check_targets(_run("eval10", "auto", [GIB] * 10, GIB, GIB) | {"iters": 200}, None, GIB)
+    assert t["drift"] == (None, "10 of 200 iterations recorded") and t["vs_expandable"][0] is None
+
+
+def test_report_on_the_measured_h100_loops():
+    # The last GPU numbers (session 13, before the cursor's restarts): len5 1.018 x the bound,
+    # len50's lengths grow after iteration 20, eval10's auto run 1.30 x and above expandable.
+    gt = os.path.join(os.path.dirname(__file__), "..", "..", "data", "traces", "long", "gpu_ground_truth.json")
+    md = ll.report([gt], stweaver_bin=None)
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ") and "auto" in line}
+    assert set(rows) == {"len5", "len50", "eval10", "ckpt20", "moe"}
+    assert "**missed**: 1.018 x" in rows["len5"] and "met: +0.19 %" in rows["len5"]
+    assert "met: 1.001 x" in rows["len50"] and "**missed**: +26.88 % (expandable +27.12 %)" in rows["len50"]
+    assert rows["eval10"].count("**missed**") == 3
+    assert "**missed**" not in rows["ckpt20"] and "**missed**" not in rows["moe"]
+    assert "Targets met: 10 of 15." in md
+    assert "least peak allocated" in md  # no CLI given: the stand-in bound, marked
+
+
+def test_report_merges_files_and_names_the_lower_bound_source(tmp_path):
+    a = {"iters": 20, "results": [_run("moe", "expandable", [2 * GIB] * 20, 2 * GIB, GIB),
+                                  _run("moe", "auto", [3 * GIB] * 20, 3 * GIB, GIB)]}
+    b = {"iters": 20, "results": [_run("moe", "auto", [GIB] * 20, GIB, GIB, modes=["auto (plan)"])]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    md = ll.report([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    row = [line for line in md.splitlines() if line.startswith("| moe")][0]
+    assert row == ("| moe | auto (zero code) | 1.000* | - | 2.000 | 1.000 | met: 1.000 x | met: +0.00 % "
+                   "(expandable +0.00 %) | met: 20 of 20 iterations | plan |")
+    assert "Targets met: 3 of 3." in md and "DRY RUN" not in md
+
+
+def test_dry_run_end_to_end(tmp_path):
+    """The CPU path of `cargo xtask gpu-bench --long-loops --dry-run`: real children (tiny
+    models), then the report over their JSON."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "o"
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "long_loops.py")
+    # Two children (each imports torch and transformers: ~10 s); `cargo xtask gpu-bench
+    # --long-loops --dry-run` runs every loop.
+    p = subprocess.run([sys.executable, script, "--dry-run", "--out", str(out), "--iters", "21", "--loops",
+                        "eval10", "--allocs", "expandable,auto", "--parallel", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.load(open(out / "long_loops.json"))
+    assert doc["dry_run"] and [(r["loop"], r["alloc"], r["ok"]) for r in doc["results"]] == [
+        ("eval10", "expandable", True), ("eval10", "auto", True)]
+    ev = doc["results"][1]
+    assert len(ev["reserved"]) == 21 and ev["events"] == [[9, "eval"], [19, "eval"]]
+    assert (out / "table.txt").read_text().count("| eval10 |") == 2
+    md = ll.report([str(out / "long_loops.json")])
+    assert md.startswith("**DRY RUN**") and "Targets met: 3 of 3." in md

@@ -12,6 +12,28 @@
 //!   five training loops, the cap search and the report, not the allocator.
 //! - `cargo xtask gpu-bench --report RESULT.json` — the Markdown table and the targets
 //!   (met / missed) for BENCHMARKS.md, and `docs/gpu_bench.png` (needs matplotlib).
+//!
+//! Issue #18's long loops (`python/bench/long_loops.py`: five 200-iteration loops — 5 and 50
+//! sequence lengths, an eval every 10, a checkpoint every 20, MoE — under native, expandable,
+//! auto, trace and auto with phase markers):
+//!
+//! - `cargo xtask gpu-bench --long-loops` — the same carry as `gpu-bench`, and two device
+//!   commands, one per call (both groups do not fit one 600 s call): `scripts/long_loops.sh`
+//!   builds the extension there and runs `--parallel 2 --loops len5,len50` (len50's native run
+//!   grows to 48 GB: two length-loop runs at a time) or `--parallel 4 --loops
+//!   eval10,ckpt20,moe` inside a budget (`LONG_LOOPS_BUDGET_S`, 540 s with the build), and
+//!   leaves `long_loops.json`, `table.txt` and the trace run's `traces/*.stwt.gz` in `$OUT`.
+//! - `cargo xtask gpu-bench --long-loops --dry-run [long_loops.py ARGS...]` — the loops' CPU
+//!   path (tiny models, no allocator, 21 iterations, native / expandable / auto; needs
+//!   `$PYTHON` with torch and transformers) and the report over its JSON: the plumbing only.
+//! - `cargo xtask gpu-bench --long-loops --report JSON...` — the Markdown table for
+//!   BENCHMARKS.md with issue #18's targets per loop, met or missed: peak reserved <= 1.01 x
+//!   the lower bound, no drift (reserved after the last iteration within 0.5 % of after
+//!   iteration 20), auto <= expandable after every iteration. The two calls' files merge; the
+//!   lower bound is the trace's peak of live bytes (`traces/` beside the JSON, read with the
+//!   release `stweaver` CLI when `target/release/stweaver` exists), else the least peak
+//!   allocated of the loop's runs. `data/traces/long/gpu_ground_truth.json` holds the last
+//!   measured numbers.
 
 use std::fs;
 use std::path::PathBuf;
@@ -132,16 +154,108 @@ fn report(json: &str) -> Result<()> {
     Ok(())
 }
 
+/// The long loops' two device calls: (what, `long_loops.py` arguments).
+const LONG_LOOP_CALLS: [(&str, &str); 2] = [
+    (
+        "the length loops, two runs at a time",
+        "--parallel 2 --loops len5,len50",
+    ),
+    (
+        "eval, checkpoint and MoE, four at a time",
+        "--parallel 4 --loops eval10,ckpt20,moe",
+    ),
+];
+/// The long loops' device call limit (the script's budget, 540 s with the build, is inside it).
+const LONG_LOOPS_TIMEOUT_S: u32 = 600;
+
+fn long_loops_prepare() -> Result<()> {
+    prepare_cli_carry(CARRY, "gpu-bench --long-loops: ")?;
+    crate::torch_ext::pack_carry(CARRY)?;
+    for (k, (what, args)) in LONG_LOOP_CALLS.iter().enumerate() {
+        println!(
+            "device command (call {} of 2, {what}): set -o pipefail; bash scripts/long_loops.sh {CARRY} {args} 2>&1 | tee $OUT/log",
+            k + 1
+        );
+    }
+    println!(
+        "carry: [\"{CARRY}.tar.xz\"]   timeout_s: {LONG_LOOPS_TIMEOUT_S}   (the script unpacks it; \
+         each call writes long_loops.json, table.txt and traces/ to $OUT)"
+    );
+    println!(
+        "then: cargo xtask gpu-bench --long-loops --report CALL1/long_loops.json CALL2/long_loops.json"
+    );
+    Ok(())
+}
+
+/// `long_loops.py --report` with the release CLI when there is one (the exact lower bound
+/// from the traces; without it, the least peak allocated of each loop's runs).
+fn long_loops_report(jsons: &[String]) -> Result<()> {
+    if jsons.is_empty() {
+        bail!("usage: cargo xtask gpu-bench --long-loops --report long_loops.json [MORE.json...]");
+    }
+    let mut c = Command::new(python());
+    c.current_dir(root())
+        .arg("python/bench/long_loops.py")
+        .arg("--report");
+    for j in jsons {
+        c.arg(fs::canonicalize(j).with_context(|| format!("{j}: no such result file"))?);
+    }
+    let cli = target_dir().join("release/stweaver");
+    if cli.is_file() {
+        c.arg("--stweaver-bin").arg(cli);
+    } else {
+        eprintln!(
+            "gpu-bench --long-loops --report: no {} (cargo build --release -p stweaver-planner --bin stweaver): \
+             the lower bound is each loop's least peak allocated",
+            cli.display()
+        );
+    }
+    run(c)
+}
+
+fn long_loops_dry_run(args: &[String]) -> Result<()> {
+    let out = target_dir().join("long-loops-dry");
+    if out.exists() {
+        fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
+    }
+    let mut c = Command::new(python());
+    c.current_dir(root())
+        .arg("python/bench/long_loops.py")
+        .args(["--dry-run", "--iters", "21", "--parallel", "2"])
+        .args(["--allocs", "native,expandable,auto", "--out"])
+        .arg(&out)
+        .args(args);
+    run(c)?;
+    let json = out.join("long_loops.json");
+    long_loops_report(&[json.to_string_lossy().into_owned()])?;
+    eprintln!("gpu-bench --long-loops --dry-run: {}", json.display());
+    Ok(())
+}
+
+fn long_loops(args: &[String]) -> Result<()> {
+    match args.first().map(String::as_str) {
+        None => long_loops_prepare(),
+        Some("--dry-run") => long_loops_dry_run(&args[1..]),
+        Some("--report") => long_loops_report(&args[1..]),
+        Some(other) => bail!(
+            "gpu-bench --long-loops: unknown argument {other:?} (usage: gpu-bench --long-loops \
+             [--dry-run [long_loops.py ARGS...] | --report JSON...])"
+        ),
+    }
+}
+
 pub fn gpu_bench(args: &[String]) -> Result<()> {
     match args.first().map(String::as_str) {
         None => prepare(),
+        Some("--long-loops") => long_loops(&args[1..]),
         Some("--dry-run") => dry_run(&args[1..]),
         Some("--report") => match args.get(1) {
             Some(json) => report(json),
             None => bail!("usage: cargo xtask gpu-bench --report RESULT.json"),
         },
         Some(other) => bail!(
-            "gpu-bench: unknown argument {other:?} (usage: gpu-bench [--dry-run [HARNESS ARGS...] | --report RESULT.json])"
+            "gpu-bench: unknown argument {other:?} (usage: gpu-bench [--dry-run [HARNESS ARGS...] | --report RESULT.json \
+             | --long-loops [--dry-run [ARGS...] | --report JSON...]])"
         ),
     }
 }
