@@ -241,7 +241,7 @@ def _torch_requirement() -> str:
 
 ext = CppExtension(
     name="stweaver._C",
-    sources=["cpp/stweaver_allocator.cpp", "cpp/stweaver_module.cpp"],
+    sources=["cpp/stweaver_allocator.cpp", "cpp/stweaver_module.cpp", "cpp/offload_copy.cpp"],
     # Hidden by default: only PyInit_* is exported; the staticlib's symbols are hidden by
     # --exclude-libs, cxx's templates instantiated in our objects by -fvisibility.
     extra_compile_args=["-O2", "-fvisibility=hidden", "-fvisibility-inlines-hidden"],
@@ -250,6 +250,7 @@ ext = CppExtension(
     depends=[
         os.path.relpath(STATICLIB, ROOT),
         "cpp/stweaver_allocator.h",
+        "cpp/offload_copy.h",
         str(pathlib.Path(torch.__file__).parent / "version.py"),
     ],
 )

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "offload_copy.h"
 #include "stweaver_allocator.h"
 
 namespace {
@@ -52,6 +53,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> as_tuple(const stweaver::ffi::Pau
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "stweaver: a planning CUDA allocator for PyTorch (C++ side of the Rust engine)";
   m.attr("torch_version") = TORCH_VERSION;
+  stweaver_offload::register_offload_copy(m);
 
   m.def(
       "install",

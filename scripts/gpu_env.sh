@@ -38,13 +38,21 @@ unset PY_ABS
 export PY
 
 # Builds the extension (python -m stweaver build) into python/stweaver/, log in $OUT/build.log;
-# skipped when the built extension is newer than the carried staticlib (scripts run back to
-# back in one call).
+# skipped when the built extension is newer than the carried staticlib and every C++ source
+# (scripts run back to back in one call; a warm machine keeps the last build).
 gpu_env_build() {
-  if [ -n "$(find python/stweaver -maxdepth 1 -name '_C*.so' -newer "$STWEAVER_LIB" 2>/dev/null)" ]; then
+  local so src stale=""
+  so=$(find python/stweaver -maxdepth 1 -name '_C*.so' -newer "$STWEAVER_LIB" 2>/dev/null | head -n 1)
+  if [ -n "$so" ]; then
+    for src in cpp/*.cpp cpp/*.h; do
+      [ "$src" -nt "$so" ] && stale="$src"
+    done
+  fi
+  if [ -n "$so" ] && [ -z "$stale" ]; then
     echo "extension already built"
     return 0
   fi
+  [ -n "$stale" ] && echo "extension older than $stale: building again"
   local t0; t0=$(date +%s)
   if ! "$PY" -m stweaver build > "$OUT/build.log" 2>&1; then
     tail -n 40 "$OUT/build.log"

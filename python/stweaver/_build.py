@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 PKG_DIR = pathlib.Path(__file__).resolve().parent
 REPO_DIR = PKG_DIR.parent.parent
-SOURCES = ("stweaver_allocator.cpp", "stweaver_module.cpp")
+SOURCES = ("stweaver_allocator.cpp", "stweaver_module.cpp", "offload_copy.cpp")
 DEFAULT_ARCH_LIST = "9.0"
 
 

@@ -335,15 +335,95 @@ class PinnedPool:
 # ---------------------------------------------------------------- backend
 
 
-class CudaBackend:
-    """The CUDA operations of the offloader (the test suite swaps in a CPU fake)."""
+def copy_out(b, t, host: HostSlice, host_view, nbytes: int):
+    """The copy out of t into its host slice on backend b's ``d2h`` side stream, after
+    the current stream's work so far, with t's block recorded on that stream; (start
+    event or None, done event). A backend may do it in one call (``b.copy_out``, the
+    extension's); else its primitive operations, in this order."""
+    fast = getattr(b, "copy_out", None)
+    if fast is not None:
+        r = fast(t, host, nbytes)
+        if r is not None:
+            return r
+    cur = b.current_stream(t.device)
+    d2h = b.side_stream(t.device, "d2h")
+    b.wait_stream(d2h, cur)                      # t is written (current stream) before read
+    ev0 = b.event(d2h) if b.timing else None
+    b.copy(host_view(), t, d2h)
+    b.record_stream(t, d2h)                      # t's block is not reused mid-copy
+    return ev0, b.event(d2h)
 
-    def __init__(self, timing: bool = True):
+
+def copy_in(b, dev, host: HostSlice, host_view, nbytes: int, after):
+    """The copy back of a host slice into dev on the ``h2d`` side stream, after the
+    current stream's work so far (dev's block's earlier users) and after the event
+    ``after`` (the copy out); dev recorded on that stream; (start or None, done)."""
+    fast = getattr(b, "copy_in", None)
+    if fast is not None:
+        r = fast(dev, host, nbytes, after)
+        if r is not None:
+            return r
+    cur = b.current_stream(dev.device)
+    h2d = b.side_stream(dev.device, "h2d")
+    b.wait_stream(h2d, cur)      # the block's earlier users (current stream) are done
+    b.wait_event(h2d, after)     # the host slice holds the data
+    ev0 = b.event(h2d) if b.timing else None
+    b.copy(dev, host_view(), h2d)
+    b.record_stream(dev, h2d)    # dev dying early does not free it under the copy
+    return ev0, b.event(h2d)
+
+
+def wait_current(b, device, event) -> None:
+    """The device's current stream waits (on the device) for event."""
+    fast = getattr(b, "wait_current", None)
+    if fast is not None and fast(device, event):
+        return
+    b.wait_event(b.current_stream(device), event)
+
+
+class CudaBackend:
+    """The CUDA operations of the offloader (the test suite swaps in a CPU fake).
+
+    ``ext``: stweaver's extension; when it has ``offload_copy_out`` (cpp/offload_copy.cpp),
+    each copy is one call into it with pooled events (``copy_out`` / ``copy_in`` /
+    ``wait_current``) instead of ~10 calls of torch's Python API: the hooks run once per
+    offloaded tensor each way while forward is host-bound."""
+
+    def __init__(self, timing: bool = True, ext=None):
         import torch
 
         self.torch = torch
         self.timing = timing
         self._streams: Dict[Tuple[str, int], Any] = {}
+        self._fast = ext if ext is not None and hasattr(ext, "offload_copy_out") else None
+        self._pooled = getattr(self._fast, "PooledEvent", None)
+
+    @property
+    def fast(self) -> bool:
+        """Whether the copies go through the extension's one-call path."""
+        return self._fast is not None
+
+    def _side(self, device, kind: str):
+        s = self.side_stream(device, kind)
+        return s.stream_id, s.device_index, s.device_type
+
+    def copy_out(self, t, host: HostSlice, nbytes: int):
+        if self._fast is None:
+            return None
+        return self._fast.offload_copy_out(t, host.tensor, nbytes, *self._side(t.device, "d2h"), self.timing)
+
+    def copy_in(self, dev, host: HostSlice, nbytes: int, after):
+        if self._fast is None or not isinstance(after, self._pooled):
+            return None
+        return self._fast.offload_copy_in(dev, host.tensor, nbytes, *self._side(dev.device, "h2d"), after,
+                                          self.timing)
+
+    def wait_current(self, device, event) -> bool:
+        if self._fast is None or not isinstance(event, self._pooled):
+            return False
+        idx = device.index if device.index is not None else self.torch.cuda.current_device()
+        self._fast.offload_wait(event, idx)
+        return True
 
     def is_device(self, t) -> bool:
         return t.is_cuda
@@ -498,7 +578,7 @@ class Offloader:
         # at each boundary): a call into the extension per counted hook call is the hooks'
         # largest host cost when nothing is recorded.
         self._rec = self._record if self._may_record() else None
-        self.backend = backend if backend is not None else CudaBackend()
+        self.backend = backend if backend is not None else CudaBackend(ext=ext)
         self._is_device = self.backend.is_device  # bound once: the hooks call it per tensor
         self.pool = pool if pool is not None else PinnedPool()
         self.prefetch = prefetch
@@ -637,18 +717,27 @@ class Offloader:
             self._misses += 1
         return rid
 
-    def _reap(self) -> None:
-        """Frees host slices whose last copy has passed (never waits)."""
+    def _reap(self, full: bool = False) -> None:
+        """Frees host slices whose last copy has passed (never waits). The hooks' calls
+        stop at the first slice whose copy is still running (``full``, at a boundary:
+        every slice is asked): the copies back run in order on one stream and are
+        reaped in about that order, so one event query per call instead of one per
+        pending slice (quadratic over backward's unpacks)."""
         while self._zombies:  # list.pop is atomic: __del__ may append meanwhile
             self._pending.append(self._zombies.pop())
         if not self._pending:
             return
         keep = []
-        for sl, ev in self._pending:
-            if ev is None or self.backend.query(ev):
+        query = self.backend.query
+        pending = self._pending
+        for i, (sl, ev) in enumerate(pending):
+            if ev is None or query(ev):
                 self.pool.free(sl)
-            else:
+            elif full:
                 keep.append((sl, ev))
+            else:
+                keep.extend(pending[i:])
+                break
         self._pending = keep
 
     def eligible(self, t) -> bool:
@@ -770,13 +859,7 @@ class Offloader:
         h.dev = h.ev_in = None
         h.unpacked = h.stalled = False
         h.iteration = self.iterations
-        cur = b.current_stream(t.device)
-        d2h = b.side_stream(t.device, "d2h")
-        b.wait_stream(d2h, cur)                      # t is written (current stream) before read
-        h.ev_out0 = b.event(d2h) if b.timing else None
-        b.copy(self._host_view(h), t, d2h)
-        b.record_stream(t, d2h)                      # t's block is not reused mid-copy
-        h.ev_out = b.event(d2h)
+        h.ev_out0, h.ev_out = copy_out(b, t, sl, lambda: self._host_view(h), nbytes)
         if h.ev_out0 is not None:
             self._timings.append(("d2h", h.ev_out0, h.ev_out, nbytes))
         h.owner = self
@@ -804,14 +887,7 @@ class Offloader:
             # The copy back is the packed allocation again (a restore link in the trace).
             if self._restore(dev.data_ptr(), h.rec_id):
                 self._it["restore_links"] += 1
-        cur = b.current_stream(h.device)
-        h2d = b.side_stream(h.device, "h2d")
-        b.wait_stream(h2d, cur)      # the block's earlier users (current stream) are done
-        b.wait_event(h2d, h.ev_out)  # the host slice holds the data
-        ev0 = b.event(h2d) if b.timing else None
-        b.copy(dev, self._host_view(h), h2d)
-        b.record_stream(dev, h2d)    # dev dying early does not free it under the copy
-        h.ev_in = b.event(h2d)
+        ev0, h.ev_in = copy_in(b, dev, h.host, lambda: self._host_view(h), h.nbytes, h.ev_out)
         if ev0 is not None:
             self._timings.append(("h2d", ev0, h.ev_in, h.nbytes))
         h.dev = dev
@@ -867,8 +943,7 @@ class Offloader:
                 self._copy_back(h)
                 h.stalled = True
                 self._it["stalls"] += 1
-            b = self.backend
-            b.wait_event(b.current_stream(h.device), h.ev_in)  # device-side wait only
+            wait_current(self.backend, h.device, h.ev_in)  # device-side wait only
             if not h.unpacked:
                 if h.j_expected >= 0 and h.j_expected != j:
                     self._it["unpack_drift"] += 1  # the plan expected it at another unpack
@@ -927,7 +1002,7 @@ class Offloader:
             it["not_unpacked"] = len({id(h) for h in live if h is not None and not h.unpacked})
             if self._schedule and self.mode != "threshold":
                 it["schedule_unreached"] = sum(1 for e in self._schedule if e[0] >= self.k)
-            self._reap()
+            self._reap(full=True)
             self._read_timings()
             busy = it["packs"] or it["unpacks"] or it["pin_failures"]
             if busy:

@@ -863,3 +863,62 @@ def test_markers_stop_once_the_runtime_can_no_longer_record():
     o3, _ = offloader(schedule=[], ext=ext)
     o3.unpack(o3.pack(t))
     assert len(ext.calls) == 2
+
+
+class FastBackend(FakeBackend):
+    """A backend with the extension's one-call copies (cpp/offload_copy.cpp): whole storage
+    bytes, logged as one operation each."""
+
+    @staticmethod
+    def _bytes(t):
+        return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+    def copy_out(self, t, host, nbytes):
+        host.tensor[:nbytes].copy_(self._bytes(t)[:nbytes])
+        ev = FakeEvent(self, self.side_stream(t.device, "d2h"))
+        self.log.append(("copy_out", t.data_ptr(), nbytes, ev.id))
+        return None, ev
+
+    def copy_in(self, dev, host, nbytes, after):
+        self._bytes(dev)[:nbytes].copy_(host.tensor[:nbytes])
+        ev = FakeEvent(self, self.side_stream(dev.device, "h2d"))
+        self.log.append(("copy_in", dev.data_ptr(), nbytes, after.id, ev.id))
+        return None, ev
+
+    def wait_current(self, device, ev):
+        self.log.append(("wait_current", ev.id))
+        return True
+
+
+def test_a_backend_with_one_call_copies_is_used_both_ways_and_round_trips():
+    be = FastBackend()
+    pool = PinnedPool(pin=cpu_pin(), pow2=False, min_grow=4 * KIB)
+    o = Offloader(min_bytes=0, backend=be, pool=pool, prefetch=0)
+    ts = tensors(2) + [torch.randn(6, 40).t()]  # a permuted whole-storage tensor too
+    hs = [o.pack(t) for t in ts]
+    outs = [o.unpack(h) for h in reversed(hs)]
+    for t, out in zip(reversed(ts), outs):
+        assert torch.equal(out, t) and out.stride() == t.stride()
+    assert len(be.ops("copy_out")) == 3 and len(be.ops("copy_in")) == 3
+    # each copy back waits for its own copy out; each unpack for its own copy back
+    outs_ev = {e[1]: e[3] for e in be.ops("copy_out")}
+    assert sorted(e[3] for e in be.ops("copy_in")) == sorted(outs_ev.values())
+    assert [e[1] for e in be.ops("wait_current")] == [e[4] for e in be.ops("copy_in")]
+    assert not be.ops("wait_stream") and not be.ops("copy")  # no primitive path
+
+
+def test_hook_calls_reap_up_to_the_first_copy_still_running_and_a_boundary_reaps_all():
+    o, be = offloader(min_bytes=0, complete=False, prefetch=0)
+    ts = tensors(3)
+    hs = [o.pack(t) for t in ts]
+    be.finish()  # the copies out passed
+    o.unpack(hs[2])  # its copy back is queued, not passed
+    be.complete = True
+    o.unpack(hs[1])  # passes at once, but queued behind hs[2]'s slice
+    o.unpack(hs[0])
+    assert o.pool.used == 4096  # hs[2]'s slice heads the queue: nothing given back yet
+    o.iteration_end()  # a boundary asks every slice
+    assert o.pool.used == 1536  # hs[2]'s copy back still runs (its 1536-byte slice)
+    be.finish()
+    o.iteration_end()
+    assert o.pool.used == 0

@@ -449,7 +449,11 @@ fn check_one(version: &str, lib: &Path) -> Result<String> {
         py_inc.trim().to_string(),
     ];
     let mut objects = Vec::new();
-    for src in ["stweaver_allocator.cpp", "stweaver_module.cpp"] {
+    for src in [
+        "stweaver_allocator.cpp",
+        "stweaver_module.cpp",
+        "offload_copy.cpp",
+    ] {
         let obj = work.join(src.replace(".cpp", ".o"));
         let mut c = Command::new("g++");
         c.arg(format!("-std={std}"))
