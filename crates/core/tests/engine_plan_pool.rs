@@ -553,6 +553,54 @@ fn a_plan_that_hits_the_memory_limit_is_given_up_and_the_run_goes_on_online() {
 }
 
 #[test]
+fn at_the_memory_limit_a_request_takes_any_free_hole_of_the_pool_before_the_plan_is_given_up() {
+    use stweaver_core::engine::MemoryLimit;
+    // Granule 0 of the pool holds a 16K parameter and 48K free; the iteration's
+    // requests are planned in granule 1, which the limit (3 granules, two held by
+    // another stream) does not let the run map.
+    let plan = verified_plan(
+        128 * K,
+        vec![req(16 * K, 0, 0, NEVER_FREED, S1)],
+        1,
+        vec![req(32 * K, 64 * K, 0, 2, S1), req(16 * K, 96 * K, 1, 3, S1)],
+        4,
+    );
+    let mut r = run();
+    r.engine
+        .set_memory_limit(MemoryLimit::Bytes(Bytes(3 * G)))
+        .unwrap();
+    let other = r.alloc(2 * G, S2);
+    r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+    let param = r.alloc(16 * K, S1);
+    r.engine.mark_iteration().unwrap();
+    let a = r.alloc(32 * K, S1);
+    let b = r.alloc(16 * K, S1);
+    // Both in granule 0's free part: the plan goes on, each counted as a conflict.
+    assert!(r.in_pool(a) && r.in_pool(b));
+    assert!(a.get() < r.engine.plan_pool().unwrap().unwrap().0.get() + G);
+    assert_eq!(r.engine.plan_abandoned().unwrap(), None);
+    assert_eq!(
+        r.engine.stats().unwrap().reserved_bytes[0].current as u64,
+        3 * G
+    );
+    let st = r.engine.plan_stats().unwrap().unwrap();
+    assert_eq!(st.conflicts, 2, "{st:?}");
+    r.engine.check_invariants().unwrap();
+    // Once the other stream's memory is gone, the plan's own places are served.
+    r.free(a);
+    r.free(b);
+    r.free(other);
+    r.engine.empty_cache().unwrap();
+    r.engine.mark_iteration().unwrap();
+    let base = r.engine.plan_pool().unwrap().unwrap().0.get();
+    let a = r.alloc(32 * K, S1);
+    assert_eq!(a.get(), base + 64 * K);
+    r.free(a);
+    r.free(param);
+    r.engine.check_invariants().unwrap();
+}
+
+#[test]
 fn cached_online_memory_is_given_back_before_a_plan_is_given_up_for_the_limit() {
     // The other stream's two granules are cached online once freed, as the online
     // phase of auto mode leaves them.

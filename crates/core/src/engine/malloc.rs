@@ -33,7 +33,7 @@ use std::sync::MutexGuard;
 use crate::units::{Bytes, StreamId};
 
 use super::arena::{ALIGNMENT, ArenaId, Idx, SlabFull};
-use super::mapping::Growth;
+use super::mapping::{Growth, PoolMapping};
 use super::plan_serving::PlanAnswer;
 use super::{DeviceMemory, DevicePtr, Engine, EngineError, PoolKind, State, stats};
 
@@ -157,9 +157,13 @@ impl<D: DeviceMemory> Engine<D> {
             PlanAnswer::Placed(i) => return Ok((Some(i), st)),
             PlanAnswer::Nothing => return Ok((None, st)),
             PlanAnswer::Map { addr, e } => {
-                let (mapped, guard) = self.map_pool_range(st, addr, rounded)?;
+                let (mapped, guard) = self.map_pool_range(st, addr, rounded, (size, stream))?;
                 st = guard;
-                if mapped
+                if let PoolMapping::InHole(i) = mapped {
+                    st.plan_conflict(&e, addr);
+                    return Ok((Some(i), st));
+                }
+                if matches!(mapped, PoolMapping::Mapped)
                     && let Some(pa) = st.plan.as_ref().map(|p| p.arena)
                     && let Some(i) = st.arenas.alloc_at(pa, addr, rounded, size.get())?
                 {
@@ -174,7 +178,12 @@ impl<D: DeviceMemory> Engine<D> {
                 // hold the range (on the H100, a prologue request over a
                 // threshold-offloaded tensor's pending free and unmapped granules
                 // conflicted, and its plan was given up).
-                st = self.map_pool_range(st, addr, rounded)?.1;
+                let (mapped, guard) = self.map_pool_range(st, addr, rounded, (size, stream))?;
+                st = guard;
+                if let PoolMapping::InHole(i) = mapped {
+                    st.plan_conflict(&e, addr);
+                    return Ok((Some(i), st));
+                }
                 let (placed, guard) = self.wait_for_pending(st, addr, rounded, size, stream)?;
                 st = guard;
                 if let Some(i) = placed {
@@ -204,9 +213,11 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(at) = st.pool_growth(rounded, stream) else {
             return Ok((None, st));
         };
-        let (mapped, mut st) = self.map_pool_range(st, at, rounded)?;
-        if !mapped {
-            return Ok((None, st));
+        let (mapped, mut st) = self.map_pool_range(st, at, rounded, (size, stream))?;
+        match mapped {
+            PoolMapping::Mapped => {}
+            PoolMapping::InHole(i) => return Ok((Some(i), st)),
+            PoolMapping::No => return Ok((None, st)),
         }
         let placed = st.alloc_grown(at, size, rounded, stream)?;
         Ok((placed, st))

@@ -12,7 +12,7 @@
 
 use std::sync::MutexGuard;
 
-use crate::units::Bytes;
+use crate::units::{Bytes, StreamId};
 
 use super::arena::{ArenaId, GrowthFailure, Idx};
 use super::{DeviceError, DeviceMemory, DevicePtr, Engine, EngineError, PoolKind, State, stats};
@@ -123,24 +123,28 @@ impl<D: DeviceMemory> Engine<D> {
     }
 
     /// Maps the granules of `[addr, addr + rounded)` of the plan pool that are not
-    /// mapped yet, within the memory limit (the lock released around the device calls).
-    /// Whether the range is mapped now.
+    /// mapped yet, within the memory limit (the lock released around the device calls),
+    /// for a request of `size` on `stream`. Over the limit even with the online cache
+    /// given back, the request first takes any free hole of the pool big enough
+    /// ([`State::alloc_in_any_hole`]: what the plan expects there later becomes a
+    /// conflict, served in turn), and only without one is the plan given up.
     pub(super) fn map_pool_range<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
         addr: u64,
         rounded: u64,
-    ) -> Result<(bool, MutexGuard<'a, State>), EngineError> {
+        (size, stream): (Bytes, StreamId),
+    ) -> Result<(PoolMapping, MutexGuard<'a, State>), EngineError> {
         let mut released = false;
         let (carved, total, reserved) = loop {
             let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
-                return Ok((false, st));
+                return Ok((PoolMapping::No, st));
             };
             let carved = st.arenas.carve_range(pa, addr, rounded)?;
             if carved.is_empty() {
                 // Every granule is mapped (or being mapped): nothing to do, whatever the
                 // limit.
-                return Ok((true, st));
+                return Ok((PoolMapping::Mapped, st));
             }
             let total: u64 = carved.iter().map(|&i| st.arenas.block(i).size).sum();
             let reserved = st.stats.reserved_bytes[0].current as u64;
@@ -162,16 +166,34 @@ impl<D: DeviceMemory> Engine<D> {
             for i in carved {
                 st.arenas.finish_mapping(i, false);
             }
+            if let Some(i) = st.alloc_in_any_hole(size, rounded, stream)? {
+                st.stats.num_alloc_retries += 1;
+                return Ok((PoolMapping::InHole(i), st));
+            }
             // The plan does not fit under the limit next to what is held: give it up
             // (its blocks stay until freed, its pool goes back like an online arena)
             // and serve online from now on.
             // What was served outside the plan so far says why (a prologue that did not
             // match the recorded one leaves online memory beside the pool).
+            // Where the reserved bytes are: the pool's mapped part against its planned
+            // length, and the free bytes the online arenas cannot give back (they share a
+            // granule with a live block: `inactive_split`).
             let served = st.plan.as_ref().map_or(String::new(), |p| {
                 let s = &p.cursor.stats;
+                let pool_mapped: u64 = st
+                    .arenas
+                    .arena_blocks(p.arena)
+                    .filter(|(_, b)| b.state.is_mapped())
+                    .map(|(_, b)| b.size)
+                    .sum();
+                let held = st.arenas.inactive_bytes(PoolKind::Small)
+                    + st.arenas.inactive_bytes(PoolKind::Large);
                 format!(
-                    "; {} allocated; served so far: {} planned, {} conflicts, {} unplanned ({} in pool holes), {} iterations",
+                    "; {} allocated; the pool {} mapped of {} planned; {} free but not releasable; served so far: {} planned, {} conflicts, {} unplanned ({} in pool holes), {} iterations",
                     Bytes(st.stats.allocated_bytes[0].current as u64),
+                    Bytes(pool_mapped),
+                    Bytes(p.len),
+                    Bytes(held),
                     s.hits,
                     s.conflicts,
                     s.unplanned,
@@ -186,9 +208,25 @@ impl<D: DeviceMemory> Engine<D> {
                 Bytes(reserved)
             );
             st.stop_plan(Some(why));
-            return Ok((false, st));
+            return Ok((PoolMapping::No, st));
         }
         let (grown, st) = self.map_carved(st, &carved)?;
-        Ok((matches!(grown, Growth::Retry), st))
+        let mapped = if matches!(grown, Growth::Retry) {
+            PoolMapping::Mapped
+        } else {
+            PoolMapping::No
+        };
+        Ok((mapped, st))
     }
+}
+
+/// What [`Engine::map_pool_range`] did.
+pub(super) enum PoolMapping {
+    /// The range is mapped now.
+    Mapped,
+    /// Not mapped (no plan, a device failure, or the plan given up at the limit).
+    No,
+    /// Not mapped (the memory limit): the request was placed in this free hole of the
+    /// pool instead.
+    InHole(Idx),
 }

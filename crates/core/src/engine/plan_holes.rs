@@ -148,6 +148,30 @@ impl PlanServing {
 }
 
 impl State {
+    /// The last resort before the plan is given up at the memory limit
+    /// ([`super::Engine::map_pool_range`]): a free hole of the pool for the request
+    /// wherever one fits, kept clear of nothing the plan expects next (a planned
+    /// request there later is a conflict and takes a hole in turn; at a boundary a plan
+    /// with too many conflicts is still given up). A multi-stream plan's other
+    /// streams' ranges stay out of bounds. `alloc_in_hole`'s cost.
+    pub(super) fn alloc_in_any_hole(
+        &mut self,
+        size: Bytes,
+        rounded: u64,
+        stream: StreamId,
+    ) -> Result<Option<Idx>, SlabFull> {
+        let Some(p) = self.plan.as_mut() else {
+            return Ok(None);
+        };
+        // Clear of the requests planned to start before tick 0: of none.
+        let saved = p.until.replace(0);
+        let placed = self.alloc_in_hole(size, rounded, stream);
+        if let Some(p) = self.plan.as_mut() {
+            p.until = saved;
+        }
+        placed
+    }
+
     /// A free hole of the plan's pool for a request the plan does not serve: the free
     /// blocks that fit, best fit first, each tried at its low then its high end.
     pub(super) fn alloc_in_hole(

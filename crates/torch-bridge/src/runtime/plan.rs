@@ -54,6 +54,10 @@ pub(super) enum OffloadOutcome {
     /// the run fits without offload).
     Planned {
         budget: u64,
+        /// Free bytes of the online arenas that cannot be given back at the switch
+        /// (they share a granule with a live block, the recording's `inactive_split`):
+        /// planned against `budget - online_held`.
+        online_held: u64,
         tensors: usize,
         bytes_per_iteration: u64,
         planned_peak: u64,
@@ -67,7 +71,11 @@ pub(super) enum OffloadOutcome {
         link_gbps: f64,
     },
     /// Planned without offload, and why.
-    NotPlanned { budget: u64, reason: String },
+    NotPlanned {
+        budget: u64,
+        online_held: u64,
+        reason: String,
+    },
 }
 
 impl OffloadOutcome {
@@ -75,6 +83,7 @@ impl OffloadOutcome {
         match self {
             OffloadOutcome::Planned {
                 budget,
+                online_held,
                 tensors,
                 bytes_per_iteration,
                 planned_peak,
@@ -86,6 +95,7 @@ impl OffloadOutcome {
             } => serde_json::json!({
                 "planned": true,
                 "budget_bytes": budget,
+                "online_held_bytes": online_held,
                 "tensors": tensors,
                 "bytes_per_iteration": bytes_per_iteration,
                 "planned_peak": planned_peak,
@@ -95,9 +105,14 @@ impl OffloadOutcome {
                 "stall_us": stall_us,
                 "link_gbps": link_gbps,
             }),
-            OffloadOutcome::NotPlanned { budget, reason } => serde_json::json!({
+            OffloadOutcome::NotPlanned {
+                budget,
+                online_held,
+                reason,
+            } => serde_json::json!({
                 "planned": false,
                 "budget_bytes": budget,
+                "online_held_bytes": online_held,
                 "reason": reason,
             }),
         }
@@ -187,34 +202,41 @@ impl PlanControl {
 }
 
 /// Auto mode's background planning of one device's recorded trace. Without a budget
-/// (`budget` `None`): the ordinary plan. Under one, when the trace has saved packs:
-/// [`plan_with_budget`] (which plans the run without the recording's own offload);
-/// a refusal (a budget below the minimum, ...) falls back to the ordinary plan, the
-/// outcome saying why.
+/// (`budget` `None`): the ordinary plan. Under one, `(limit, online_held)`, when the
+/// trace has saved packs: [`plan_with_budget`] (which plans the run without the
+/// recording's own offload) for `limit - online_held`: the online arenas keep their
+/// free bytes that share a granule with a live block (parameters, optimizer state)
+/// mapped beside the plan's pool after the switch, so the plan may not count on them
+/// (on GPT-2 XL under 0.8 x LB, a plan made for the whole limit ran out of room
+/// mapping its pool in its second iteration and was given up). A refusal (a budget
+/// below the minimum, ...) falls back to the ordinary plan, the outcome saying why.
 fn plan_in_background(
     trace: &Trace,
     opts: &PlannerOptions,
-    budget: Option<u64>,
+    budget: Option<(u64, u64)>,
     has_packs: bool,
     (link_gbps, iteration_us): (Option<f64>, Option<f64>),
 ) -> PlanResult {
     let plain = |trace: &Trace| plan_recording(trace, opts);
-    let Some(budget) = budget else {
+    let Some((budget, online_held)) = budget else {
         return plain(trace).map(|p| (p, None));
     };
+    let target = budget.saturating_sub(online_held);
     if !has_packs {
         let plan = plain(trace)?;
-        let outcome = (plan.pool_size.get() > budget).then(|| OffloadOutcome::NotPlanned {
+        let outcome = (plan.pool_size.get() > target).then(|| OffloadOutcome::NotPlanned {
             budget,
+            online_held,
             reason: format!(
-                "no offload planned: the plan needs {} over the budget {}, and the recording has no saved tensors (enable stweaver._offload while recording)",
+                "no offload planned: the plan needs {} over the budget {} (less {} the online arenas keep mapped), and the recording has no saved tensors (enable stweaver._offload while recording)",
                 plan.pool_size,
-                Bytes(budget)
+                Bytes(budget),
+                Bytes(online_held)
             ),
         });
         return Ok((plan, outcome));
     }
-    let mut o = OffloadOptions::new(Bytes(budget));
+    let mut o = OffloadOptions::new(Bytes(target));
     o.plan = opts.clone();
     if let Some(g) = link_gbps {
         o.link_gbps = g;
@@ -227,6 +249,7 @@ fn plan_in_background(
             let r = &b.offload;
             let outcome = OffloadOutcome::Planned {
                 budget,
+                online_held,
                 tensors: r.tensors,
                 bytes_per_iteration: r.bytes_per_iteration.get(),
                 planned_peak: r.planned_peak.get(),
@@ -240,13 +263,27 @@ fn plan_in_background(
         }
         Err(err) => {
             let reason = format!(
-                "no offload planned under the budget {}: {err}; planning without offload",
-                Bytes(budget)
+                "no offload planned under the budget {} (less {} the online arenas keep mapped): {err}; planning without offload",
+                Bytes(budget),
+                Bytes(online_held)
             );
             let plan = plain(trace).map_err(|e| format!("{reason}, which failed too: {e}"))?;
-            Ok((plan, Some(OffloadOutcome::NotPlanned { budget, reason })))
+            Ok((
+                plan,
+                Some(OffloadOutcome::NotPlanned {
+                    budget,
+                    online_held,
+                    reason,
+                }),
+            ))
         }
     }
+}
+
+/// The free bytes of `e`'s arenas that no release can give back (they share a granule
+/// with a live block; PyTorch's non-releasable `inactive_split_bytes`), now.
+fn online_held(e: &Engine<Tracked>) -> Result<u64> {
+    Ok(e.stats()?.inactive_split_bytes[0].current.max(0) as u64)
 }
 
 impl Core {
@@ -349,7 +386,10 @@ impl Core {
                     // bytes of offload that fit the device's limit (budget and memory
                     // fraction), from the run without the recording's own offload
                     // (restore links, `un_offload`).
-                    let budget = self.settings.budget.map(|_| slot.budget.limit());
+                    let budget = match self.settings.budget {
+                        Some(_) => Some((slot.budget.limit(), online_held(e)?)),
+                        None => None,
+                    };
                     let has_packs = trace
                         .events
                         .iter()
