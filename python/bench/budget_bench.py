@@ -746,12 +746,22 @@ def fmt_table(doc: dict) -> str:
                 f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
                 f"{('yes' if d.get('losses_equal') else 'NO' if d.get('losses_compared') else '-'):<6} "
                 f"{r.get('offload_mode') or ''}"
-                f"{' + %d blocks recomputed (%s)' % (len(r['recomputed']), r.get('recompute_where')) if r.get('recomputed') else ''}")
+                f"{' + %d blocks recomputed (%s)' % (len(r['recomputed']), r.get('recompute_where')) if r.get('recomputed') else ''}"
+                f"{_given_up(r)}")
     link = doc.get("link") or {}
     lines.append(f"link: H2D {_g(link.get('h2d_GBps'))} GB/s, D2H {_g(link.get('d2h_GBps'))} GB/s (pinned 1 GiB)")
     if doc.get("cap"):
         lines += fmt_cap(doc["cap"])
     return "\n".join(lines)
+
+
+def _given_up(r: dict) -> str:
+    """A warning when stweaver gave its plan up during the row (its later iterations
+    were served online, whatever the offloader's mode says)."""
+    for i, m in enumerate(r.get("modes") or []):
+        if "given up" in str(m):
+            return f"; PLAN GIVEN UP at iteration {i} (then online)"
+    return ""
 
 
 def _s(x) -> str:
