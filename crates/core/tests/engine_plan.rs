@@ -347,6 +347,85 @@ fn an_eval_pass_marked_as_a_phase_is_served_beside_the_plan() {
     );
 }
 
+/// An unmarked eval pass of another batch size: per batch, a few small inputs, then
+/// the forward's activations and temporaries at 3 x the training forward's sizes (sizes
+/// the plan never saw; the larger activations in the large pool), each freed at once.
+fn eval_pass_scaled(r: &mut Run, batches: usize) {
+    for _ in 0..batches {
+        let inputs: Vec<DevicePtr> = (0..4).map(|k| r.alloc(2048 + k * 512)).collect();
+        for l in 0..6u64 {
+            let a = r.alloc(((l + 1) * 100_000 + 123) * 3);
+            let t = r.alloc((40_000 + l * 512) * 3);
+            r.free(t);
+            r.free(a);
+        }
+        for p in inputs {
+            r.free(p);
+        }
+    }
+}
+
+#[test]
+fn an_unmarked_eval_pass_of_unseen_shapes_is_served_beside_the_plan() {
+    use stweaver_core::trace::MarkerKind;
+    let plan = make_plan();
+    let mut stats = Vec::new();
+    for phases in [true, false] {
+        let mut r = Run::new();
+        r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
+        let ps = r.prologue();
+        r.iteration(false, None, None);
+        for _ in 0..3 {
+            r.engine.mark_iteration().unwrap();
+            if phases {
+                r.engine.mark(MarkerKind::PhaseBegin, Some("eval")).unwrap();
+            }
+            eval_pass_scaled(&mut r, 2);
+            if phases {
+                r.engine.mark(MarkerKind::PhaseEnd, Some("eval")).unwrap();
+            }
+            r.steps(false, None, None);
+        }
+        r.engine.check_invariants().unwrap();
+        let st = r.engine.plan_stats().unwrap().unwrap();
+        let s = r.engine.stats().unwrap();
+        let (peak, peak_large) = (s.reserved_bytes[0].peak, s.reserved_bytes[2].peak);
+        stats.push((st, peak, peak_large));
+        for p in ps {
+            r.free(p);
+        }
+    }
+    let pool = (plan.pool_size.get().div_ceil(G) * G) as i64;
+    let (marked, unmarked) = (stats[0], stats[1]);
+    // Marked: every training request at its planned offset, the eval's 96 requests in
+    // the pool's holes, the pool not grown.
+    let per = plan.iteration.len() as u64;
+    assert_eq!(
+        marked.0.hits,
+        plan.prologue.len() as u64 + 4 * per,
+        "{marked:?}"
+    );
+    assert_eq!(
+        (marked.0.unplanned, marked.0.holes, marked.0.grown, marked.1),
+        (96, 96, 0, pool),
+        "{marked:?}"
+    );
+    // Unmarked: after 8 unplanned requests in a row at the iteration start, an implicit
+    // phase; the rest of the pass takes the holes the marked one takes. The training
+    // requests still all hit, with no conflict; the pool does not grow (before: its large
+    // activations found no hole clear of the next iteration's ranges and the pool grew
+    // 3 times, to 1.29 x its size) and nothing goes to an online large arena. Only
+    // requests before the detection (inputs of a few KiB, small temporaries) go online.
+    assert_eq!(unmarked.0.hits, marked.0.hits, "{unmarked:?}");
+    assert_eq!(
+        (unmarked.0.conflicts, unmarked.0.grown, unmarked.2),
+        (0, 0, pool),
+        "{unmarked:?}"
+    );
+    assert!(unmarked.0.holes + 3 * 8 >= 96, "{unmarked:?}");
+    assert!(unmarked.1 <= pool + (1 << 20), "{unmarked:?}");
+}
+
 #[test]
 fn a_late_free_makes_a_conflict_never_an_overlap() {
     let plan = make_plan();

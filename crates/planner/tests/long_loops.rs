@@ -220,16 +220,11 @@ fn perturbed_eval_loops_stay_within_the_lower_bound() {
         for (marks, tr) in [("marked", p.clone()), ("unmarked", without_phases(p))] {
             eprintln!("{what}, {marks}");
             let r = auto(&tr);
-            // Known gap: an unmarked eval of shapes the plan never saw is served from
-            // holes that keep clear of the next iteration's planned ranges; its large
-            // tensors find none and grow the pool (1.33 x LB). Marked, it is 1.004 x.
-            let cap = if what == "1.5 x eval batch" && marks == "unmarked" {
-                1.35
-            } else {
-                1.01
-            };
+            // Unmarked, the eval of shapes the plan never saw is an implicit phase
+            // (module docs of `engine/plan_serving.rs`): 1.006 x, as the unmarked eval of
+            // the training shapes (1.334 x before: its large tensors grew the pool).
             assert!(
-                r.reserved_over_lb() <= cap,
+                r.reserved_over_lb() <= 1.01,
                 "{what}, {marks}: {:.4} x LB",
                 r.reserved_over_lb()
             );

@@ -8,7 +8,9 @@
 //! planned on (so the hole stays free long enough for what is coming; flush with the
 //! block's end when the gap reaches it). Work the plan never saw — an evaluation pass,
 //! the post-training checkpoint — thus lands between the first requests of the next
-//! iteration instead of growing the pool. O(k log k) for the k ranges looked at. A
+//! iteration instead of growing the pool. Inside a phase (marked, or an unmarked pass the
+//! plan never saw, detected at an iteration start: module `plan_serving`, implicit phases) an
+//! unplanned request takes any free hole. O(k log k) for the k ranges looked at. A
 //! large request with no such hole makes the pool **grow at its tail** (its address
 //! range reaches as far as an online arena's; granules are mapped as for an online
 //! arena): it goes at the high end of the free tail of the pool plus new granules if
@@ -119,8 +121,9 @@ impl PlanServing {
     fn unplanned_blocked(&self, len: u64) -> impl Iterator<Item = &cursor::Expected> + '_ {
         // One iteration ahead (a prologue-only plan, an aperiodic run, has none: its
         // unplanned requests are the irregular ones, short-lived), at most HOLE_SPAN_CAP.
-        // Inside a phase nothing: its requests are gone before the plan resumes.
-        let (near, cycle) = if self.phase_depth > 0 {
+        // Inside a phase, marked or implicit, nothing: its requests are gone before the
+        // plan resumes (module `plan_serving`, phases).
+        let (near, cycle) = if self.phase_depth > 0 || self.implicit.on {
             (0, 0)
         } else {
             let cycle = self.cursor.iteration_requests().min(HOLE_SPAN_CAP);

@@ -69,6 +69,37 @@
 //! back to the iteration's start. On 200 iterations with an eval every 10 (an H100
 //! trace, `crates/planner/tests/long_loops.rs`): 1.30 x the lower bound before either,
 //! 1.006 x with restarts alone, 1.004 x with the phase marked.
+//!
+//! # Implicit phases
+//!
+//! An unmarked pass of shapes the plan never saw (an eval of another batch size) matches
+//! nothing: its requests are unplanned, and an unplanned request keeps clear of the
+//! next iteration's planned ranges (module `plan_holes`), which at an iteration start
+//! cover most of the pool, so the pass's large tensors grew the pool (the eval above at
+//! 1.5 x the batch: 1.334 x the lower bound). So an *implicit phase* is detected
+//! ([`ImplicitPhase`], O(1) per request): after a boundary that put the cursor at an
+//! iteration start, [`IMPLICIT_PHASE_RUN`] (8) unplanned requests in a row, with no
+//! run of [`IMPLICIT_PHASE_FOLLOWED`] (8) hits since the boundary, begin one; until
+//! 8 hits in a row (the run follows the plan again) or the next boundary, unplanned
+//! requests take any free hole of the pool, as in a marked phase (a stray hit inside
+//! the pass, a tensor of a size the iteration has too, does not end it). The cursor
+//! is not bookmarked: it is fed every request as before (its inserts keep the
+//! position it left from, its restarts bring a drifted alignment back), so nothing
+//! changes for requests it matches. The eval above: 1.006 x, as the unmarked eval of
+//! the training shapes.
+//!
+//! A short run is not a phase: one unplanned request at an iteration start that lives
+//! on while the iteration's planned requests come (a batch of a new shape) must keep
+//! clear of their ranges, or they find them occupied. Serving every unplanned request
+//! at an iteration start from any hole (a run of 1) failed the unit tests of holes and
+//! tail growth (`crates/core/tests/engine_plan_pool.rs`) and the H100 Llama replays
+//! (1280 conflicts serving the plan without offload; two runs under a budget out of
+//! memory); a run of 2 already passes them, 8 leaves a margin and still catches an eval
+//! pass within its first batch's inputs. What an implicit phase places is checked like
+//! any hole placement (`alloc_at` over a free block, invariant 1): a tensor of it that
+//! outlives it makes the planned request on its range a conflict, served in a hole in
+//! turn, never an alias. A pass of fewer than 8 requests, or one that begins after 8
+//! hits in a row since the boundary, is served as before.
 
 use crate::plan::Plan;
 use crate::trace::MarkerKind;
@@ -144,6 +175,64 @@ pub(super) struct PlanServing {
     /// when the outermost one began (module docs, phases).
     pub(super) phase_depth: u32,
     phase_mark: Option<cursor::Bookmark>,
+    /// An unmarked pass detected at an iteration start (module docs, implicit phases).
+    pub(super) implicit: ImplicitPhase,
+}
+
+/// Unplanned requests in a row, from an iteration start with no run of
+/// [`IMPLICIT_PHASE_FOLLOWED`] hits since, that begin an implicit phase (module docs).
+pub(super) const IMPLICIT_PHASE_RUN: u32 = 8;
+/// Hits in a row after which the run is taken to follow the plan again: no implicit
+/// phase begins before the next iteration boundary.
+pub(super) const IMPLICIT_PHASE_FOLLOWED: u32 = 8;
+
+/// The state of the implicit-phase detector (module docs, implicit phases). O(1) per
+/// request.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct ImplicitPhase {
+    /// Serving an implicit phase: unplanned requests take any free hole.
+    pub(super) on: bool,
+    /// The run follows the plan in this iteration (or the cursor is not at an iteration
+    /// start of the plan's iteration section): no implicit phase may begin.
+    following: bool,
+    /// Unplanned requests in a row, and hits in a row.
+    unplanned: u32,
+    hits: u32,
+}
+
+impl ImplicitPhase {
+    /// The detector just after a boundary; `at_start`: the cursor stands at an
+    /// iteration start of the iteration section.
+    fn after_boundary(at_start: bool) -> ImplicitPhase {
+        ImplicitPhase {
+            following: !at_start,
+            ..ImplicitPhase::default()
+        }
+    }
+
+    /// The cursor matched a request (a hit or a conflict). After
+    /// [`IMPLICIT_PHASE_FOLLOWED`] in a row the run follows the plan again: an implicit
+    /// phase ends, and no other begins before the next boundary. (A stray match inside
+    /// the pass, a tensor of a size the iteration has too, does not end it.)
+    #[inline]
+    fn matched(&mut self) {
+        self.unplanned = 0;
+        self.hits = self.hits.saturating_add(1);
+        if self.hits >= IMPLICIT_PHASE_FOLLOWED {
+            self.following = true;
+            self.on = false;
+        }
+    }
+
+    /// The cursor called a request unplanned.
+    #[inline]
+    fn unmatched(&mut self) {
+        self.hits = 0;
+        self.unplanned = self.unplanned.saturating_add(1);
+        if !self.following && self.unplanned >= IMPLICIT_PHASE_RUN {
+            self.on = true;
+        }
+    }
 }
 
 /// Whether the sorted disjoint ranges `union` meet `[lo, hi)`. O(log n).
@@ -272,6 +361,7 @@ impl State {
         // Where the plan was before this request (for `until` below).
         let before = p.cursor.best_pos();
         if let Some(e) = p.cursor.next(size.get(), ps) {
+            p.implicit.matched();
             let (arena, addr) = (p.arena, p.base + e.offset.get());
             // The common case first: the range is mapped and free.
             if let Some(i) = self.arenas.alloc_at(arena, addr, rounded, size.get())? {
@@ -298,6 +388,7 @@ impl State {
             // is read only by the hole search and the pool's growth for this request,
             // which a conflict and a failed mapping set it for.)
             p.until = p.cursor.lives_forever_at(before).then_some(u64::MAX);
+            p.implicit.unmatched();
         }
         Ok(match self.alloc_in_hole(size, rounded, stream)? {
             Some(i) => PlanAnswer::Placed(i),
@@ -439,6 +530,7 @@ impl<D: DeviceMemory> Engine<D> {
             last_conflict: None,
             phase_depth: 0,
             phase_mark: None,
+            implicit: ImplicitPhase::after_boundary(false),
         });
         Ok(())
     }
@@ -500,6 +592,7 @@ impl<D: DeviceMemory> Engine<D> {
             p.phase_depth = 0;
             p.phase_mark = None;
             p.cursor.mark_iteration();
+            p.implicit = ImplicitPhase::after_boundary(p.cursor.at_iteration_start());
             let (h, c) = (p.cursor.stats.hits, p.cursor.stats.conflicts);
             let (dh, dc) = (h - p.at_boundary.0, c - p.at_boundary.1);
             p.at_boundary = (h, c);
