@@ -42,6 +42,9 @@ random token ids, deterministic algorithms (as gpu_bench).
      budget=...)`` (its own offloader) and ``stweaver.recompute_blocks(model, "auto")``: auto
      mode records, plans, holds the plan and recomputes more blocks and records again while
      the plan would wait for the link (``stweaver._auto_recompute``); measured after the switch;
+   - ``stweaver_auto_pycopy``: the same with ``STWEAVER_OFFLOAD_FAST=0``: the offload copies
+     through torch's Python API instead of one extension call each (the A/B control of
+     ``cpp/offload_copy.cpp``);
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
@@ -109,7 +112,9 @@ WORKLOADS = [
 # Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
 PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
-ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_plan_at_pack", "stweaver_plan_devtime",
+AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy")
+ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_auto_pycopy", "stweaver_plan_at_pack",
+        "stweaver_plan_devtime",
         "stweaver_offload",
         "save_on_cpu", "recompute", "native", "expandable", "unlimited_aa", "recompute_k")
 
@@ -292,7 +297,10 @@ def run_row(spec: dict) -> dict:
             stweaver.install("plan", plan=spec["plan"], budget=str(spec["budget"]),
                              trace=spec.get("served_trace"))
         st = stweaver
-    if row == "stweaver_auto" and not dry:
+    if row == "stweaver_auto_pycopy":
+        # The A/B control of the extension's one-call offload copies: torch's Python API.
+        os.environ["STWEAVER_OFFLOAD_FAST"] = "0"
+    if row in AUTO_ROWS and not dry:
         import stweaver
 
         # The user's way, all in the run: auto mode under the budget with install()'s own
@@ -334,7 +342,7 @@ def run_row(spec: dict) -> dict:
 
         res["recompute_where"] = spec.get("recompute_where", "last")
         res["recomputed"] = recompute_blocks(model, spec["recompute"], where=res["recompute_where"])
-    if row == "stweaver_auto" and st is not None:
+    if row in AUTO_ROWS and st is not None:
         from stweaver._recompute import recompute_blocks
 
         recompute_blocks(model, "auto")
@@ -364,7 +372,7 @@ def run_row(spec: dict) -> dict:
 
     n_total = spec["iters"] + spec["warmup"]
     max_n = n_total + (spec["extra_auto"] if row == "stweaver_offload" and st is not None else 0)
-    if row == "stweaver_auto" and st is not None:
+    if row in AUTO_ROWS and st is not None:
         from stweaver._auto_recompute import MAX_ROUNDS
 
         max_n = n_total + spec["extra_auto"] * (1 + MAX_ROUNDS)  # a recording per round
@@ -417,10 +425,10 @@ def run_row(spec: dict) -> dict:
                 o = st.offload_stats()
                 offload_modes.append(o.get("mode"))
                 modes.append(st.mode())
-            elif st is not None and row in ("stweaver_auto", "stweaver_offload"):
+            elif st is not None and row in AUTO_ROWS + ("stweaver_offload",):
                 m = st.mode()
                 modes.append(m)
-                if row == "stweaver_auto":
+                if row in AUTO_ROWS:
                     last = st.offload_stats().get("last_iteration") or {}
                     offload_iters.append(last)
                     moved.append(last.get("bytes_out", 0) + last.get("bytes_in", 0))
@@ -461,12 +469,12 @@ def run_row(spec: dict) -> dict:
     res["modes"] = modes
     res["switched_at"] = switched_at
     res["offload_modes"] = offload_modes
-    if row == "stweaver_auto" and st is not None:
+    if row in AUTO_ROWS and st is not None:
         from stweaver._recompute import recomputed
 
         res["recomputed"] = recomputed(model)
         res["recompute_where"] = "last"
-    if st is not None and (row in PLAN_ROWS or row == "stweaver_auto"):
+    if st is not None and (row in PLAN_ROWS or row in AUTO_ROWS):
         res["offload"] = st.offload_stats()
         res["offload_iters"] = offload_iters
         res["offload_mode"] = res["offload"].get("mode")

@@ -133,6 +133,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import threading
 import warnings
 import weakref
@@ -387,7 +388,8 @@ class CudaBackend:
     ``ext``: stweaver's extension; when it has ``offload_copy_out`` (cpp/offload_copy.cpp),
     each copy is one call into it with pooled events (``copy_out`` / ``copy_in`` /
     ``wait_current``) instead of ~10 calls of torch's Python API: the hooks run once per
-    offloaded tensor each way while forward is host-bound."""
+    offloaded tensor each way while forward is host-bound. ``STWEAVER_OFFLOAD_FAST=0``
+    turns that path off (an A/B control)."""
 
     def __init__(self, timing: bool = True, ext=None):
         import torch
@@ -396,6 +398,8 @@ class CudaBackend:
         self.timing = timing
         self._streams: Dict[Tuple[str, int], Any] = {}
         self._fast = ext if ext is not None and hasattr(ext, "offload_copy_out") else None
+        if os.environ.get("STWEAVER_OFFLOAD_FAST", "1") == "0":  # the A/B control
+            self._fast = None
         self._pooled = getattr(self._fast, "PooledEvent", None)
 
     @property

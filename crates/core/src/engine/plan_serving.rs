@@ -107,7 +107,7 @@ use crate::units::{Bytes, StreamId};
 
 #[cfg(doc)]
 use super::PlanStats;
-use super::arena::{ALIGNMENT, ArenaId, Idx, Placeable, SlabFull};
+use super::arena::{ALIGNMENT, ArenaId, BlockState, Idx, Placeable, SlabFull};
 use super::config::GIVE_UP_MIN_REQUESTS;
 use super::cursor::{self, Cursor};
 use super::plan_holes::HOLE_SPAN_CAP;
@@ -171,6 +171,9 @@ pub(super) struct PlanServing {
     /// The planned range `(addr, len)` of the last conflict, until taken
     /// ([`Engine::take_last_conflict`]: what occupied it, for a replay's report).
     pub(super) last_conflict: Option<(u64, u64)>,
+    /// The first conflict of the plan, described (the request, its planned range, what
+    /// occupied it, where the cursor was): a give-up's message carries it.
+    first_conflict: Option<String>,
     /// Open phases (`PhaseBegin` markers not closed yet) and the cursor's alignment
     /// when the outermost one began (module docs, phases).
     pub(super) phase_depth: u32,
@@ -408,10 +411,46 @@ impl State {
     /// The planned range of `e` was occupied: counted as a conflict, and a hole for it
     /// must stay free until its planned end.
     pub(super) fn plan_conflict(&mut self, e: &cursor::Expected, addr: u64) {
-        if let Some(p) = self.plan.as_mut() {
+        let State { plan, arenas, .. } = self;
+        if let Some(p) = plan.as_mut() {
             p.cursor.conflict();
             p.until = Some(e.vend);
             p.last_conflict = Some((addr, e.len));
+            if p.first_conflict.is_none() {
+                // Once per plan, off the hit path: a walk over the pool's blocks.
+                let (lo, hi) = (addr, addr + e.len);
+                let held: Vec<String> = arenas
+                    .arena_blocks(p.arena)
+                    .filter(|(_, b)| b.addr < hi && b.addr + b.size > lo)
+                    .filter(|(_, b)| b.state != BlockState::Free)
+                    .take(3)
+                    .map(|(_, b)| {
+                        format!(
+                            "{:?} {} at +{}{}",
+                            b.state,
+                            Bytes(b.size),
+                            b.addr - p.base,
+                            if b.uses.is_empty() {
+                                ""
+                            } else {
+                                " (used by other streams)"
+                            }
+                        )
+                    })
+                    .collect();
+                let (section, index) = p.cursor.position();
+                p.first_conflict = Some(format!(
+                    "a request of {} planned at +{} ({section:?} request {index}, {} iterations served) found {}",
+                    Bytes(e.size),
+                    e.offset.get(),
+                    p.cursor.stats.iterations,
+                    if held.is_empty() {
+                        "its range partly unmapped or being mapped".to_string()
+                    } else {
+                        held.join(", ")
+                    }
+                ));
+            }
         }
     }
 
@@ -426,8 +465,11 @@ impl State {
         self.arenas.unpin(p.arena);
         self.drain = 0;
         self.drain_pending = false;
-        if why.is_some() {
-            self.abandoned = why;
+        if let Some(why) = why {
+            self.abandoned = Some(match p.first_conflict {
+                Some(c) => format!("{why}; first conflict: {c}"),
+                None => why,
+            });
         }
         true
     }
@@ -528,6 +570,7 @@ impl<D: DeviceMemory> Engine<D> {
             at_boundary: (0, 0),
             bad_iterations: 0,
             last_conflict: None,
+            first_conflict: None,
             phase_depth: 0,
             phase_mark: None,
             implicit: ImplicitPhase::after_boundary(false),
