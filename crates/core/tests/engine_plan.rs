@@ -287,31 +287,43 @@ fn eval_pass(r: &mut Run) {
     }
 }
 
+/// `plan` served over its prologue and one iteration, then three times: a boundary, `eval`
+/// (inside `stweaver.phase("eval")` markers when `marked`), the next iteration's steps. The
+/// run and its prologue's live blocks, invariants checked.
+fn serve_with_eval_passes(
+    plan: &Plan,
+    marked: bool,
+    eval: impl Fn(&mut Run),
+) -> (Run, Vec<DevicePtr>) {
+    use stweaver_core::trace::MarkerKind;
+    let mut r = Run::new();
+    r.engine.load_plan(plan, PlanOptions::default()).unwrap();
+    let ps = r.prologue();
+    r.iteration(false, None, None);
+    for _ in 0..3 {
+        // The boundary comes at the optimizer step; the eval pass after it, before the
+        // next iteration's forward (as `python/bench/long_loops.py`'s eval10).
+        r.engine.mark_iteration().unwrap();
+        if marked {
+            r.engine.mark(MarkerKind::PhaseBegin, Some("eval")).unwrap();
+        }
+        eval(&mut r);
+        if marked {
+            r.engine.mark(MarkerKind::PhaseEnd, Some("eval")).unwrap();
+        }
+        r.steps(false, None, None);
+    }
+    r.engine.check_invariants().unwrap();
+    (r, ps)
+}
+
 #[test]
 fn an_eval_pass_marked_as_a_phase_is_served_beside_the_plan() {
-    use stweaver_core::trace::MarkerKind;
     let plan = make_plan();
     let per = plan.iteration.len() as u64;
     let mut stats = Vec::new();
     for phases in [true, false] {
-        let mut r = Run::new();
-        r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-        let ps = r.prologue();
-        r.iteration(false, None, None);
-        for _ in 0..3 {
-            // The boundary comes at the optimizer step; the eval pass after it, before
-            // the next iteration's forward (as `python/bench/long_loops.py`'s eval10).
-            r.engine.mark_iteration().unwrap();
-            if phases {
-                r.engine.mark(MarkerKind::PhaseBegin, Some("eval")).unwrap();
-            }
-            eval_pass(&mut r);
-            if phases {
-                r.engine.mark(MarkerKind::PhaseEnd, Some("eval")).unwrap();
-            }
-            r.steps(false, None, None);
-        }
-        r.engine.check_invariants().unwrap();
+        let (mut r, ps) = serve_with_eval_passes(&plan, phases, eval_pass);
         let st = r.engine.plan_stats().unwrap().unwrap();
         stats.push(st);
         if phases {
@@ -367,26 +379,10 @@ fn eval_pass_scaled(r: &mut Run, batches: usize) {
 
 #[test]
 fn an_unmarked_eval_pass_of_unseen_shapes_is_served_beside_the_plan() {
-    use stweaver_core::trace::MarkerKind;
     let plan = make_plan();
     let mut stats = Vec::new();
     for phases in [true, false] {
-        let mut r = Run::new();
-        r.engine.load_plan(&plan, PlanOptions::default()).unwrap();
-        let ps = r.prologue();
-        r.iteration(false, None, None);
-        for _ in 0..3 {
-            r.engine.mark_iteration().unwrap();
-            if phases {
-                r.engine.mark(MarkerKind::PhaseBegin, Some("eval")).unwrap();
-            }
-            eval_pass_scaled(&mut r, 2);
-            if phases {
-                r.engine.mark(MarkerKind::PhaseEnd, Some("eval")).unwrap();
-            }
-            r.steps(false, None, None);
-        }
-        r.engine.check_invariants().unwrap();
+        let (mut r, ps) = serve_with_eval_passes(&plan, phases, |r| eval_pass_scaled(r, 2));
         let st = r.engine.plan_stats().unwrap().unwrap();
         let s = r.engine.stats().unwrap();
         let (peak, peak_large) = (s.reserved_bytes[0].peak, s.reserved_bytes[2].peak);
