@@ -21,6 +21,10 @@ with no arguments):
 ``STWEAVER_SHARE_STREAMS`` ``1``/``0``: ``auto`` plans all streams in one joint solve
                            (smallest pool; streams wait for each other's work on reuse;
                            default off)
+``STWEAVER_PLAN_THREADS``  threads of ``auto``'s background planning (default 1; 0: every
+                           core), so that planning beside training takes one core at most
+``STWEAVER_PLAN_NICE``     niceness of those planning threads (default 10, 0..19; 0 leaves
+                           it): the training's own threads come first
 ``STWEAVER_BUDGET``        device memory budget: ``16GiB``, ``512MiB``, bytes, or a
                            fraction of the device (``0.8``); every pool of the device
                            stays under it (with ``set_per_process_memory_fraction`` too,
@@ -227,6 +231,10 @@ def resolve(
         raw = env.get(var)
         if raw is not None:
             parse_bool(raw, var)  # read by the Rust side
+    for var, hi in (("STWEAVER_PLAN_THREADS", 4096), ("STWEAVER_PLAN_NICE", 19)):
+        raw = env.get(var)  # read by the Rust side
+        if raw is not None and raw.strip() and not (raw.strip().isdigit() and int(raw) <= hi):
+            raise SettingsError(f"{var}={raw!r} is not an integer from 0 to {hi}")
     if check_files:
         # plan mode reads the plan; auto mode writes the plan it makes (and the trace).
         if mode == "plan" and not os.path.isfile(rank_plan_path(plan_s, env)):

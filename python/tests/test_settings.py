@@ -67,6 +67,9 @@ def test_path_like_arguments(tmp_path):
         ({}, {"STWEAVER_RELEASE_AT_PEAK": "sometimes"}, "STWEAVER_RELEASE_AT_PEAK"),
         ({}, {"STWEAVER_PLAN_WAIT": "later"}, "STWEAVER_PLAN_WAIT"),
         ({}, {"STWEAVER_SHARE_STREAMS": "2"}, "STWEAVER_SHARE_STREAMS"),
+        ({}, {"STWEAVER_PLAN_THREADS": "-1"}, "STWEAVER_PLAN_THREADS"),
+        ({}, {"STWEAVER_PLAN_THREADS": "all"}, "STWEAVER_PLAN_THREADS"),
+        ({}, {"STWEAVER_PLAN_NICE": "20"}, "STWEAVER_PLAN_NICE"),
         ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
     ],
 )

@@ -245,4 +245,12 @@ fn print_per_iteration() {
         eprintln!("{i:4} reserved {res} peak {pk}");
     }
     eprintln!("{:?}", r.plan_stats);
+    eprintln!(
+        "peak reserved {} (small {}, large {}), peak allocated {}, LB {}",
+        r.peak_reserved,
+        r.peak_reserved_small,
+        r.peak_reserved_large,
+        r.peak_allocated,
+        r.lower_bound
+    );
 }

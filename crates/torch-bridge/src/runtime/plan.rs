@@ -280,6 +280,22 @@ fn plan_in_background(
     }
 }
 
+/// Lowers the calling thread's scheduling priority to niceness `nice` (0: unchanged). On
+/// Linux `setpriority(PRIO_PROCESS, tid)` applies to that one thread; best effort: a
+/// refusal leaves the thread at normal priority. Elsewhere nothing.
+fn lower_thread_priority(nice: i32) {
+    if nice <= 0 {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    // Safety: gettid and setpriority take and return plain integers and touch no memory
+    // of this process; only the calling thread's niceness changes.
+    unsafe {
+        let tid = libc::gettid();
+        let _ = libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice);
+    }
+}
+
 /// The free bytes of `e`'s arenas that no release can give back (they share a granule
 /// with a live block; PyTorch's non-releasable `inactive_split_bytes`), now.
 fn online_held(e: &Engine<Tracked>) -> Result<u64> {
@@ -368,6 +384,8 @@ impl Core {
                 ) =>
             {
                 let share_streams = self.settings.share_streams;
+                let (plan_threads, plan_nice) =
+                    (self.settings.plan_threads, self.settings.plan_nice);
                 let timing = pc.timing;
                 let mut jobs = Vec::new();
                 for slot in self.slots()? {
@@ -397,9 +415,12 @@ impl Core {
                     let handle = std::thread::Builder::new()
                         .name(format!("stweaver-plan-cuda{}", slot.ordinal))
                         .spawn(move || {
+                            // Beside the training run: low priority, few threads.
+                            lower_thread_priority(plan_nice);
                             // The greedy stage alone (auto_plan_options), the settings
                             // the engine replay's auto mode plans with too.
-                            let opts = auto_plan_options(share_streams);
+                            let mut opts = auto_plan_options(share_streams);
+                            opts.solve.threads = plan_threads;
                             plan_in_background(&trace, &opts, budget, has_packs, timing)
                         })
                         .map_err(|e| {
@@ -621,5 +642,28 @@ impl Core {
     /// Where plan serving stands.
     pub fn plan_stage(&self) -> PlanStage {
         lock(&self.plan).stage.clone()
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    #[test]
+    fn a_planning_thread_lowers_its_own_priority_only() {
+        // Safety (both blocks): plain integers in and out; no memory is touched.
+        let here =
+            || unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
+        let before = here();
+        let planning = std::thread::spawn(move || {
+            super::lower_thread_priority(10);
+            here()
+        })
+        .join()
+        .unwrap();
+        // 10, or more if the process already ran nicer (lowering niceness needs privilege).
+        assert!(
+            planning >= 10.max(before),
+            "{planning} (this thread {before})"
+        );
+        assert_eq!(here(), before, "the calling thread keeps its priority");
     }
 }

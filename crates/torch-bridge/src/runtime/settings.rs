@@ -67,6 +67,35 @@ pub struct Settings {
     /// `set_per_process_memory_fraction` too, the smaller limit holds
     /// ([`crate::budget::effective_limit`]).
     pub budget: Option<Budget>,
+    /// `STWEAVER_PLAN_THREADS` (default 1; 0: every core): the threads of auto mode's
+    /// background planning (the solver's portfolio), so that planning beside a training
+    /// run takes at most one core from it by default (issue #18: background planning
+    /// must not slow training).
+    pub plan_threads: usize,
+    /// `STWEAVER_PLAN_NICE` (default 10, 0 to 19; 0 leaves it): the niceness auto mode's
+    /// planning threads run at (Linux, per thread), so that the training's own host
+    /// threads come first when the cores are busy.
+    pub plan_nice: i32,
+}
+
+/// Auto mode's planning threads by default (`STWEAVER_PLAN_THREADS`).
+pub const DEFAULT_PLAN_THREADS: usize = 1;
+/// Auto mode's planning threads' niceness by default (`STWEAVER_PLAN_NICE`).
+pub const DEFAULT_PLAN_NICE: i32 = 10;
+
+/// An integer environment setting in `range`: `default` when unset or empty.
+fn env_int(name: &str, default: i64, range: std::ops::RangeInclusive<i64>) -> Result<i64> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse::<i64>() {
+            Ok(n) if range.contains(&n) => Ok(n),
+            _ => Err(BridgeError::Settings(format!(
+                "{name}={v:?} is not an integer from {} to {}",
+                range.start(),
+                range.end()
+            ))),
+        },
+        _ => Ok(default),
+    }
 }
 
 /// A boolean environment setting: `default` when unset; the same words as the Python
@@ -105,6 +134,12 @@ impl Settings {
         let release_at_peak = env_bool("STWEAVER_RELEASE_AT_PEAK", RELEASE_AT_PEAK)?;
         let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
         let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
+        let plan_threads = env_int(
+            "STWEAVER_PLAN_THREADS",
+            DEFAULT_PLAN_THREADS as i64,
+            0..=4096,
+        )? as usize;
+        let plan_nice = env_int("STWEAVER_PLAN_NICE", i64::from(DEFAULT_PLAN_NICE), 0..=19)? as i32;
         let budget = match std::env::var("STWEAVER_BUDGET") {
             Ok(v) if !v.trim().is_empty() => Some(
                 Budget::parse(&v)
@@ -122,6 +157,8 @@ impl Settings {
             plan_wait,
             share_streams,
             budget,
+            plan_threads,
+            plan_nice,
         };
         match mode {
             "online" => {
@@ -204,5 +241,50 @@ impl Settings {
     pub fn plan_source(&self) -> Option<PlanSource> {
         let p = self.plan_path.as_ref()?;
         Some(dist::resolve_plan(p, self.rank.as_ref(), Path::is_file))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integer_settings_take_their_range_or_say_what_is_wrong() {
+        let name = "STWEAVER_TEST_ENV_INT_ONLY_HERE";
+        assert_eq!(env_int(name, 7, 0..=19).unwrap(), 7);
+        for (v, want) in [
+            ("3", Some(3)),
+            (" 19 ", Some(19)),
+            ("", Some(7)),
+            ("20", None),
+            ("-1", None),
+            ("x", None),
+        ] {
+            // Safety: no other test reads or writes this variable (its name is this
+            // test's alone), so no other thread sees the environment change.
+            unsafe { std::env::set_var(name, v) };
+            let got = env_int(name, 7, 0..=19);
+            match want {
+                Some(n) => assert_eq!(got.unwrap(), n, "{v:?}"),
+                None => assert!(
+                    got.unwrap_err().to_string().contains("from 0 to 19"),
+                    "{v:?}"
+                ),
+            }
+        }
+        // Safety: as above.
+        unsafe { std::env::remove_var(name) };
+    }
+
+    #[test]
+    fn planning_beside_training_takes_one_thread_at_low_priority_by_default() {
+        let s = Settings::parse("auto", "", "").unwrap();
+        if std::env::var_os("STWEAVER_PLAN_THREADS").is_none() {
+            assert_eq!(s.plan_threads, DEFAULT_PLAN_THREADS);
+        }
+        if std::env::var_os("STWEAVER_PLAN_NICE").is_none() {
+            assert_eq!(s.plan_nice, DEFAULT_PLAN_NICE);
+        }
+        assert_eq!((DEFAULT_PLAN_THREADS, DEFAULT_PLAN_NICE), (1, 10));
     }
 }
