@@ -647,11 +647,14 @@ impl Core {
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
+    /// The calling thread's niceness.
+    fn here() -> i32 {
+        // Safety: plain integers in and out; no memory is touched.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+    }
+
     #[test]
     fn a_planning_thread_lowers_its_own_priority_only() {
-        // Safety (both blocks): plain integers in and out; no memory is touched.
-        let here =
-            || unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) };
         let before = here();
         let planning = std::thread::spawn(move || {
             super::lower_thread_priority(10);
