@@ -402,11 +402,6 @@ class CudaBackend:
             self._fast = None
         self._pooled = getattr(self._fast, "PooledEvent", None)
 
-    @property
-    def fast(self) -> bool:
-        """Whether the copies go through the extension's one-call path."""
-        return self._fast is not None
-
     def _side(self, device, kind: str):
         s = self.side_stream(device, kind)
         return s.stream_id, s.device_index, s.device_type

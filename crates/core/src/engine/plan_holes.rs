@@ -166,13 +166,10 @@ impl State {
         let Some(p) = self.plan.as_mut() else {
             return Ok(None);
         };
-        // Clear of the requests planned to start before tick 0: of none.
-        let saved = p.until.replace(0);
-        let placed = self.alloc_in_hole(size, rounded, stream);
-        if let Some(p) = self.plan.as_mut() {
-            p.until = saved;
-        }
-        placed
+        // Clear of the requests planned to start before tick 0: of none. (`until` is the
+        // request's own: every request sets it before a hole search.)
+        p.until = Some(0);
+        self.alloc_in_hole(size, rounded, stream)
     }
 
     /// A free hole of the plan's pool for a request the plan does not serve: the free

@@ -207,9 +207,10 @@ impl PlanControl {
 /// recording's own offload) for `limit - online_held`: the online arenas keep their
 /// free bytes that share a granule with a live block (parameters, optimizer state)
 /// mapped beside the plan's pool after the switch, so the plan may not count on them
-/// (on GPT-2 XL under 0.8 x LB, a plan made for the whole limit ran out of room
-/// mapping its pool in its second iteration and was given up). A refusal (a budget
-/// below the minimum, ...) falls back to the ordinary plan, the outcome saying why.
+/// (125-184 MB on GPT-2 XL under 0.8 x LB, BENCHMARKS.md session 14; the plan gave
+/// itself up at the limit in its first iteration before, and still did in two of seven
+/// runs since, after conflicts). A refusal (a budget below the minimum, ...) falls back
+/// to the ordinary plan, the outcome saying why.
 fn plan_in_background(
     trace: &Trace,
     opts: &PlannerOptions,
