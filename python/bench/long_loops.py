@@ -82,7 +82,7 @@ LOOPS = {
     "moe": dict(family="qwen2moe", hidden=512, layers=2, heads=8, inter=1408, batch=8, seq=512,
                 experts=8, topk=2, moe_inter=704),
 }
-ALLOCS = ("native", "expandable", "auto", "trace", "auto_phases")
+ALLOCS = ("native", "expandable", "auto", "trace", "auto_phases", "online", "online_aa")
 DRY = dict(hidden=64, layers=2, heads=4, inter=128, moe_inter=32, experts=4, topk=2, batch=2)
 
 
@@ -113,10 +113,11 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
         c["eval_batch"] = 4 if "eval_batch" in c else None
     trace_path = os.path.join(out, f"trace_{loop}.stwt") if alloc == "trace" else None
     st = None
-    if alloc in ("auto", "trace", "auto_phases") and not dry:
+    if alloc in ("auto", "trace", "auto_phases", "online", "online_aa") and not dry:
         import stweaver
 
-        stweaver.install("trace" if alloc == "trace" else None, trace=trace_path, hook_optimizer=True)
+        mode = {"trace": "trace", "online": "online", "online_aa": "online"}.get(alloc)
+        stweaver.install(mode, trace=trace_path, hook_optimizer=True)
         st = stweaver
     import contextlib
 
@@ -132,7 +133,7 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
     if not dry:
         res["backend"] = torch.cuda.memory.get_allocator_backend()
         res["device"] = torch.cuda.get_device_name(0)
-    reserved, allocated, modes, lens, losses, events = [], [], [], [], [], []
+    reserved, allocated, modes, lens, losses, events, step_s = [], [], [], [], [], [], []
 
     def phase(label):
         # Markers in the trace and auto_phases runs only (the auto run is the zero-code user's).
@@ -140,6 +141,7 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
         return st.phase(label) if marked else contextlib.nullcontext()
 
     t0 = time.time()
+    t_prev = time.perf_counter()
     try:
         for i in range(iters):
             if "lengths" in c:
@@ -152,7 +154,9 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
             loss.backward()
             opt.step()  # stweaver's optimizer hook marks the iteration here
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach().float()))
+            losses.append(float(loss.detach().float()))  # waits for the step's device work
+            now = time.perf_counter()
+            step_s.append(now - t_prev)  # the training step (eval / checkpoint passes come after)
             if c.get("eval_every") and (i + 1) % c["eval_every"] == 0:
                 with phase("eval"), torch.no_grad():
                     model.eval()
@@ -179,11 +183,13 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
                 allocated.append(held)
             if st is not None:
                 modes.append(st.mode())
+            t_prev = time.perf_counter()
         res["ok"] = True
     except torch.OutOfMemoryError as e:
         res["error"] = "OOM: " + str(e).splitlines()[0][:300]
     res["wall_s"] = time.time() - t0
-    res.update(reserved=reserved, allocated=allocated, modes=modes, lengths=lens, losses=losses, events=events)
+    res.update(reserved=reserved, allocated=allocated, modes=modes, lengths=lens, losses=losses, events=events,
+               step_s=step_s)
     if not dry:
         res["max_reserved"] = torch.cuda.max_memory_reserved()
         res["max_allocated"] = torch.cuda.max_memory_allocated()
@@ -433,6 +439,50 @@ def _cell(t: tuple) -> str:
     return f"met: {text}" if met else f"**missed**: {text}"
 
 
+def _median(xs: List[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def planning_window(runs: dict) -> List[str]:
+    """Issue #18 item 2: the step time of auto's iterations that began while its plan was
+    being made in the background (mode ``auto (planning)`` at the end of the previous
+    iteration), against the same iterations of an online run (the mode auto falls back to),
+    and the A/A control (a second online run against the first). Ratios of the medians and
+    of the minima; only loops with step times of an auto and an online run."""
+    lines = []
+    for lp in dict.fromkeys(k[0] for k in runs):
+        auto, onl, aa = runs.get((lp, "auto")), runs.get((lp, "online")), runs.get((lp, "online_aa"))
+        if not (auto and onl and auto.get("ok") and onl.get("ok") and auto.get("step_s") and onl.get("step_s")):
+            continue
+        modes, a, o = auto.get("modes") or [], auto["step_s"], onl["step_s"]
+        win = [i for i in range(1, min(len(a), len(o), len(modes) + 1)) if "planning" in (modes[i - 1] or "")]
+        if not win:
+            lines.append(f"| {lp} | no iteration began while planning | | | | |")
+            continue
+        after = [i for i in range(win[-1] + 1, min(len(a), len(o)))]
+
+        def ratio(xs, ys, idx, f):
+            return f([xs[i] for i in idx]) / f([ys[i] for i in idx]) if idx else float("nan")
+
+        aa_text = "-"
+        if aa and aa.get("ok") and aa.get("step_s") and len(aa["step_s"]) > win[-1]:
+            aa_text = (f"{ratio(aa['step_s'], o, win, _median):.3f} / {ratio(aa['step_s'], o, win, min):.3f}")
+        lines.append(
+            f"| {lp} | {win[0] + 1}-{win[-1] + 1} ({len(win)}) | "
+            f"{1e3 * _median([a[i] for i in win]):.1f} vs {1e3 * _median([o[i] for i in win]):.1f} | "
+            f"{ratio(a, o, win, _median):.3f} / {ratio(a, o, win, min):.3f} | {aa_text} | "
+            f"{ratio(a, o, after, _median):.3f} / {ratio(a, o, after, min):.3f} |")
+    if not lines:
+        return []
+    return ["", "Step time inside auto's planning window (issue #18 item 2): auto's iterations that began "
+            "while its plan was being made in the background, against the same iterations of an online run; "
+            "A/A: a second online run against the first. Ratios median / min.", "",
+            "| loop | iterations (count) | median ms, auto vs online | auto / online | A/A (online_aa / online) | "
+            "after the window, auto / online |", "|---|---|---|---|---|---|"] + lines
+
+
 def report(paths: List[str], stweaver_bin: Optional[str] = None) -> str:
     runs, docs = load_runs(paths)
     if not runs:
@@ -495,6 +545,7 @@ def report(paths: List[str], stweaver_bin: Optional[str] = None) -> str:
     lines.append("")
     lines.append(f"Targets met: {met} of {total}." + (" (Dry run: the plumbing only.)" if dry else ""))
     lines += [f"- {n}" for n in notes]
+    lines += planning_window(runs)
     return "\n".join(lines)
 
 

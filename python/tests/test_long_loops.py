@@ -186,3 +186,17 @@ def test_dry_run_end_to_end(tmp_path):
     assert (out / "table.txt").read_text().count("| eval10 |") == 2
     md = ll.report([str(out / "long_loops.json")])
     assert md.startswith("**DRY RUN**") and "Targets met: 3 of 3." in md
+
+
+def test_planning_window_compares_the_iterations_that_began_while_planning():
+    modes = ["auto (recording)"] * 3 + ["auto (planning)"] * 3 + ["plan"] * 4
+    auto = {"loop": "eval10", "alloc": "auto", "ok": True, "modes": modes,
+            "step_s": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 1.1, 1.1, 1.1]}
+    online = {"loop": "eval10", "alloc": "online", "ok": True, "step_s": [1.0] * 10}
+    aa = {"loop": "eval10", "alloc": "online_aa", "ok": True, "step_s": [1.0] * 9 + [1.5]}
+    runs = {("eval10", "auto"): auto, ("eval10", "online"): online, ("eval10", "online_aa"): aa}
+    text = "\n".join(ll.planning_window(runs))
+    # Iterations 5-7 (1-based) began while the plan was being made: 2.0 s against 1.0 s.
+    assert "| eval10 | 5-7 (3) | 2000.0 vs 1000.0 | 2.000 / 2.000 | 1.000 / 1.000 | 1.100 / 1.100 |" in text
+    # Without an online run there is nothing to compare against.
+    assert ll.planning_window({("eval10", "auto"): auto}) == []
