@@ -193,6 +193,10 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
     if not dry:
         res["max_reserved"] = torch.cuda.max_memory_reserved()
         res["max_allocated"] = torch.cuda.max_memory_allocated()
+        # How often the allocator went to the driver and synchronised (why a step is slow).
+        ms = torch.cuda.memory_stats()
+        res["driver_calls"] = {k: ms.get(k) for k in ("num_device_alloc", "num_device_free",
+                                                      "num_sync_all_streams", "num_alloc_retries", "num_ooms")}
     else:
         res["dry_run"] = True
         res["max_reserved"] = max(reserved, default=0)

@@ -17,12 +17,15 @@
 //! sequence lengths, an eval every 10, a checkpoint every 20, MoE — under native, expandable,
 //! auto, trace and auto with phase markers):
 //!
-//! - `cargo xtask gpu-bench --long-loops` — the same carry as `gpu-bench`, and two device
-//!   commands, one per call (both groups do not fit one 600 s call): `scripts/long_loops.sh`
+//! - `cargo xtask gpu-bench --long-loops` — the same carry as `gpu-bench`, and three device
+//!   commands, one per call (the groups do not fit one 600 s call): `scripts/long_loops.sh`
 //!   builds the extension there and runs `--parallel 2 --loops len5,len50` (len50's native run
-//!   grows to 48 GB: two length-loop runs at a time) or `--parallel 4 --loops
-//!   eval10,ckpt20,moe` inside a budget (`LONG_LOOPS_BUDGET_S`, 540 s with the build), and
-//!   leaves `long_loops.json`, `table.txt` and the trace run's `traces/*.stwt.gz` in `$OUT`.
+//!   grows to 48 GB: two length-loop runs at a time), `--parallel 4 --loops
+//!   eval10,ckpt20,moe`, or (issue #18 item 2: the step time inside auto's planning window)
+//!   `--parallel 1 --loops eval10 --allocs online,auto,online_aa --iters 60` (one run at a
+//!   time, so that the step times are not a neighbour's) inside a budget
+//!   (`LONG_LOOPS_BUDGET_S`, 540 s with the build), and leaves `long_loops.json`, `table.txt`
+//!   and the trace run's `traces/*.stwt.gz` in `$OUT`.
 //! - `cargo xtask gpu-bench --long-loops --dry-run [long_loops.py ARGS...]` — the loops' CPU
 //!   path (tiny models, no allocator, 21 iterations, native / expandable / auto; needs
 //!   `$PYTHON` with torch and transformers) and the report over its JSON: the plumbing only.
@@ -154,8 +157,8 @@ fn report(json: &str) -> Result<()> {
     Ok(())
 }
 
-/// The long loops' two device calls: (what, `long_loops.py` arguments).
-const LONG_LOOP_CALLS: [(&str, &str); 2] = [
+/// The long loops' device calls: (what, `long_loops.py` arguments).
+const LONG_LOOP_CALLS: [(&str, &str); 3] = [
     (
         "the length loops, two runs at a time",
         "--parallel 2 --loops len5,len50",
@@ -163,6 +166,10 @@ const LONG_LOOP_CALLS: [(&str, &str); 2] = [
     (
         "eval, checkpoint and MoE, four at a time",
         "--parallel 4 --loops eval10,ckpt20,moe",
+    ),
+    (
+        "the step time inside auto's planning window against online serving, one run at a time",
+        "--parallel 1 --loops eval10 --allocs online,auto,online_aa --iters 60",
     ),
 ];
 /// The long loops' device call limit (the script's budget, 540 s with the build, is inside it).
@@ -173,8 +180,9 @@ fn long_loops_prepare() -> Result<()> {
     crate::torch_ext::pack_carry(CARRY)?;
     for (k, (what, args)) in LONG_LOOP_CALLS.iter().enumerate() {
         println!(
-            "device command (call {} of 2, {what}): set -o pipefail; bash scripts/long_loops.sh {CARRY} {args} 2>&1 | tee $OUT/log",
-            k + 1
+            "device command (call {} of {}, {what}): set -o pipefail; bash scripts/long_loops.sh {CARRY} {args} 2>&1 | tee $OUT/log",
+            k + 1,
+            LONG_LOOP_CALLS.len()
         );
     }
     println!(
@@ -182,7 +190,8 @@ fn long_loops_prepare() -> Result<()> {
          each call writes long_loops.json, table.txt and traces/ to $OUT)"
     );
     println!(
-        "then: cargo xtask gpu-bench --long-loops --report CALL1/long_loops.json CALL2/long_loops.json"
+        "then: cargo xtask gpu-bench --long-loops --report CALL1/long_loops.json CALL2/long_loops.json \
+         CALL3/long_loops.json"
     );
     Ok(())
 }
