@@ -114,12 +114,53 @@ the schedule is read again.
 
 Host memory: the pool grows by adding a buffer (live slices cannot move while copies may be
 in flight): up front to the schedule's bytes (an upper bound of what is offloaded at once;
-exact when every pack precedes the first unpack), else, when a slice does not fit, by a buffer
-as large as the pool (doubling), so it has a handful of buffers whatever its size. Buffers are
-powers of two (PyTorch's pinned allocator rounds to one anyway). If pinning fails (host memory
-exhausted), :class:`PinnedMemoryError` says how many bytes could not be pinned; the offloader
-turns offload off (a warning; ``stats()["off_reason"]``) and the tensor simply stays on the
-device: training goes on, results unchanged.
+exact when every pack precedes the first unpack; one buffer per power of two of the missing
+bytes), else, when a slice does not fit, by a buffer of the largest of the slice, 64 MiB and a
+quarter of the pool (:meth:`PinnedPool.grow_size`): at most about 1.25 x what it ever held
+at once, in O(log) buffers (doubling pinned up to 2 x: GPT-2 XL at 0.8 x LB offloaded ~18 GB
+by threshold and could pin ~32 GiB). Buffers are powers of two (PyTorch's pinned allocator
+rounds to one anyway: a slice's size rounded up, a quarter rounded down). Once schedule rules
+apply (a plan served, with or without a schedule, or a fixed schedule after the first
+iteration), the pool keeps buffers covering ``schedule_host_bytes`` and drops the other empty
+ones (:meth:`PinnedPool.release_beyond`; again at the next boundaries while busy buffers kept
+it larger), then empties torch's pinned host cache (``torch._C._host_emptyCache``, torch 2.11),
+which would otherwise keep the dropped blocks pinned for its next pinned allocation (it gives
+back every free cached pinned block of the process, e.g. a DataLoader's, which torch pins
+again when needed). ``stats()``: ``host_capacity`` (pinned now), ``host_pins``,
+``host_pinned_total`` (ever pinned), ``host_released``, ``host_peak`` (most used at once). If
+pinning fails (host memory exhausted), :class:`PinnedMemoryError` says how many bytes could
+not be pinned; the offloader turns offload off (a warning; ``stats()["off_reason"]``) and the
+tensor simply stays on the device: training goes on, results unchanged.
+
+Watermark
+=========
+Before a plan is served (auto mode recording or planning, the first iteration in plan mode:
+``first_min_bytes``), threshold rules keep the run within its budget. Offloading every
+candidate (every eligible saved tensor of at least ``first_min_bytes``) does, at a price:
+GPT-2 XL at 0.8 x LB on an H100 moved ~18 GB per recorded iteration and its first one took
+18.8 s, while the served plan moves ~0.6 GB. With a :class:`Watermark` (``install()`` under a
+budget; ``STWEAVER_OFFLOAD_WATERMARK=0`` turns it off) a candidate is offloaded only when
+the device would otherwise come near the budget; the rest stay on the device, as without
+offload. Per candidate, at its pack, it reads the device's allocated bytes (the allocator's
+stats, ``torch._C._cuda_memoryStats``: one call, only in these iterations; also at every
+counted unpack, to measure the iteration's peak) and the iteration's first check reads the
+limit (``info_json``'s ``limit_bytes``: ``STWEAVER_BUDGET`` and
+``set_per_process_memory_fraction``, the smaller; neither set: no watermark, every
+candidate offloaded). The first iteration keeps a candidate while ``allocated + headroom <=
+limit``: the headroom covers the gradients still to come (the allocated bytes at the first
+check, parameters before any optimizer state, or the trainable parameters without ``.grad``
+saved so far, the larger), the copies back in flight ((prefetch + 2) x the largest
+candidate) and forward's end (limit / 8) besides a margin (``max(256 MiB, limit / 32)``).
+Each iteration then measures its peak (the most allocated at the hooks, and the allocator's
+peak when it set a new record, which the offloader reads but never resets) and moves a
+*level* of allocated bytes under which later iterations keep a candidate: up by offloaded
+candidates whose bytes fit ``limit - margin - peak``, down below kept ones when the peak went
+over it (details: :class:`Watermark`); so the recorded iterations approach the budget from
+below. When auto recompute recomputes more blocks, the level is learned again
+(:meth:`Offloader.program_changed`). ``stats()["watermark_kept"]`` counts candidates left on
+the device; ``stats()["watermark"]`` and each iteration's ``watermark`` the limit, level,
+headroom and peak. The recording is still the run without offload to the planner (restore
+links only for what moved): fewer offloads change nothing there.
 
 Threads: the hooks are thread-local in PyTorch; :func:`enable` pushes them for the calling
 thread (the one that runs forward). Unpacks run on autograd's device threads; the offloader's
