@@ -1279,3 +1279,25 @@ def test_pinned_memory_beyond_the_schedule_is_given_back_once_the_plan_is_served
     ext.stage = "online (plan given up: x)"
     sim_step(o, mem, params)
     assert o.stats()["host_capacity"] == 0 and emptied == [1, 1]
+
+
+def test_a_recording_under_the_watermark_links_only_what_moved():
+    # Recording (auto mode): every counted pack and unpack is recorded whether the tensor
+    # moves or stays; a restore link for each copy back only (what the planner's unoffload
+    # turns back into the run without offload), none for a tensor the watermark kept.
+    peak_none, peak_all, n_all = sim_steady_peaks(False)
+    budget = int(peak_all + 0.5 * (peak_none - peak_all))
+    mem = SimMem()
+    params = sim_params(mem)
+    o, ext = sim_offloader(mem, off.Watermark(budget, margin=8 * KIB))
+    ext.recording = True
+    o._rec = o._record
+    for _ in range(3):
+        ext.calls.clear()
+        ext.restores.clear()
+        moved = sim_step(o, mem, params)
+        it = o.last_iteration
+        assert 0 < moved < n_all and it["watermark_kept"] == n_all - moved
+        assert it["restore_links"] == moved == len(ext.restores)
+        packs = [c for c in ext.calls if c[1]]
+        assert len(packs) == it["packs"] == 2 * LAYERS + 1  # weights, inputs, logits
