@@ -1445,7 +1445,9 @@ class Offloader:
                 self._read_plan()
                 self._before_plan = self._runtime_before_plan()
             self._rec = self._record if self._may_record() else None
-            if not self._threshold_now():
+            if self._threshold_now():
+                self._fitted = None  # threshold rules may grow the pool: fit it again after
+            else:
                 self._fit_pool()
             if it.get("not_unpacked"):
                 warnings.warn(
@@ -1457,13 +1459,14 @@ class Offloader:
     def _fit_pool(self) -> None:
         """Schedule rules (a plan served, or a fixed schedule): the pinned pool keeps what
         the schedule needs (``schedule_host_bytes``) and gives the rest back, host cache
-        included (module doc, "Host memory"); once per schedule, again at later boundaries
-        while busy buffers kept it above that (never below: a pool that grew since stays)."""
+        included (module doc, "Host memory"); once per schedule and stretch of schedule rules,
+        again at later boundaries while busy buffers kept it above that (a pool that grew
+        since, a slice fitting no buffer's free range, stays: no pinning at every boundary)."""
         need = schedule_host_bytes(self._schedule, self.pool.align)
         if self._fitted == need:
             return
         self.pool.release_beyond(need)
-        if self.pool.capacity <= max(need, 0) or all(b is None or not b.used for b in self.pool._buffers):
+        if self.pool.capacity <= need or all(b is None or not b.used for b in self.pool._buffers):
             self._fitted = need
 
     def link_rates(self) -> Tuple[Optional[float], Optional[float]]:

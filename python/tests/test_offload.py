@@ -1301,3 +1301,32 @@ def test_a_recording_under_the_watermark_links_only_what_moved():
         assert it["restore_links"] == moved == len(ext.restores)
         packs = [c for c in ext.calls if c[1]]
         assert len(packs) == it["packs"] == 2 * LAYERS + 1  # weights, inputs, logits
+
+
+def test_a_second_recording_grows_the_pool_and_the_next_plan_trims_it_again():
+    # Auto recompute drops a held plan and records again: threshold rules grow the pool
+    # again; the next served plan trims it again, even with the same schedule bytes. In
+    # between, under the plan, a pool that grew is left alone (no pin, no release per
+    # boundary).
+    mem = SimMem()
+    params = sim_params(mem)
+    ext = FakeExt(recording=False, schedule=[(15, 2, -1, ACT)])
+    ext.stage = "auto (recording)"
+    ext.mode = lambda: ext.stage
+    emptied = []
+    pool = PinnedPool(pin=cpu_pin(), pow2=False, min_grow=4 * KIB, empty_host_cache=lambda: emptied.append(1))
+    o = Offloader(schedule="plan", ext=ext, backend=SimBackend(mem), pool=pool, first_min_bytes=KIB)
+    o._before_plan = True
+    caps = []
+    # The stage each step's boundary reads (the step itself runs under the one before).
+    for stage in ("auto (recording)", "auto (plan)", "auto (plan)", "auto (recording)", "auto (recording)",
+                  "auto (plan)", "auto (plan)"):
+        ext.stage = stage
+        sim_step(o, mem, params)
+        caps.append(pool.capacity)
+    big = LAYERS * ACT + LOGITS
+    assert caps[0] >= big, caps  # threshold rules before the plan
+    assert ACT <= caps[1] < big, caps  # trimmed once the plan was served
+    assert caps[2] == caps[3] == caps[1], "under the plan nothing more is released"
+    assert caps[4] >= big, "recording again grew it"
+    assert caps[5] == caps[6] == caps[1] and len(emptied) == 2, (caps, emptied)
