@@ -150,7 +150,10 @@ candidate offloaded). The first iteration keeps a candidate while ``allocated + 
 limit``: the headroom covers the gradients still to come (the allocated bytes at the first
 check, parameters before any optimizer state, or the trainable parameters without ``.grad``
 saved so far, the larger), the copies back in flight ((prefetch + 2) x the largest
-candidate) and forward's end (limit / 8) besides a margin (``max(256 MiB, limit / 32)``).
+candidate) and forward's end with the margin (``limit / 8``; the margin alone, ``max(256 MiB,
+limit / 32)``, when larger). The allocated bytes stand for what the budget counts (mapped
+bytes): the margin covers what the online arenas map beyond them (session 14 measured
+125-184 MB of non-releasable free bytes on GPT-2 XL).
 Each iteration then measures its peak (the most allocated at the hooks, and the allocator's
 peak when it set a new record, which the offloader reads but never resets) and moves a
 *level* of allocated bytes under which later iterations keep a candidate: up by offloaded
