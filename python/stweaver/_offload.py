@@ -142,8 +142,9 @@ GPT-2 XL at 0.8 x LB on an H100 moved ~18 GB per recorded iteration and its firs
 budget; ``STWEAVER_OFFLOAD_WATERMARK=0`` turns it off) a candidate is offloaded only when
 the device would otherwise come near the budget; the rest stay on the device, as without
 offload. Per candidate, at its pack, it reads the device's allocated bytes (the allocator's
-stats, ``torch._C._cuda_memoryStats``: one call, only in these iterations; also at every
-counted unpack, to measure the iteration's peak) and the iteration's first check reads the
+stats, ``torch._C._cuda_memoryStats``: one call, only in these iterations; also at the
+unpack of every offloaded tensor and of every counted one of at least ``first_min_bytes``,
+to measure the iteration's peak) and the iteration's first check reads the
 limit (``info_json``'s ``limit_bytes``: ``STWEAVER_BUDGET`` and
 ``set_per_process_memory_fraction``, the smaller; neither set: no watermark, every
 candidate offloaded). The first iteration keeps a candidate while ``allocated + headroom <=
@@ -663,7 +664,7 @@ class Watermark:
     * once an iteration was measured it stays when ``allocated <= level``, the learned
       watermark level.
 
-    At a boundary the iteration's peak ``P`` (the most allocated at any check or counted
+    At a boundary the iteration's peak ``P`` (the most allocated at any check or sampled
     unpack, and the allocator's own peak when it set a new record during the iteration) is
     set against ``T = limit - margin``, and ``level`` moves from the level in force (the
     learned one, else the most allocated at which a candidate stayed):
@@ -1212,10 +1213,9 @@ class Offloader:
     def _wm_param(self, t) -> None:
         """A saved trainable parameter (or a whole view of one) without ``.grad``: its
         gradient is still to come (the watermark's headroom)."""
-        import torch
-
-        p = t if isinstance(t, torch.nn.Parameter) else getattr(t, "_base", None)
-        if isinstance(p, torch.nn.Parameter) and p.requires_grad and p.grad is None and self._wm_start(t.device):
+        param = _parameter_type()
+        p = t if isinstance(t, param) else getattr(t, "_base", None)
+        if isinstance(p, param) and p.requires_grad and p.grad is None and self._wm_start(t.device):
             self.watermark.note_param(p)
 
     def _wm_sample(self, device) -> None:
@@ -1333,7 +1333,8 @@ class Offloader:
             if isinstance(x, _View):
                 view, x = x, x.main
             handle = isinstance(x, _Handle)
-            if not handle and not (self._is_device(x) and _whole_storage_bytes(x)):
+            nb = 0
+            if not handle and not (self._is_device(x) and (nb := _whole_storage_bytes(x))):
                 if self._zombies or self._pending:
                     self._reap()
                 return x
@@ -1349,7 +1350,7 @@ class Offloader:
                     self._reap()
                 if plan and (self._due or self._next_prefetch <= j):
                     self._trigger(j)
-                if self._wm_it:
+                if self._wm_it and nb >= self.first_min_bytes:  # a candidate's size: worth a read
                     self._wm_sample(x.device)
                 return x
             h = x
@@ -1528,6 +1529,19 @@ class Offloader:
             if self.auto_recompute is not None:
                 out["auto_recompute"] = self.auto_recompute.stats()
             return out
+
+
+_PARAMETER = None
+
+
+def _parameter_type():
+    """``torch.nn.Parameter``, looked up once (the watermark asks per saved tensor)."""
+    global _PARAMETER
+    if _PARAMETER is None:
+        import torch
+
+        _PARAMETER = torch.nn.Parameter
+    return _PARAMETER
 
 
 def _whole_storage_bytes(t) -> int:
