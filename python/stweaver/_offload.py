@@ -978,6 +978,7 @@ class Offloader:
         self._next_prefetch = self._by_prefetch[0][0] if self._by_prefetch else _NEVER
         self._due: List[int] = []  # pack ordinals due for copy back, not packed yet
         self._order: List[int] = []  # threshold mode: offloaded pack ordinals, in order
+        self._wm_kept: Dict[int, weakref.ref] = {}  # device pointer -> storage the watermark kept
 
     def set_schedule(self, schedule: Iterable) -> None:
         """Replaces the schedule (takes effect now; normally called at a boundary)."""
@@ -1145,7 +1146,7 @@ class Offloader:
                         if wm:
                             self._wm_param(t)
                         return t
-                    if wm and self._wm_keep(t, nbytes):
+                    if wm and (self._wm_kept_before(t) or self._wm_keep(t, nbytes)):
                         it["watermark_kept"] += 1
                         return t
                 j_expected = -1
@@ -1208,7 +1209,26 @@ class Offloader:
         if a is None:
             self._wm_it = False
             return False
-        return self.watermark.keep(a, nbytes, self.prefetch)
+        if not self.watermark.keep(a, nbytes, self.prefetch):
+            return False
+        try:
+            self._wm_kept[t.data_ptr()] = weakref.ref(t.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+        return True
+
+    def _wm_kept_before(self, t) -> bool:
+        """Whether the watermark kept this storage at an earlier pack of the iteration (a
+        tensor saved twice, or another whole view of it): it stays, since offloading a
+        later save would copy it and free nothing (module doc: tensors saved several
+        times). The storage object's identity, not its address, as :meth:`_shared`."""
+        ref = self._wm_kept.get(t.data_ptr())
+        if ref is None:
+            return False
+        try:
+            return ref() is t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return False
 
     def _wm_param(self, t) -> None:
         """A saved trainable parameter (or a whole view of one) without ``.grad``: its

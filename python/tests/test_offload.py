@@ -1330,3 +1330,26 @@ def test_a_second_recording_grows_the_pool_and_the_next_plan_trims_it_again():
     assert caps[2] == caps[3] == caps[1], "under the plan nothing more is released"
     assert caps[4] >= big, "recording again grew it"
     assert caps[5] == caps[6] == caps[1] and len(emptied) == 2, (caps, emptied)
+
+
+def test_a_tensor_the_watermark_kept_stays_when_saved_again():
+    # Saved twice (softmax's output) or as another whole view (a layer norm's output and its
+    # view(-1, n)): kept at its first save, it stays at the later ones, which would copy it
+    # and free nothing; a new tensor in the same block later (the first died) is checked.
+    mem = SimMem()
+    w = off.Watermark(10 << 20, margin=KIB)
+    o, _ = sim_offloader(mem, w)
+    be = o.backend
+    a = mem.new(64 * KIB)
+    ha = o.pack(a)
+    assert ha is a and w.kept == 1
+    w.limit = 1  # from here every check would offload
+    v = a.view(2, -1)
+    assert o.pack(a) is a and o.pack(v) is v
+    assert be.ops("copy") == [] and w.kept == 1
+    assert o.stats()["current_iteration"]["watermark_kept"] == 3
+    ptr = a.data_ptr()
+    del a, ha
+    b = torch.empty(64 * KIB // 4)
+    o._wm_kept[b.data_ptr()] = o._wm_kept.pop(ptr)  # as if b took a's block
+    assert isinstance(o.pack(b), off._Handle), "another storage is checked (and moves)"
