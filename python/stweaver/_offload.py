@@ -161,8 +161,9 @@ peak when it set a new record, which the offloader reads but never resets) and m
 candidates whose bytes fit ``limit - margin - peak``, down below kept ones when the peak went
 over it (details: :class:`Watermark`); so the recorded iterations approach the budget from
 below. When auto recompute recomputes more blocks, the level is learned again
-(:meth:`Offloader.program_changed`). ``stats()["watermark_kept"]`` counts candidates left on
-the device; ``stats()["watermark"]`` and each iteration's ``watermark`` the limit, level,
+(:meth:`Offloader.program_changed`). A storage kept at its first save stays at its later
+saves in the iteration (offloading those would copy it and free nothing), as an offloaded
+one is shared. ``stats()["watermark_kept"]`` counts candidates left on the device; ``stats()["watermark"]`` and each iteration's ``watermark`` the limit, level,
 headroom and peak. The recording is still the run without offload to the planner (restore
 links only for what moved): fewer offloads change nothing there.
 
