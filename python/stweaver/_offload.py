@@ -147,24 +147,31 @@ unpack of every offloaded tensor and of every counted one of at least ``first_mi
 to measure the iteration's peak) and the iteration's first check reads the
 limit (``info_json``'s ``limit_bytes``: ``STWEAVER_BUDGET`` and
 ``set_per_process_memory_fraction``, the smaller; neither set: no watermark, every
-candidate offloaded). The first iteration keeps a candidate while ``allocated + headroom <=
-limit``: the headroom covers the gradients still to come (the allocated bytes at the first
-check, parameters before any optimizer state, or the trainable parameters without ``.grad``
-saved so far, the larger), the copies back in flight ((prefetch + 2) x the largest
-candidate) and forward's end with the margin (``limit / 8``; the margin alone, ``max(256 MiB,
-limit / 32)``, when larger). The allocated bytes stand for what the budget counts (mapped
-bytes): the margin covers what the online arenas map beyond them (session 14 measured
-125-184 MB of non-releasable free bytes on GPT-2 XL).
-Each iteration then measures its peak (the most allocated at the hooks, and the allocator's
-peak when it set a new record, which the offloader reads but never resets) and moves a
-*level* of allocated bytes under which later iterations keep a candidate: up by offloaded
-candidates whose bytes fit ``limit - margin - peak``, down below kept ones when the peak went
-over it (details: :class:`Watermark`); so the recorded iterations approach the budget from
-below. When auto recompute recomputes more blocks, the level is learned again
+candidate offloaded). The first iteration (nothing learned yet) still offloads every
+candidate, and is measured: no guess of what comes later is safe there, since forward's end
+can allocate more than every activation before it (a large vocabulary's logits, their fp32
+copy and the saved log-softmax: ~21 GB for Llama 1B at 8 x 2048 tokens), which the first
+iteration cannot know (``Watermark(guess_first=True)`` guesses a headroom instead; the tests
+show it going over on a GPT-2-shaped run). The allocated bytes stand for what the budget
+counts (mapped bytes): the margin (``max(256 MiB, limit / 32)``) covers what the online
+arenas map beyond them (session 14 measured 125-184 MB of non-releasable free bytes on
+GPT-2 XL) and what the hooks do not see. Each iteration measures its peak (the most
+allocated at the hooks, and the allocator's peak when it set a new record, which the
+offloader reads but never resets) and moves a *level* of allocated bytes under which later
+iterations keep a candidate: up by offloaded candidates whose bytes fit ``limit - margin -
+peak``, down below kept ones when the peak went over it (details: :class:`Watermark`); so
+the recorded iterations after the first approach the budget from below
+(``python/bench/watermark_sim.py``, a CPU simulation of a GPT-2 XL-shaped step, 48 layers,
+the optimizer's state made at the first step: every iteration within 0.7, 0.8 and 0.9 x the
+steady peak, the third and later ones moving 11.5, 8.6 and 5.6 "GB" instead of 19.2; not a
+GPU measurement). The first iteration thus moves as much as before; what it pins shrinks
+with the pool's growth (about 1.25 x instead of up to 2 x what it holds). When auto
+recompute recomputes more blocks, the level is learned again
 (:meth:`Offloader.program_changed`). A storage kept at its first save stays at its later
 saves in the iteration (offloading those would copy it and free nothing), as an offloaded
-one is shared. ``stats()["watermark_kept"]`` counts candidates left on the device; ``stats()["watermark"]`` and each iteration's ``watermark`` the limit, level,
-headroom and peak. The recording is still the run without offload to the planner (restore
+one is shared. ``stats()["watermark_kept"]`` counts candidates left on the device;
+``stats()["watermark"]`` and each iteration's ``watermark`` the limit, level, headroom and
+peak. The recording is still the run without offload to the planner (restore
 links only for what moved): fewer offloads change nothing there.
 
 Threads: the hooks are thread-local in PyTorch; :func:`enable` pushes them for the calling
@@ -654,14 +661,19 @@ class Watermark:
     Each candidate is *checked* at its pack with ``allocated``, the device's allocated bytes
     then (it included):
 
-    * before anything was learned it stays when ``allocated + headroom <= limit``, with
-      ``headroom = max(first, grads) + (prefetch + 2) x largest + max(margin, limit / 8)``
-      -- ``first`` the allocated bytes at the first check of the first watermark iteration
+    * before anything was learned (the first iteration, and the first after :meth:`forget`)
+      every candidate moves, as without a watermark, and the iteration is measured: no
+      guess of what comes later is safe there. Forward's end can allocate more than all
+      the activations before it (a large vocabulary's logits, their fp32 copy and the saved
+      log-softmax: Llama 1B at 8 x 2048 tokens, ~21 GB) and the first iteration cannot
+      know it. ``guess_first=True`` guesses instead: a candidate stays when ``allocated +
+      headroom <= limit``, ``headroom = max(first, grads) + (prefetch + 2) x largest +
+      max(margin, limit / 8)`` -- ``first`` the allocated bytes at the first check
       (parameters and batch before any optimizer state: at least the gradients backward
       allocates when they start as None), ``grads`` the bytes of the trainable parameters
-      without ``.grad`` seen saved so far in the iteration, ``largest`` the largest
-      candidate so far (copies back in flight, an activation's gradient), ``limit / 8`` for
-      forward's end (the loss's transients), which the first iteration cannot know yet;
+      without ``.grad`` saved so far in the iteration, ``largest`` the largest candidate so
+      far, ``limit / 8`` for forward's end (too little for such losses: the tests show a
+      GPT-2-shaped run going over with it);
     * once an iteration was measured it stays when ``allocated <= level``, the learned
       watermark level.
 
@@ -670,23 +682,25 @@ class Watermark:
     set against ``T = limit - margin``, and ``level`` moves from the level in force (the
     learned one, else the most allocated at which a candidate stayed):
 
-    * ``P <= T``: up over the offloaded candidates in order of their allocated bytes, while
-      the sum of their bytes stays within ``T - P`` (keeping more raises the peak by at most
-      the extra bytes kept), to the allocated bytes the last of them would have at its check
-      with those before it kept (their bytes added). The check is on absolute bytes: a
-      static part that grew meanwhile (the optimizer's state after the first step) makes
-      fewer stay, so the peak stays about where it was, not above;
+    * ``P <= T``: up over the offloaded candidates in order of their allocated bytes, to
+      the allocated bytes the last of them would have at its check with those before it
+      kept (their bytes added), while both the sum of their bytes (keeping more raises the
+      peak by at most the extra bytes kept) and the rise of the level (the peak follows the
+      level when the static part grew meanwhile -- the optimizer's state after the first
+      step -- and the kept candidates fill what the level allows) stay within ``T - P``;
     * ``P > T``: down below the kept candidates of most allocated bytes until theirs cover
       ``P - T``.
 
     So the level approaches the limit from below, one measured iteration at a time, and
-    :meth:`forget` (the program changed: more blocks recomputed) goes back to the unlearned
-    headroom."""
+    :meth:`forget` (the program changed: more blocks recomputed) goes back to measuring an
+    iteration that moves every candidate."""
 
-    def __init__(self, limit, margin: Optional[int] = None, min_margin: int = 256 << 20):
+    def __init__(self, limit, margin: Optional[int] = None, min_margin: int = 256 << 20,
+                 guess_first: bool = False):
         if isinstance(limit, bool) or not (callable(limit) or (isinstance(limit, int) and limit > 0)):
             raise ValueError(f"watermark limit must be bytes > 0 or a callable, got {limit!r}")
         self._limit = limit
+        self.guess_first = guess_first
         self.margin_fixed = margin
         self.min_margin = min_margin
         self.first: Optional[int] = None
@@ -725,10 +739,13 @@ class Watermark:
             self._grad_ids.add(id(p))
             self.grads += p.numel() * p.element_size()
 
-    def headroom(self, prefetch: int) -> int:
-        """What the check keeps free below the limit now."""
+    def headroom(self, prefetch: int) -> Optional[int]:
+        """What the check keeps free below the limit now (None: nothing learned, no guess:
+        every candidate moves)."""
         if self.level is not None:
             return (self.limit or 0) - self.level
+        if not self.guess_first:
+            return None
         return (max(self.first or 0, self.grads) + (max(0, prefetch) + 2) * self.largest
                 + max(self.margin, (self.limit or 0) // 8))
 
@@ -739,7 +756,8 @@ class Watermark:
             self.first = allocated
         self.largest = max(self.largest, nbytes)
         self.peak_seen = max(self.peak_seen, allocated)
-        stay = allocated + self.headroom(prefetch) <= self.limit
+        h = self.headroom(prefetch)
+        stay = h is not None and allocated + h <= self.limit
         self.checks.append((allocated, nbytes, stay))
         if stay:
             self.kept += 1
@@ -761,20 +779,19 @@ class Watermark:
         kept = sorted((a, n) for a, n, stay in self.checks if stay)
         offloaded = sorted((a, n) for a, n, stay in self.checks if not stay)
         low = min(a for a, _, _ in self.checks) - 1
-        if self.level is not None:
-            ref = self.level
-        else:
-            ref = kept[-1][0] if kept else low
+        top = kept[-1][0] if kept else low  # the most allocated at a kept candidate
+        ref = self.level if self.level is not None else top
         if p <= target:
             slack = target - p
             # Nothing flips at first: below the offloaded candidate of fewest bytes allocated.
             level = min(ref, offloaded[0][0] - 1) if offloaded else ref
             total = 0
             for a, n in offloaded:
-                if total + n > slack:
-                    break
                 # Kept, the candidates flipped before it are still allocated at its check.
-                level = max(level, a + total)
+                at = a + total
+                if total + n > slack or at - top > slack:
+                    break
+                level = max(level, at)
                 total += n
         else:
             over = p - target
