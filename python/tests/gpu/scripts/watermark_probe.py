@@ -18,8 +18,8 @@ import time
 
 def main() -> None:
     what = sys.argv[1]
-    iters = int(sys.argv[2]) if len(sys.argv) > 2 else 16
-    os.environ.setdefault("STWEAVER_AUTO_ITERATIONS", "3")
+    iters = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+    os.environ.setdefault("STWEAVER_AUTO_ITERATIONS", "5")  # the first moves all: room to learn
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     import stweaver
 
