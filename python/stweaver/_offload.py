@@ -1265,7 +1265,7 @@ class Offloader:
 
     def program_changed(self) -> None:
         """The model's program changed (more blocks recomputed, say): the watermark forgets
-        the rise it learned (module doc, "Watermark")."""
+        the level it learned (module doc, "Watermark")."""
         with self._lock:
             if self.watermark is not None:
                 self.watermark.forget()
@@ -1474,7 +1474,7 @@ class Offloader:
                 it = dict(it)
                 it["iteration"] = self.iterations - 1
                 if wm_last is not None:
-                    it["watermark"] = dict(wm_last)  # limit, headroom, peak, rise, ...
+                    it["watermark"] = dict(wm_last)  # limit, headroom, peak, level, ...
                 self.last_iteration = it
             self._it = self._zero()
             self._reset_ordinals()
