@@ -45,6 +45,9 @@ random token ids, deterministic algorithms (as gpu_bench).
    - ``stweaver_auto_pycopy``: the same with ``STWEAVER_OFFLOAD_FAST=0``: the offload copies
      through torch's Python API instead of one extension call each (the A/B control of
      ``cpp/offload_copy.cpp``);
+   - ``stweaver_auto_nowm``: ``stweaver_auto`` with ``STWEAVER_OFFLOAD_WATERMARK=0``: before
+     the plan every saved tensor of at least 1 MiB is offloaded (no watermark), the A/B
+     control of the first iterations' time and pinned host memory;
    - ``stweaver_plan_at_pack``: the same with ``--reuse-offloaded at-pack`` (the plan reuses an
      offloaded tensor's memory right after its pack and compute waits for the copy on the
      device: the schedule before session 9, kept as the baseline);
@@ -62,7 +65,12 @@ random token ids, deterministic algorithms (as gpu_bench).
      A/A control, its ratio to the first unlimited run is the spread between two runs of the
      same thing on this machine.
 
-Per row: fits or OOM (and at which iteration), peak reserved/allocated, step time min and
+Per row: fits or OOM (and at which iteration), peak reserved/allocated (over the whole run,
+first iterations included), the first iteration's time (``first_step_s``; every step's in
+``step_s``, the iterations before auto's switch in ``pre_plan_steps_s``), pinned host memory
+after each iteration (``pinned_after``: torch's caching host allocator's bytes, in use and
+cached, ``torch.cuda.host_memory_stats()``; ``host_capacity_after``: the offloader's pool)
+and its most, step time min and
 median over the measured iterations (after ``--warmup``) and their ratio to unlimited's, bytes
 moved per iteration (host<-device + device<-host), achieved D2H/H2D bandwidth (stweaver's copy
 events: bytes / copy time) vs the link peak, and whether the losses are bitwise those of the
@@ -112,8 +120,9 @@ WORKLOADS = [
 # Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
 PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
-AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy")
-ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_auto_pycopy", "stweaver_plan_at_pack",
+AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_nowm")
+ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_nowm",
+        "stweaver_plan_at_pack",
         "stweaver_plan_devtime",
         "stweaver_offload",
         "save_on_cpu", "recompute", "native", "expandable", "unlimited_aa", "recompute_k")
@@ -300,6 +309,9 @@ def run_row(spec: dict) -> dict:
     if row == "stweaver_auto_pycopy":
         # The A/B control of the extension's one-call offload copies: torch's Python API.
         os.environ["STWEAVER_OFFLOAD_FAST"] = "0"
+    if row == "stweaver_auto_nowm":
+        # The A/B control of the watermark: every saved tensor >= 1 MiB before the plan.
+        os.environ["STWEAVER_OFFLOAD_WATERMARK"] = "0"
     if row in AUTO_ROWS and not dry:
         import stweaver
 
@@ -377,6 +389,8 @@ def run_row(spec: dict) -> dict:
 
         max_n = n_total + spec["extra_auto"] * (1 + MAX_ROUNDS)  # a recording per round
     losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
+    pinned_after: List[int] = []  # torch's pinned host bytes (in use + cached) after each iteration
+    capacity_after: List[int] = []  # the offloader's pinned pool after each iteration
     phases: List[dict] = []
     offload_iters: List[dict] = []
     measured_from = spec["warmup"]
@@ -418,6 +432,13 @@ def run_row(spec: dict) -> dict:
                 cpu_bytes[0] = 0
             if cuda:
                 reserved_after.append(torch.cuda.memory_reserved())
+                try:
+                    pinned_after.append(int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)))
+                except Exception:  # a torch without host stats
+                    pass
+            if offloader is not None or (st is not None and (row in PLAN_ROWS or row in AUTO_ROWS)):
+                o_now = offloader.stats() if offloader is not None else st.offload_stats()
+                capacity_after.append(int(o_now.get("host_capacity") or 0))
             if st is not None and row in PLAN_ROWS:
                 last = st.offload_stats().get("last_iteration") or {}
                 offload_iters.append(last)
@@ -463,6 +484,11 @@ def run_row(spec: dict) -> dict:
     res["measured_from"] = measured_from
     win = steps[measured_from:]
     res["step_min_s"] = min(win) if win else None
+    res["first_step_s"] = steps[0] if steps else None
+    res["pre_plan_steps_s"] = steps[:switched_at + 1] if switched_at is not None else None
+    res["pinned_after"] = pinned_after
+    res["pinned_max"] = max(pinned_after) if pinned_after else None
+    res["host_capacity_after"] = capacity_after
     res["step_median_s"] = statistics.median(win) if win else None
     res["moved_bytes_per_iter"] = moved[measured_from:] or moved
     res["phases_ms"] = _phase_medians(phases[measured_from:])
@@ -513,11 +539,20 @@ def row_details(r: dict) -> List[str]:
                    f"planned copy-out wait {o.get('copy_out_wait_us')} us, copy-back stalls {o.get('stalls')} "
                    f"({o.get('stall_us')} us) timing {o.get('timing')} "
                    f"error {str(p.get('error'))[:200] if p.get('error') else None}")
+    if r.get("step_s"):
+        gib = lambda xs: ", ".join(f"{x / GiB:.2f}" for x in (xs or [])[:10])  # noqa: E731
+        out.append(f"first iterations: step s {', '.join(f'{x:.2f}' for x in r['step_s'][:10])}; "
+                   f"pinned host GiB after each (torch's host allocator, in use + cached) [{gib(r.get('pinned_after'))}]; "
+                   f"offloader's pool GiB [{gib(r.get('host_capacity_after'))}]"
+                   f"{'; plan served from iteration %d' % (r['switched_at'] + 1) if r.get('switched_at') is not None else ''}")
     o = r.get("offload") or {}
+    if o.get("watermark"):
+        out.append(f"watermark: kept {o.get('watermark_kept')} candidates on the device; {json.dumps(o['watermark'])[:600]}")
     for d in (o.get("auto_recompute") or {}).get("decisions") or []:
         out.append(f"auto recompute: {json.dumps(d)[:400]}")
     if o:
-        keep = {k: v for k, v in o.items() if k not in ("last_iteration", "current_iteration", "auto_recompute")}
+        keep = {k: v for k, v in o.items()
+                if k not in ("last_iteration", "current_iteration", "auto_recompute", "watermark")}
         out.append(f"offload: {json.dumps(keep)[:900]}")
         for it in (r.get("offload_iters") or [])[:5]:
             out.append(f"  iteration: {json.dumps(it)[:400]}")
@@ -735,12 +770,13 @@ def fmt_cap(cap: dict) -> List[str]:
 
 def fmt_table(doc: dict) -> str:
     lines = [f"{'workload':<14} {'row':<17} {'budget':>9} {'fits':<5} {'peak res':>9} "
-             f"{'step med':>9} {'x unlim':>8} {'moved/it':>9} {'D2H%':>5} {'H2D%':>5} {'loss=':<6} mode"]
+             f"{'step med':>9} {'x unlim':>8} {'1st it':>8} {'moved/it':>9} {'pinned':>8} {'D2H%':>5} {'H2D%':>5} "
+             f"{'loss=':<6} mode"]
     for w in doc["workloads"]:
         ref = w["unlimited"]
         lines.append(f"{w['name']:<14} {'unlimited':<17} {'-':>9} {str(ref.get('ok')):<5} "
                      f"{(ref.get('max_reserved') or 0) / GiB:8.2f}G {_s(ref.get('step_median_s')):>9} "
-                     f"{'1.000':>8} {'-':>9} {'-':>5} {'-':>5} {'-':<6}")
+                     f"{'1.000':>8} {_s(ref.get('first_step_s')):>8} {'-':>9} {'-':>8} {'-':>5} {'-':>5} {'-':<6}")
         for r in w["rows"]:
             d = r.get("derived", {})
             fits = "yes" if r.get("ok") else ("OOM" if r.get("oom") else "err")
@@ -750,7 +786,9 @@ def fmt_table(doc: dict) -> str:
                 f"{'':<14} {r['row']:<17} "
                 f"{('uncapped' if r['row'] in ('unlimited_aa', 'recompute_k') else '%5.2fxLB' % r['fraction']):>9} {fits:<5} "
                 f"{(r.get('max_reserved') or 0) / GiB:8.2f}G {_s(r.get('step_median_s')):>9} "
-                f"{(f'{ratio:.3f}' if ratio else '-'):>8} {d.get('moved_bytes_per_iter', 0) / GiB:8.2f}G "
+                f"{(f'{ratio:.3f}' if ratio else '-'):>8} {_s(r.get('first_step_s')):>8} "
+                f"{d.get('moved_bytes_per_iter', 0) / GiB:8.2f}G "
+                f"{_gib(r.get('pinned_max')):>8} "
                 f"{pct(d.get('d2h_of_link')):>5} {pct(d.get('h2d_of_link')):>5} "
                 f"{('yes' if d.get('losses_equal') else 'NO' if d.get('losses_compared') else '-'):<6} "
                 f"{r.get('offload_mode') or ''}"
@@ -770,6 +808,10 @@ def _given_up(r: dict) -> str:
         if "given up" in str(m):
             return f"; PLAN GIVEN UP at iteration {i} (then online)"
     return ""
+
+
+def _gib(x) -> str:
+    return f"{x / GiB:7.2f}G" if x is not None else "-"
 
 
 def _s(x) -> str:

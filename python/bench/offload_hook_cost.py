@@ -18,6 +18,11 @@ offloaded: the cost every saved tensor pays whether or not the plan moves it. Ro
   over the real ``CudaBackend``; with ``--ext``, stweaver is installed first (online mode,
   ``STWEAVER_MODE`` overrides) and the offloader gets its extension, as ``enable()`` does (the
   ``record_saved`` marker calls included while the runtime may record);
+- ``watermark``: the offloader before a plan (``first_min_bytes`` = 1 MiB) with a watermark
+  whose limit is never reached, so nothing moves: what the watermark's reads of the device's
+  allocated bytes cost (one per candidate pack, the 1 MiB tensors here, and one per unpack of
+  one) on top of ``offloader``. ``--device cpu``: the dry backend reads a constant (the
+  Python logic alone); ``--device cuda``: ``torch._C._cuda_memoryStats``, the real read;
 - ``compare``: the same with the ``Offloader`` of another ``_offload.py`` (``--compare FILE``,
   e.g. an earlier commit's, ``git show REV:python/stweaver/_offload.py > old.py``), the two
   measured in alternation (ABBA), so that the machine's drift hits both alike.
@@ -101,6 +106,13 @@ def main(argv=None) -> int:
     cands = {"identity": (lambda t: t, lambda t: t, None)}
     off = make(_offload)
     cands["offloader"] = (off.pack, off.unpack, off.iteration_end)
+    wm = make(_offload)
+    if args.device != "cuda":
+        wm.backend.allocated_bytes = lambda device: 0  # the Python logic alone
+    wm.first_min_bytes = 1 << 20
+    wm.watermark = _offload.Watermark(1 << 62)  # never reached: every candidate stays
+    wm._before_plan = True  # threshold rules at every iteration (as auto mode's recording)
+    cands["watermark"] = (wm.pack, wm.unpack, wm.iteration_end)
     if args.compare:
         old = make(load_module(args.compare))
         cands["compare"] = (old.pack, old.unpack, old.iteration_end)
@@ -118,6 +130,8 @@ def main(argv=None) -> int:
         v = times[name]
         med = statistics.median(v)
         print(f"{name:<10} {min(v):12.2f} {med:8.2f} {med * 2 * args.packs / 1e3:22.1f}")
+    print(f"watermark reads per iteration: {wm.watermark.reads // max(1, wm.watermark.iterations)}; "
+          f"candidates moved: {wm.stats()['tensors_out']}")
     if args.compare:
         a, b = times["offloader"], times["compare"]
         print(f"offloader / compare: {min(a) / min(b):.3f} (min), "

@@ -284,6 +284,11 @@ class AutoRecompute:
         from ._recompute import recompute_blocks
 
         recompute_blocks(self.model, k_new, where=self.where)
+        # The program changed (more recomputed in backward): the offloader's watermark
+        # learns its level again, from the first iteration's headroom.
+        forget = getattr(self.off, "program_changed", None)
+        if forget is not None:
+            forget()
         d["action"] = "recompute"
         d["k_new"] = k_new
         self.decisions.append(d)

@@ -114,12 +114,65 @@ the schedule is read again.
 
 Host memory: the pool grows by adding a buffer (live slices cannot move while copies may be
 in flight): up front to the schedule's bytes (an upper bound of what is offloaded at once;
-exact when every pack precedes the first unpack), else, when a slice does not fit, by a buffer
-as large as the pool (doubling), so it has a handful of buffers whatever its size. Buffers are
-powers of two (PyTorch's pinned allocator rounds to one anyway). If pinning fails (host memory
-exhausted), :class:`PinnedMemoryError` says how many bytes could not be pinned; the offloader
-turns offload off (a warning; ``stats()["off_reason"]``) and the tensor simply stays on the
-device: training goes on, results unchanged.
+exact when every pack precedes the first unpack; one buffer per power of two of the missing
+bytes), else, when a slice does not fit, by a buffer of the largest of the slice, 64 MiB and a
+quarter of the pool (:meth:`PinnedPool.grow_size`): at most about 1.25 x what it ever held
+at once, in O(log) buffers (doubling pinned up to 2 x: GPT-2 XL at 0.8 x LB offloaded ~18 GB
+by threshold and could pin ~32 GiB). Buffers are powers of two (PyTorch's pinned allocator
+rounds to one anyway: a slice's size rounded up, a quarter rounded down). Once schedule rules
+apply (a plan served, with or without a schedule, or a fixed schedule after the first
+iteration), the pool keeps buffers covering ``schedule_host_bytes`` and drops the other empty
+ones (:meth:`PinnedPool.release_beyond`; again at the next boundaries while busy buffers kept
+it larger), then empties torch's pinned host cache (``torch._C._host_emptyCache``, torch 2.11),
+which would otherwise keep the dropped blocks pinned for its next pinned allocation (it gives
+back every free cached pinned block of the process, e.g. a DataLoader's, which torch pins
+again when needed). ``stats()``: ``host_capacity`` (pinned now), ``host_pins``,
+``host_pinned_total`` (ever pinned), ``host_released``, ``host_peak`` (most used at once). If
+pinning fails (host memory exhausted), :class:`PinnedMemoryError` says how many bytes could
+not be pinned; the offloader turns offload off (a warning; ``stats()["off_reason"]``) and the
+tensor simply stays on the device: training goes on, results unchanged.
+
+Watermark
+=========
+Before a plan is served (auto mode recording or planning, the first iteration in plan mode:
+``first_min_bytes``), threshold rules keep the run within its budget. Offloading every
+candidate (every eligible saved tensor of at least ``first_min_bytes``) does, at a price:
+GPT-2 XL at 0.8 x LB on an H100 moved ~18 GB per recorded iteration and its first one took
+18.8 s, while the served plan moves ~0.6 GB. With a :class:`Watermark` (``install()`` under a
+budget; ``STWEAVER_OFFLOAD_WATERMARK=0`` turns it off) a candidate is offloaded only when
+the device would otherwise come near the budget; the rest stay on the device, as without
+offload. Per candidate, at its pack, it reads the device's allocated bytes (the allocator's
+stats, ``torch._C._cuda_memoryStats``: one call, only in these iterations; also at the
+unpack of every offloaded tensor and of every counted one of at least ``first_min_bytes``,
+to measure the iteration's peak) and the iteration's first check reads the
+limit (``info_json``'s ``limit_bytes``: ``STWEAVER_BUDGET`` and
+``set_per_process_memory_fraction``, the smaller; neither set: no watermark, every
+candidate offloaded). The first iteration (nothing learned yet) still offloads every
+candidate, and is measured: no guess of what comes later is safe there, since forward's end
+can allocate more than every activation before it (a large vocabulary's logits, their fp32
+copy and the saved log-softmax: ~21 GB for Llama 1B at 8 x 2048 tokens), which the first
+iteration cannot know (``Watermark(guess_first=True)`` guesses a headroom instead; the tests
+show it going over on a GPT-2-shaped run). The allocated bytes stand for what the budget
+counts (mapped bytes): the margin (``max(256 MiB, limit / 32)``) covers what the online
+arenas map beyond them (session 14 measured 125-184 MB of non-releasable free bytes on
+GPT-2 XL) and what the hooks do not see. Each iteration measures its peak (the most
+allocated at the hooks, and the allocator's peak when it set a new record, which the
+offloader reads but never resets) and moves a *level* of allocated bytes under which later
+iterations keep a candidate: up by offloaded candidates whose bytes fit ``limit - margin -
+peak``, down below kept ones when the peak went over it (details: :class:`Watermark`); so
+the recorded iterations after the first approach the budget from below
+(``python/bench/watermark_sim.py``, a CPU simulation of a GPT-2 XL-shaped step, 48 layers,
+the optimizer's state made at the first step: every iteration within 0.7, 0.8 and 0.9 x the
+steady peak, the third and later ones moving 11.5, 8.6 and 5.6 "GB" instead of 19.2; not a
+GPU measurement). The first iteration thus moves as much as before; what it pins shrinks
+with the pool's growth (about 1.25 x instead of up to 2 x what it holds). When auto
+recompute recomputes more blocks, the level is learned again
+(:meth:`Offloader.program_changed`). A storage kept at its first save stays at its later
+saves in the iteration (offloading those would copy it and free nothing), as an offloaded
+one is shared. ``stats()["watermark_kept"]`` counts candidates left on the device;
+``stats()["watermark"]`` and each iteration's ``watermark`` the limit, level, headroom and
+peak. The recording is still the run without offload to the planner (restore
+links only for what moved): fewer offloads change nothing there.
 
 Threads: the hooks are thread-local in PyTorch; :func:`enable` pushes them for the calling
 thread (the one that runs forward). Unpacks run on autograd's device threads; the offloader's
@@ -186,6 +239,17 @@ def _pin_torch(nbytes: int):
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def _torch_host_empty_cache() -> None:
+    """Gives torch's cached free pinned blocks back (``torch._C._host_emptyCache``, torch
+    2.11; what ``torch.cuda.graphs`` calls). A torch without it: nothing (the blocks stay
+    cached, pinned, for torch's next pinned allocations)."""
+    import torch
+
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
+
+
 class HostSlice:
     """A range of a pool buffer: ``tensor`` is a uint8 view of ``nbytes`` bytes at ``offset``."""
 
@@ -221,15 +285,25 @@ class PinnedPool:
     two of the missing bytes (16 GiB + 4 GiB for 20 GiB), not one rounded-up buffer."""
 
     def __init__(self, pin: Optional[Callable[[int], Any]] = None, align: int = ALIGN,
-                 min_grow: int = 64 << 20, pow2: Optional[bool] = None):
+                 min_grow: int = 64 << 20, pow2: Optional[bool] = None,
+                 empty_host_cache: Any = "auto"):
         if align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a power of two, got {align}")
         self._pin = pin or _pin_torch
         self.pow2 = (pin is None) if pow2 is None else pow2
         self.align = align
         self.min_grow = max(align, min_grow)
+        # Called after buffers were dropped: torch's caching host allocator keeps a freed
+        # pinned block cached (still pinned) for its next pin_memory=True allocation;
+        # ``torch._C._host_emptyCache`` (torch 2.11) gives its free blocks back. "auto": that
+        # with torch's pinning, nothing with another pin function; None: nothing.
+        if empty_host_cache == "auto":
+            empty_host_cache = _torch_host_empty_cache if pin is None else None
+        self._empty_host_cache = empty_host_cache
         self._buffers: List[Optional[_Buffer]] = []
         self.pins = 0  # buffers pinned so far (each one cudaHostAlloc)
+        self.pinned_total = 0  # bytes pinned so far, released ones included
+        self.released = 0  # bytes of buffers given back so far
         self.peak_used = 0
 
     # -- sizes
@@ -256,6 +330,7 @@ class PinnedPool:
         if data is None or int(data.numel()) < nbytes:
             raise PinnedMemoryError(nbytes, RuntimeError("the pin function returned too little"))
         self.pins += 1
+        self.pinned_total += nbytes
         self._buffers.append(_Buffer(data, nbytes))
         return len(self._buffers) - 1
 
@@ -275,8 +350,8 @@ class PinnedPool:
             short -= chunk
 
     def alloc(self, nbytes: int) -> HostSlice:
-        """A slice of ``nbytes`` (first fit over the buffers in order); grows the pool by a
-        buffer of ``max(nbytes, capacity, min_grow)`` when nothing fits."""
+        """A slice of ``nbytes`` (first fit over the buffers in order); grows the pool by one
+        buffer (:meth:`grow_size`) when nothing fits."""
         if nbytes <= 0:
             raise ValueError(f"a host slice needs a positive size, got {nbytes}")
         need = _align(nbytes, self.align)
@@ -290,8 +365,7 @@ class PinnedPool:
                     else:
                         buf.free[fi] = [off + need, size - need]
                     return self._take(bi, buf, off, need, nbytes)
-        # Doubling: a handful of buffers however the pool got to its size.
-        bi = self._new_buffer(max(need, self.capacity, self.min_grow))
+        bi = self._new_buffer(self.grow_size(need))
         buf = self._buffers[bi]
         off, size = buf.free[0]
         if size == need:
@@ -299,6 +373,52 @@ class PinnedPool:
         else:
             buf.free[0] = [off + need, size - need]
         return self._take(bi, buf, off, need, nbytes)
+
+    def grow_size(self, need: int) -> int:
+        """The size of the buffer added when a slice of ``need`` (aligned) bytes fits nowhere:
+        the largest of ``need``, ``min_grow`` and a quarter of the capacity (with ``pow2``:
+        ``need`` and ``min_grow`` rounded up to a power of two, the quarter rounded down to
+        one, since PyTorch pins a power of two anyway). The pool then pins at most about
+        1.25 x what it ever held at once, plus the rounding of the slice that grew it
+        (doubling pinned up to 2 x: 32 GiB for 18 GB offloaded), in O(log) buffers."""
+        quarter = self.capacity // 4
+        if self.pow2:
+            floor_quarter = 1 << (quarter.bit_length() - 1) if quarter > 0 else 0
+            return max(_pow2(need), _pow2(self.min_grow), floor_quarter)
+        return max(need, self.min_grow, _align(quarter, self.align) if quarter >= self.align else 0)
+
+    def release_beyond(self, keep: int) -> int:
+        """Drops empty buffers while the capacity stays at least ``keep`` bytes (or as close
+        above it as the buffers allow): the empty buffers kept are chosen to cover what the
+        busy ones lack (the smallest that covers the rest, else the largest, in turn); the
+        rest are dropped and, when any was, the host cache emptied. Returns the bytes
+        dropped. Slices in use are never touched (a busy buffer stays)."""
+        busy = [b for b in self._buffers if b is not None and b.used]
+        cap = sum(b.capacity for b in busy)
+        empty = [(i, b) for i, b in enumerate(self._buffers) if b is not None and not b.used]
+        kept = set()
+        while cap < keep and len(kept) < len(empty):
+            short = keep - cap
+            rest = [(i, b) for i, b in empty if i not in kept]
+            cover = [ib for ib in rest if ib[1].capacity >= short]
+            i, b = min(cover, key=lambda ib: ib[1].capacity) if cover else max(rest, key=lambda ib: ib[1].capacity)
+            kept.add(i)
+            cap += b.capacity
+        dropped = 0
+        for i, b in empty:
+            if i not in kept:
+                dropped += b.capacity
+                b.data = None
+                self._buffers[i] = None  # slices keep buffer indices: the slot stays
+        if dropped:
+            self.released += dropped
+            if self._empty_host_cache is not None:
+                try:
+                    self._empty_host_cache()
+                except Exception as e:  # report; the buffers are dropped either way
+                    warnings.warn(f"stweaver offload: emptying the pinned host cache failed: {e!r}",
+                                  RuntimeWarning)
+        return dropped
 
     def _take(self, bi: int, buf: _Buffer, off: int, need: int, nbytes: int) -> HostSlice:
         buf.used += need
@@ -330,6 +450,7 @@ class PinnedPool:
         """Drops every buffer (all slices must be free)."""
         if any(b is not None and b.used for b in self._buffers):
             raise RuntimeError("PinnedPool.release_all with slices in use")
+        self.release_beyond(0)
         self._buffers = []
 
 
@@ -401,6 +522,9 @@ class CudaBackend:
         if os.environ.get("STWEAVER_OFFLOAD_FAST", "1") == "0":  # the A/B control
             self._fast = None
         self._pooled = getattr(self._fast, "PooledEvent", None)
+        self._mem_stats = getattr(torch._C, "_cuda_memoryStats", None) or (
+            lambda idx: {"allocated_bytes": {"all": {"current": torch.cuda.memory_allocated(idx),
+                                                     "peak": torch.cuda.max_memory_allocated(idx)}}})
 
     def _side(self, device, kind: str):
         s = self.side_stream(device, kind)
@@ -426,6 +550,21 @@ class CudaBackend:
 
     def is_device(self, t) -> bool:
         return t.is_cuda
+
+    def allocated_bytes(self, device) -> int:
+        """The device's allocated bytes now (the watermark's read, once per candidate pack
+        and counted unpack before a plan): ``torch._C._cuda_memoryStats``'s nested dict
+        read directly, without ``torch.cuda.memory_allocated``'s flattening of every stat
+        into strings; the allocator's (stweaver's) own stats."""
+        idx = device.index if device.index is not None else self.torch.cuda.current_device()
+        return self._mem_stats(idx)["allocated_bytes"]["all"]["current"]
+
+    def peak_allocated_bytes(self, device) -> int:
+        """The allocator's peak allocated bytes (read, never reset: resetting would change
+        what ``torch.cuda.max_memory_allocated`` tells the user); the watermark reads it at
+        an iteration's first check and at its boundary."""
+        idx = device.index if device.index is not None else self.torch.cuda.current_device()
+        return self._mem_stats(idx)["allocated_bytes"]["all"]["peak"]
 
     def current_stream(self, device):
         return self.torch.cuda.current_stream(device)
@@ -507,6 +646,212 @@ def schedule_host_bytes(schedule: Sequence[Entry], align: int = ALIGN) -> int:
     return sum(_align(e[3], align) for e in schedule)
 
 
+# ---------------------------------------------------------------- watermark
+
+
+class Watermark:
+    """Before a plan is served, under a budget: offload a saved tensor only when the device
+    would otherwise come near the budget (module doc, "Watermark").
+
+    ``limit``: the device limit in bytes, or a callable ``limit(device) -> bytes or None``
+    (None: not known, and the iteration offloads as plain threshold rules do), read once per
+    iteration. ``margin``: bytes kept free below the limit (default ``max(min_margin,
+    limit / 32)``: the online arenas' fragmentation, transients the hooks do not see).
+
+    Each candidate is *checked* at its pack with ``allocated``, the device's allocated bytes
+    then (it included):
+
+    * before anything was learned (the first iteration, and the first after :meth:`forget`)
+      every candidate moves, as without a watermark, and the iteration is measured: no
+      guess of what comes later is safe there. Forward's end can allocate more than all
+      the activations before it (a large vocabulary's logits, their fp32 copy and the saved
+      log-softmax: Llama 1B at 8 x 2048 tokens, ~21 GB) and the first iteration cannot
+      know it. ``guess_first=True`` guesses instead: a candidate stays when ``allocated +
+      headroom <= limit``, ``headroom = max(first, grads) + (prefetch + 2) x largest +
+      max(margin, limit / 8)`` -- ``first`` the allocated bytes at the first check
+      (parameters and batch before any optimizer state: at least the gradients backward
+      allocates when they start as None), ``grads`` the bytes of the trainable parameters
+      without ``.grad`` saved so far in the iteration, ``largest`` the largest candidate so
+      far, ``limit / 8`` for forward's end (too little for such losses: the tests show a
+      GPT-2-shaped run going over with it);
+    * once an iteration was measured it stays when ``allocated <= level``, the learned
+      watermark level.
+
+    At a boundary the iteration's peak ``P`` (the most allocated at any check or sampled
+    unpack, and the allocator's own peak when it set a new record during the iteration) is
+    set against ``T = limit - margin``, and ``level`` moves from the level in force (the
+    learned one, else the most allocated at which a candidate stayed):
+
+    * ``P <= T``: up over the offloaded candidates in order of their allocated bytes, to
+      the allocated bytes the last of them would have at its check with those before it
+      kept (their bytes added), while both the sum of their bytes (keeping more raises the
+      peak by at most the extra bytes kept) and the rise of the level (the peak follows the
+      level when the static part grew meanwhile -- the optimizer's state after the first
+      step -- and the kept candidates fill what the level allows) stay within ``T - P``;
+    * ``P > T``: down below the kept candidates of most allocated bytes until theirs cover
+      ``P - T``.
+
+    So the level approaches the limit from below, one measured iteration at a time, and
+    :meth:`forget` (the program changed: more blocks recomputed) goes back to measuring an
+    iteration that moves every candidate."""
+
+    def __init__(self, limit, margin: Optional[int] = None, min_margin: int = 256 << 20,
+                 guess_first: bool = False):
+        if isinstance(limit, bool) or not (callable(limit) or (isinstance(limit, int) and limit > 0)):
+            raise ValueError(f"watermark limit must be bytes > 0 or a callable, got {limit!r}")
+        self._limit = limit
+        self.guess_first = guess_first
+        self.margin_fixed = margin
+        self.min_margin = min_margin
+        self.first: Optional[int] = None
+        self.level: Optional[int] = None
+        self.iterations = 0  # iterations measured
+        self.reads = 0  # allocated-bytes reads by the hooks (pack checks and unpack samples)
+        self.last: Optional[dict] = None
+        self._begin_iteration(None)
+
+    def _begin_iteration(self, limit: Optional[int]) -> None:
+        self.limit = limit
+        self.margin = (self.margin_fixed if self.margin_fixed is not None
+                       else max(self.min_margin, (limit or 0) // 32))
+        self.largest = 0
+        self.grads = 0
+        self._grad_ids: set = set()
+        self.checks: List[Tuple[int, int, bool]] = []  # (allocated, bytes, stayed) per check
+        self.peak_seen = 0
+        self.peak_start: Optional[int] = None
+        self.kept = 0
+
+    def begin(self, device, peak: Optional[int] = None) -> bool:
+        """Reads the limit for an iteration; whether the watermark applies to it. ``peak``:
+        the allocator's peak allocated bytes now (None: not known)."""
+        limit = self._limit(device) if callable(self._limit) else self._limit
+        if limit is None or limit <= 0:
+            self._begin_iteration(None)
+            return False
+        self._begin_iteration(int(limit))
+        self.peak_start = peak
+        return True
+
+    def note_param(self, p) -> None:
+        """A trainable parameter saved without a ``.grad`` yet: backward will allocate one."""
+        if id(p) not in self._grad_ids:
+            self._grad_ids.add(id(p))
+            self.grads += p.numel() * p.element_size()
+
+    def headroom(self, prefetch: int) -> Optional[int]:
+        """What the check keeps free below the limit now (None: nothing learned, no guess:
+        every candidate moves)."""
+        if self.level is not None:
+            return (self.limit or 0) - self.level
+        if not self.guess_first:
+            return None
+        return (max(self.first or 0, self.grads) + (max(0, prefetch) + 2) * self.largest
+                + max(self.margin, (self.limit or 0) // 8))
+
+    def keep(self, allocated: int, nbytes: int, prefetch: int) -> bool:
+        """Whether a candidate of ``nbytes`` saved with ``allocated`` bytes on the device stays."""
+        self.reads += 1
+        if self.first is None:
+            self.first = allocated
+        self.largest = max(self.largest, nbytes)
+        self.peak_seen = max(self.peak_seen, allocated)
+        h = self.headroom(prefetch)
+        stay = h is not None and allocated + h <= self.limit
+        self.checks.append((allocated, nbytes, stay))
+        if stay:
+            self.kept += 1
+        return stay
+
+    def note_unpack(self, allocated: int) -> None:
+        self.reads += 1
+        self.peak_seen = max(self.peak_seen, allocated)
+
+    def end_iteration(self, prefetch: int, peak: Optional[int] = None) -> None:
+        """Moves the level (see the class doc). ``peak``: the allocator's peak allocated bytes
+        now (None: not known)."""
+        if self.limit is None or not self.checks:
+            return
+        p = self.peak_seen
+        if peak is not None and self.peak_start is not None and peak > self.peak_start:
+            p = max(p, peak)  # a new record: the iteration's own peak, transients included
+        target = self.limit - self.margin
+        kept = sorted((a, n) for a, n, stay in self.checks if stay)
+        offloaded = sorted((a, n) for a, n, stay in self.checks if not stay)
+        low = min(a for a, _, _ in self.checks) - 1
+        top = kept[-1][0] if kept else low  # the most allocated at a kept candidate
+        ref = self.level if self.level is not None else top
+        if p <= target:
+            slack = target - p
+            # Nothing flips at first: below the offloaded candidate of fewest bytes allocated.
+            level = min(ref, offloaded[0][0] - 1) if offloaded else ref
+            total = 0
+            for a, n in offloaded:
+                # Kept, the candidates flipped before it are still allocated at its check.
+                at = a + total
+                if total + n > slack or at - top > slack:
+                    break
+                level = max(level, at)
+                total += n
+        else:
+            over = p - target
+            level, dropped = low, 0
+            for a, n in reversed(kept):
+                if dropped >= over:
+                    level = a
+                    break
+                dropped += n
+            level = min(level, ref - over)
+        h_used = self.headroom(prefetch)
+        self.level = level
+        self.iterations += 1
+        self.last = {"limit": self.limit, "margin": self.margin, "headroom": h_used, "checks": len(self.checks),
+                     "kept": self.kept, "grads": self.grads, "largest": self.largest, "peak": p,
+                     "level": level, "level_before": ref}
+        self._begin_iteration(self.limit)
+
+    def forget(self) -> None:
+        """The program changed (e.g. more blocks recomputed): back to the unlearned headroom
+        until an iteration of the new program is measured."""
+        self.level = None
+
+    def stats(self) -> dict:
+        return {"first": self.first, "level": self.level, "iterations": self.iterations, "reads": self.reads,
+                "last_iteration": dict(self.last) if self.last else None}
+
+
+def _ext_limit(ext) -> Optional[Callable[[Any], Optional[int]]]:
+    """The device limit stweaver enforces (``info_json``'s ``limit_bytes``: the budget and
+    ``set_per_process_memory_fraction``, the smaller), as the watermark's ``limit``; None
+    (no watermark) for an extension without ``info_json``. The limit reads as None while
+    neither a budget nor a fraction below 1 is set: the budget is not known."""
+    if ext is None or not hasattr(ext, "info_json"):
+        return None
+    import json
+
+    def limit(device) -> Optional[int]:
+        idx = getattr(device, "index", None)
+        if idx is None:
+            import torch
+
+            idx = torch.cuda.current_device()
+        try:
+            info = json.loads(ext.info_json())
+        except Exception:
+            return None
+        for d in info.get("devices") or []:
+            if d.get("device") != idx:
+                continue
+            lim = d.get("limit_bytes")
+            frac = d.get("memory_fraction")
+            if lim is None or (d.get("budget") is None and (frac is None or frac >= 1.0)):
+                return None
+            return int(lim)
+        return None
+
+    return limit
+
+
 # ---------------------------------------------------------------- offloader
 
 
@@ -545,7 +890,7 @@ class Offloader:
 
     def __init__(self, schedule=None, min_bytes: Optional[int] = None, ext=None, backend=None,
                  pool: Optional[PinnedPool] = None, prefetch: int = 1,
-                 first_min_bytes: Optional[int] = None):
+                 first_min_bytes: Optional[int] = None, watermark: Any = None):
         if schedule is None and min_bytes is None:
             raise ValueError("Offloader needs a schedule (entries or 'plan') or min_bytes")
         if min_bytes is not None and (isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0):
@@ -581,6 +926,20 @@ class Offloader:
         self._is_device = self.backend.is_device  # bound once: the hooks call it per tensor
         self.pool = pool if pool is not None else PinnedPool()
         self.prefetch = prefetch
+        # The watermark of the threshold rules before a plan (first_min_bytes): a
+        # Watermark, a limit (bytes or callable), "auto" (stweaver's limit, from the
+        # extension), or None (off: every candidate is offloaded).
+        if watermark == "auto":
+            lim = _ext_limit(ext)
+            watermark = Watermark(lim) if lim is not None else None
+        elif watermark is not None and not isinstance(watermark, Watermark):
+            watermark = Watermark(watermark)
+        if watermark is not None and not hasattr(self.backend, "allocated_bytes"):
+            watermark = None  # no way to read the bytes in use
+        self.watermark: Optional[Watermark] = watermark
+        self._wm_it: Optional[bool] = None  # this iteration: watermark on / off / not decided yet
+        self._wm_device = None
+        self._fitted: Optional[int] = None  # the pinned bytes the pool was last fitted to
         self._lock = threading.RLock()
         self._zombies: List[tuple] = []  # (slice, event) of dead handles, appended from __del__
         self._pending: List[tuple] = []  # (slice, event) waiting for the event to pass
@@ -614,7 +973,8 @@ class Offloader:
         return {"packs": 0, "unpacks": 0, "packs_device": 0, "markers": 0, "marker_misses": 0,
                 "tensors_out": 0, "bytes_out": 0, "tensors_in": 0, "bytes_in": 0, "stalls": 0,
                 "prefetched": 0, "shared": 0, "restore_links": 0, "schedule_skipped": 0, "schedule_mismatch": 0,
-                "schedule_unreached": 0, "unpack_drift": 0, "not_unpacked": 0, "pin_failures": 0}
+                "schedule_unreached": 0, "unpack_drift": 0, "not_unpacked": 0, "pin_failures": 0,
+                "watermark_kept": 0}
 
     def _threshold_now(self) -> bool:
         """Threshold rules apply now: threshold mode, or the first iteration with
@@ -636,6 +996,7 @@ class Offloader:
         self._next_prefetch = self._by_prefetch[0][0] if self._by_prefetch else _NEVER
         self._due: List[int] = []  # pack ordinals due for copy back, not packed yet
         self._order: List[int] = []  # threshold mode: offloaded pack ordinals, in order
+        self._wm_kept: Dict[int, weakref.ref] = {}  # device pointer -> storage the watermark kept
 
     def set_schedule(self, schedule: Iterable) -> None:
         """Replaces the schedule (takes effect now; normally called at a boundary)."""
@@ -794,9 +1155,18 @@ class Offloader:
                 if shared is not None:
                     return shared
             if self._threshold_now():
-                floor = self.min_bytes if self.mode == "threshold" else self.first_min_bytes
-                if not (nbytes >= floor and self.eligible(t)):
-                    return t
+                if self.mode == "threshold":
+                    if not (nbytes >= self.min_bytes and self.eligible(t)):
+                        return t
+                else:
+                    wm = self.watermark is not None and self._wm_it is not False
+                    if not (nbytes >= self.first_min_bytes and self.eligible(t)):
+                        if wm:
+                            self._wm_param(t)
+                        return t
+                    if wm and (self._wm_kept_before(t) or self._wm_keep(t, nbytes)):
+                        it["watermark_kept"] += 1
+                        return t
                 j_expected = -1
             else:
                 e = self._by_pack.get(k)
@@ -816,6 +1186,89 @@ class Offloader:
                 return t
         finally:
             lock.release()
+
+    def _wm_device_bytes(self, device) -> Optional[int]:
+        try:
+            return int(self.backend.allocated_bytes(device))
+        except Exception as e:  # report once; the iteration offloads as plain threshold
+            warnings.warn(f"stweaver offload: reading the device's allocated bytes failed ({e!r}); "
+                          f"no watermark this iteration", RuntimeWarning)
+            return None
+
+    def _wm_start(self, device) -> bool:
+        """Whether the watermark applies to this iteration (the limit read at its first
+        counted pack)."""
+        if self._wm_it is None:
+            try:
+                self._wm_device = device
+                self._wm_it = self.watermark.begin(device, self._wm_peak(device))
+            except Exception as e:
+                warnings.warn(f"stweaver offload: reading the device limit failed ({e!r}); "
+                              f"no watermark this iteration", RuntimeWarning)
+                self._wm_it = False
+        return self._wm_it
+
+    def _wm_peak(self, device) -> Optional[int]:
+        """The allocator's peak allocated bytes (None: the backend does not say)."""
+        fn = getattr(self.backend, "peak_allocated_bytes", None)
+        if fn is None or device is None:
+            return None
+        try:
+            return int(fn(device))
+        except Exception:
+            return None
+
+    def _wm_keep(self, t, nbytes: int) -> bool:
+        """The watermark's decision for a candidate (module doc, "Watermark"): True when it
+        stays on the device."""
+        if not self._wm_start(t.device):
+            return False
+        a = self._wm_device_bytes(t.device)
+        if a is None:
+            self._wm_it = False
+            return False
+        if not self.watermark.keep(a, nbytes, self.prefetch):
+            return False
+        try:
+            self._wm_kept[t.data_ptr()] = weakref.ref(t.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+        return True
+
+    def _wm_kept_before(self, t) -> bool:
+        """Whether the watermark kept this storage at an earlier pack of the iteration (a
+        tensor saved twice, or another whole view of it): it stays, since offloading a
+        later save would copy it and free nothing (module doc: tensors saved several
+        times). The storage object's identity, not its address, as :meth:`_shared`."""
+        ref = self._wm_kept.get(t.data_ptr())
+        if ref is None:
+            return False
+        try:
+            return ref() is t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return False
+
+    def _wm_param(self, t) -> None:
+        """A saved trainable parameter (or a whole view of one) without ``.grad``: its
+        gradient is still to come (the watermark's headroom)."""
+        param = _parameter_type()
+        p = t if isinstance(t, param) else getattr(t, "_base", None)
+        if isinstance(p, param) and p.requires_grad and p.grad is None and self._wm_start(t.device):
+            self.watermark.note_param(p)
+
+    def _wm_sample(self, device) -> None:
+        a = self._wm_device_bytes(device)
+        if a is None:
+            self._wm_it = False
+        else:
+            self.watermark.note_unpack(a)
+
+    def program_changed(self) -> None:
+        """The model's program changed (more blocks recomputed, say): the watermark forgets
+        the level it learned (module doc, "Watermark")."""
+        with self._lock:
+            if self.watermark is not None:
+                self.watermark.forget()
 
     def _shared(self, t, k: int):
         """The handle of this very tensor, or of another whole view of the same storage, if it
@@ -918,7 +1371,8 @@ class Offloader:
             if isinstance(x, _View):
                 view, x = x, x.main
             handle = isinstance(x, _Handle)
-            if not handle and not (self._is_device(x) and _whole_storage_bytes(x)):
+            nb = 0
+            if not handle and not (self._is_device(x) and (nb := _whole_storage_bytes(x))):
                 if self._zombies or self._pending:
                     self._reap()
                 return x
@@ -934,6 +1388,8 @@ class Offloader:
                     self._reap()
                 if plan and (self._due or self._next_prefetch <= j):
                     self._trigger(j)
+                if self._wm_it and nb >= self.first_min_bytes:  # a candidate's size: worth a read
+                    self._wm_sample(x.device)
                 return x
             h = x
             if h.ev_in is None:
@@ -955,6 +1411,8 @@ class Offloader:
             self._mark(h.dev, True, False)
             self._reap()
             self._prefetch_after(j, h)
+            if self._wm_it:
+                self._wm_sample(h.device)
             return h.dev if view is None else h.dev.as_strided(view.size, view.stride)
         finally:
             lock.release()
@@ -1003,6 +1461,11 @@ class Offloader:
                 it["schedule_unreached"] = sum(1 for e in self._schedule if e[0] >= self.k)
             self._reap(full=True)
             self._read_timings()
+            wm_last = None
+            if self._wm_it:
+                self.watermark.end_iteration(self.prefetch, self._wm_peak(self._wm_device))
+                wm_last = self.watermark.last
+            self._wm_it = None
             busy = it["packs"] or it["unpacks"] or it["pin_failures"]
             if busy:
                 self.iterations += 1
@@ -1010,6 +1473,8 @@ class Offloader:
                     self._totals[key] += v
                 it = dict(it)
                 it["iteration"] = self.iterations - 1
+                if wm_last is not None:
+                    it["watermark"] = dict(wm_last)  # limit, headroom, peak, level, ...
                 self.last_iteration = it
             self._it = self._zero()
             self._reset_ordinals()
@@ -1022,12 +1487,29 @@ class Offloader:
                 self._read_plan()
                 self._before_plan = self._runtime_before_plan()
             self._rec = self._record if self._may_record() else None
+            if self._threshold_now():
+                self._fitted = None  # threshold rules may grow the pool: fit it again after
+            else:
+                self._fit_pool()
             if it.get("not_unpacked"):
                 warnings.warn(
                     f"stweaver offload: {it['not_unpacked']} offloaded tensor(s) of the iteration "
                     f"were not unpacked before its end (kept in host memory until they are or "
                     f"their graph is freed)", RuntimeWarning, stacklevel=2)
             return it if busy else None
+
+    def _fit_pool(self) -> None:
+        """Schedule rules (a plan served, or a fixed schedule): the pinned pool keeps what
+        the schedule needs (``schedule_host_bytes``) and gives the rest back, host cache
+        included (module doc, "Host memory"); once per schedule and stretch of schedule rules,
+        again at later boundaries while busy buffers kept it above that (a pool that grew
+        since, a slice fitting no buffer's free range, stays: no pinning at every boundary)."""
+        need = schedule_host_bytes(self._schedule, self.pool.align)
+        if self._fitted == need:
+            return
+        self.pool.release_beyond(need)
+        if self.pool.capacity <= need or all(b is None or not b.used for b in self.pool._buffers):
+            self._fitted = need
 
     def link_rates(self) -> Tuple[Optional[float], Optional[float]]:
         """The copies' achieved GB/s so far, (device to host, host to device); None for a
@@ -1070,6 +1552,9 @@ class Offloader:
                 host_capacity=self.pool.capacity,
                 host_buffers=self.pool.buffers,
                 host_pins=self.pool.pins,
+                host_pinned_total=self.pool.pinned_total,
+                host_released=self.pool.released,
+                watermark=self.watermark.stats() if self.watermark is not None else None,
                 host_used=self.pool.used,
                 host_peak=self.pool.peak_used,
                 d2h_ms=self._copy_ms["d2h"],
@@ -1082,6 +1567,19 @@ class Offloader:
             if self.auto_recompute is not None:
                 out["auto_recompute"] = self.auto_recompute.stats()
             return out
+
+
+_PARAMETER = None
+
+
+def _parameter_type():
+    """``torch.nn.Parameter``, looked up once (the watermark asks per saved tensor)."""
+    global _PARAMETER
+    if _PARAMETER is None:
+        import torch
+
+        _PARAMETER = torch.nn.Parameter
+    return _PARAMETER
 
 
 def _whole_storage_bytes(t) -> int:
@@ -1140,7 +1638,7 @@ def current() -> Optional[Offloader]:
 
 def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bool = True,
            backend=None, pool: Optional[PinnedPool] = None, ext: Any = "auto",
-           first_min_bytes: Optional[int] = None) -> Offloader:
+           first_min_bytes: Optional[int] = None, watermark: Any = None) -> Offloader:
     """Pushes offload's pack/unpack hooks for the calling thread (the one that runs forward).
 
     ``schedule``: entries, or ``"plan"``; with neither a schedule nor ``min_bytes``: ``"plan"``
@@ -1159,7 +1657,7 @@ def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bo
         if schedule is None and min_bytes is None:
             schedule = "plan"
         off = Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=backend, pool=pool,
-                        first_min_bytes=first_min_bytes)
+                        first_min_bytes=first_min_bytes, watermark=watermark)
         torch._C._autograd._push_saved_tensors_default_hooks(off.pack, off.unpack)
         _active, _pushed_by = off, threading.get_ident()
         if hook_optimizer:

@@ -33,9 +33,12 @@ with no arguments):
                            pack and unpack (for ``stweaver plan --budget``); auto and plan
                            modes under a budget follow the plan's offload schedule;
                            ``1``: the hooks in every mode (trace mode then offloads
-                           every saved tensor of at least 1 MiB, as auto records under a
-                           budget, so the trace says when the program let go of each);
-                           ``0``: never
+                           every saved tensor of at least 1 MiB, so the trace says
+                           when the program let go of each); ``0``: never
+``STWEAVER_OFFLOAD_WATERMARK`` ``1``/``0``: under a budget, before a plan is served,
+                           offload a saved tensor only when the device would otherwise
+                           come near the budget (default on); ``0``: every saved tensor
+                           of at least 1 MiB (``_offload.py``, "Watermark")
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
@@ -227,10 +230,11 @@ def resolve(
     raw_off = env.get("STWEAVER_OFFLOAD")
     if raw_off is not None and raw_off.strip().lower() not in ("auto", "1", "true", "yes", "on", "0", "false", "no", "off"):
         raise SettingsError(f"STWEAVER_OFFLOAD={raw_off!r}: expected auto, 1 or 0")
-    for var in ("STWEAVER_RELEASE_AT_PEAK", "STWEAVER_PLAN_WAIT", "STWEAVER_SHARE_STREAMS"):
+    for var in ("STWEAVER_RELEASE_AT_PEAK", "STWEAVER_PLAN_WAIT", "STWEAVER_SHARE_STREAMS",
+                "STWEAVER_OFFLOAD_WATERMARK"):
         raw = env.get(var)
         if raw is not None:
-            parse_bool(raw, var)  # read by the Rust side
+            parse_bool(raw, var)  # read by the Rust side (the watermark: by install())
     for var, hi in (("STWEAVER_PLAN_THREADS", 4096), ("STWEAVER_PLAN_NICE", 19)):
         raw = env.get(var)  # read by the Rust side
         if raw is not None and raw.strip() and not (raw.strip().isdigit() and int(raw) <= hi):

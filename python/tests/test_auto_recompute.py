@@ -99,9 +99,14 @@ def test_a_plan_that_waits_recomputes_blocks_for_the_bytes_the_link_missed_and_r
     ext.stage = "auto (plan held)"
     ext.outcome = {"planned": True, "copy_out_wait_us": wait_us, "stall_us": 0.0, "link_gbps": link}
     ar.wait_share = 0.0  # any wait is too much here (the CPU's iterations are short)
+    from stweaver._offload import Watermark
+
+    off.watermark = Watermark(lambda device: None)  # its limit unknown: only its level matters here
+    off.watermark.level = 1 << 30  # as learned from the recording so far
     iteration(model, off, x)
     assert ext.releases == [False] and ext.stage == "auto (recording)"
     assert recomputed(model) == [f"layers.{i}" for i in range(5, 8)]
+    assert off.watermark.level is None, "the program changed: the watermark learns again"
     d = off.stats()["auto_recompute"]["decisions"][0]
     assert d["action"] == "recompute" and d["k"] == 0 and d["k_new"] == 3
     assert "recomputing the last 3 of 8 blocks" in logs[-1]

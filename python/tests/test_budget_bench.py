@@ -145,3 +145,22 @@ def test_hybrid_k_runs_only_the_given_choices_and_the_aa_row_reruns_the_referenc
     doc = json.load(open(tmp_path / "budget_bench.json"))
     aa = [r for r in doc["workloads"][0]["rows"] if r["row"] == "unlimited_aa"]
     assert len(aa) == 1 and abs(aa[0]["derived"]["step_median_ratio"] - 2.0) < 1e-9
+
+
+def test_the_table_and_details_show_the_first_iteration_and_pinned_memory():
+    GiB = 1 << 30
+    row = {"row": "stweaver_auto", "fraction": 0.8, "ok": True, "max_reserved": 20 * GiB,
+           "step_median_s": 0.2, "first_step_s": 3.25, "pinned_max": 6 * GiB,
+           "step_s": [3.25, 0.9, 0.8, 0.21], "pinned_after": [6 * GiB, 6 * GiB, GiB, GiB],
+           "host_capacity_after": [4 * GiB, 4 * GiB, GiB // 2, GiB // 2], "switched_at": 2,
+           "offload": {"watermark_kept": 120, "watermark": {"level": 123}}, "derived": {}}
+    ref = {"ok": True, "max_reserved": 28 * GiB, "step_median_s": 0.18, "first_step_s": 1.5}
+    table = bb.fmt_table({"workloads": [{"name": "gpt2xl_norcp", "unlimited": ref, "rows": [row]}]})
+    head, unl, line = table.splitlines()[:3]
+    assert "1st it" in head and "pinned" in head
+    assert "1.500s" in unl and "3.250s" in line and "6.00G" in line
+    details = "\n".join(bb.row_details(row))
+    assert "step s 3.25, 0.90, 0.80, 0.21" in details
+    assert "[6.00, 6.00, 1.00, 1.00]" in details and "[4.00, 4.00, 0.50, 0.50]" in details
+    assert "plan served from iteration 3" in details
+    assert "watermark: kept 120 candidates" in details and '"level": 123' in details

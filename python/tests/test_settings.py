@@ -159,3 +159,49 @@ def test_a_trace_run_asked_to_offload_offloads_every_iteration(monkeypatch, tmp_
         assert o.mode == "schedule" and o.first_min_bytes is None
     finally:
         _offload.disable()
+
+
+def test_auto_mode_under_a_budget_offloads_under_the_watermark(monkeypatch):
+    # install()'s offloader under a budget: threshold rules with the watermark before the
+    # plan (the limit read from the extension); STWEAVER_OFFLOAD_WATERMARK=0: without.
+    pytest.importorskip("torch")
+    import json
+
+    import stweaver
+    from stweaver import _offload
+
+    class Ext:
+        def mode(self):
+            return "auto (recording)"
+
+        def offload_schedule(self):
+            return []
+
+        def info_json(self):
+            return json.dumps({"devices": [{"device": 0, "limit_bytes": 16 << 30, "budget": "16GiB",
+                                            "memory_fraction": 1.0}]})
+
+    monkeypatch.setattr(stweaver, "_extension", lambda: Ext())
+    monkeypatch.delenv("STWEAVER_OFFLOAD", raising=False)
+    for env, on in ((None, True), ("1", True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv("STWEAVER_OFFLOAD_WATERMARK", raising=False)
+        else:
+            monkeypatch.setenv("STWEAVER_OFFLOAD_WATERMARK", env)
+        stweaver._start_offload(resolve(env={}, budget="16GiB"))
+        try:
+            o = _offload.current()
+            assert o.mode == "plan" and o.first_min_bytes == 1 << 20
+            assert (o.watermark is not None) == on, env
+            if on:
+                assert o.watermark.begin(torch_device0()) and o.watermark.limit == 16 << 30
+        finally:
+            _offload.disable()
+    with pytest.raises(SettingsError, match="STWEAVER_OFFLOAD_WATERMARK"):
+        resolve(env={"STWEAVER_OFFLOAD_WATERMARK": "maybe"})
+
+
+def torch_device0():
+    import torch
+
+    return torch.device("cuda", 0)

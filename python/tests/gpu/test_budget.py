@@ -87,3 +87,49 @@ def test_auto_recompute_keeps_the_budget_and_the_losses(metric):
     metric("auto_recompute_rounds", ar["rounds"])
     metric("auto_recompute_reserved_GiB", r["max_reserved"] / GIB)
     metric("auto_recompute_unlimited_GiB", ref["max_allocated"] / GIB)
+
+
+def test_watermark_moves_less_before_the_plan_and_the_pool_shrinks_after_it(metric):
+    """Auto mode under 0.7 x the unlimited peak, nothing recomputed, with and without the
+    watermark (STWEAVER_OFFLOAD_WATERMARK=0): both reserve at most the budget over the whole
+    run (the first iterations included) with the unlimited run's losses bitwise; before
+    the plan the watermark (its first iteration moves everything and is measured) keeps
+    candidates on the device in later ones and moves fewer bytes; once the
+    plan is served the offloader's pinned pool keeps about what the schedule needs (a power
+    of two per buffer) and torch's pinned host bytes come down to it (host cache emptied)."""
+    script = os.path.join(SCRIPTS, "watermark_probe.py")
+    ref = last_json(run([script, "unlimited"]))
+    budget = int(0.7 * ref["max_allocated"])
+    runs = {}
+    for name, env in (("watermark", {}), ("every", {"STWEAVER_OFFLOAD_WATERMARK": "0"})):
+        r = last_json(run([script, str(budget)], extra_env=env))
+        assert r["error"] is None, (name, r)
+        assert r["max_reserved"] <= budget, (name, r["max_reserved"], budget)
+        assert r["losses"] == ref["losses"], f"{name}: losses differ from the unlimited run's"
+        assert r["mode"] == "auto (plan)", (name, r["mode"])
+        runs[name] = r
+    pre = {n: [it for it in r["iterations"] if it["mode"] != "auto (plan)"] for n, r in runs.items()}
+    assert pre["watermark"] and pre["every"], pre
+    moved = {n: sum(it["bytes_out"] or 0 for it in its) / len(its) for n, its in pre.items()}
+    assert moved["watermark"] < moved["every"], moved
+    assert pre["watermark"][0]["watermark_kept"] == 0, "the first iteration moves every candidate"
+    assert sum(it["watermark_kept"] or 0 for it in pre["watermark"]) > 0, pre["watermark"]
+    assert runs["watermark"]["offload"]["watermark"]["level"] is not None, runs["watermark"]["offload"]
+    assert runs["every"]["offload"]["watermark"] is None
+    for name, r in runs.items():
+        end = r["iterations"][-1]
+        need = end["schedule_bytes"] or 0
+        before = max(it["host_capacity"] or 0 for it in pre[name])
+        assert end["host_capacity"] <= 2 * need + (64 << 20), (name, end)
+        if before > max(2 * need, 64 << 20):
+            assert r["offload"]["host_released"] > 0, (name, r["offload"])
+        assert end["pinned"] <= end["host_capacity"] + (64 << 20), (name, end)
+    w, e = runs["watermark"], runs["every"]
+    metric("watermark_budget_GiB", budget / GIB)
+    metric("watermark_moved_pre_plan_GiB", moved["watermark"] / GIB)
+    metric("every_moved_pre_plan_GiB", moved["every"] / GIB)
+    metric("watermark_first_step_s", w["iterations"][0]["step_s"])
+    metric("every_first_step_s", e["iterations"][0]["step_s"])
+    metric("watermark_pinned_max_GiB", max(it["pinned"] for it in w["iterations"]) / GIB)
+    metric("every_pinned_max_GiB", max(it["pinned"] for it in e["iterations"]) / GIB)
+    metric("watermark_pinned_end_GiB", w["iterations"][-1]["pinned"] / GIB)
