@@ -138,8 +138,10 @@ Before a plan is served (auto mode recording or planning, the first iteration in
 ``first_min_bytes``), threshold rules keep the run within its budget. Offloading every
 candidate (every eligible saved tensor of at least ``first_min_bytes``) does, at a price:
 GPT-2 XL at 0.8 x LB on an H100 moved ~18 GB per recorded iteration and its first one took
-18.8 s, while the served plan moves ~0.6 GB. With a :class:`Watermark` (``install()`` under a
-budget; ``STWEAVER_OFFLOAD_WATERMARK=0`` turns it off) a candidate is offloaded only when
+18.8 s, while the served plan moves ~0.6 GB. With a :class:`Watermark` (opt-in, experimental:
+``install()`` under a budget with ``STWEAVER_OFFLOAD_WATERMARK=1``; on the H100 GPT-2 XL at
+0.8 x LB ran out of memory at its 6th recorded iteration with it, the learned level having
+risen past a transient these reads do not see, BENCHMARKS.md session 15) a candidate is offloaded only when
 the device would otherwise come near the budget; the rest stay on the device, as without
 offload. Per candidate, at its pack, it reads the device's allocated bytes (the allocator's
 stats, ``torch._C._cuda_memoryStats``: one call, only in these iterations; also at the

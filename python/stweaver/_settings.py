@@ -15,6 +15,10 @@ with no arguments):
 ``STWEAVER_RELEASE_AT_PEAK`` ``1``/``0``: before an online arena grows past the peak of
                            reserved memory, give its free holes back first (lower peak,
                            a device synchronisation each time; default on)
+``STWEAVER_RELEASE_CHURN`` iterations (default 3; ``0``: never): a loop whose
+                           iterations repeat and each give holes back before a new peak
+                           (to map them again in the next) stops giving them back after
+                           this many in a row, until it needs more live memory
 ``STWEAVER_PLAN_WAIT``     ``1``/``0``: a planned range held only by frees pending on
                            other streams makes the request's stream wait for them on the
                            device instead of a conflict (default on)
@@ -35,10 +39,11 @@ with no arguments):
                            ``1``: the hooks in every mode (trace mode then offloads
                            every saved tensor of at least 1 MiB, so the trace says
                            when the program let go of each); ``0``: never
-``STWEAVER_OFFLOAD_WATERMARK`` ``1``/``0``: under a budget, before a plan is served,
-                           offload a saved tensor only when the device would otherwise
-                           come near the budget (default on); ``0``: every saved tensor
-                           of at least 1 MiB (``_offload.py``, "Watermark")
+``STWEAVER_OFFLOAD_WATERMARK`` ``0`` (default): under a budget, before a plan is served,
+                           every saved tensor of at least 1 MiB is offloaded; ``1``
+                           (experimental): only when the device would otherwise come
+                           near the budget (``_offload.py``, "Watermark"; it ran out of
+                           memory on GPT-2 XL at 0.8 x LB, BENCHMARKS.md session 15)
 =========================  ==========================================================
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) file names are per rank: ``{rank}`` / ``{local_rank}``
@@ -235,7 +240,8 @@ def resolve(
         raw = env.get(var)
         if raw is not None:
             parse_bool(raw, var)  # read by the Rust side (the watermark: by install())
-    for var, hi in (("STWEAVER_PLAN_THREADS", 4096), ("STWEAVER_PLAN_NICE", 19)):
+    for var, hi in (("STWEAVER_PLAN_THREADS", 4096), ("STWEAVER_PLAN_NICE", 19),
+                    ("STWEAVER_RELEASE_CHURN", 1_000_000)):
         raw = env.get(var)  # read by the Rust side
         if raw is not None and raw.strip() and not (raw.strip().isdigit() and int(raw) <= hi):
             raise SettingsError(f"{var}={raw!r} is not an integer from 0 to {hi}")

@@ -70,6 +70,8 @@ def test_path_like_arguments(tmp_path):
         ({}, {"STWEAVER_PLAN_THREADS": "-1"}, "STWEAVER_PLAN_THREADS"),
         ({}, {"STWEAVER_PLAN_THREADS": "all"}, "STWEAVER_PLAN_THREADS"),
         ({}, {"STWEAVER_PLAN_NICE": "20"}, "STWEAVER_PLAN_NICE"),
+        ({}, {"STWEAVER_RELEASE_CHURN": "-3"}, "STWEAVER_RELEASE_CHURN"),
+        ({}, {"STWEAVER_RELEASE_CHURN": "often"}, "STWEAVER_RELEASE_CHURN"),
         ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
     ],
 )
@@ -163,7 +165,8 @@ def test_a_trace_run_asked_to_offload_offloads_every_iteration(monkeypatch, tmp_
 
 def test_auto_mode_under_a_budget_offloads_under_the_watermark(monkeypatch):
     # install()'s offloader under a budget: threshold rules with the watermark before the
-    # plan (the limit read from the extension); STWEAVER_OFFLOAD_WATERMARK=0: without.
+    # plan (the limit read from the extension) with STWEAVER_OFFLOAD_WATERMARK=1; without
+    # by default (opt-in) and with 0.
     pytest.importorskip("torch")
     import json
 
@@ -183,7 +186,7 @@ def test_auto_mode_under_a_budget_offloads_under_the_watermark(monkeypatch):
 
     monkeypatch.setattr(stweaver, "_extension", lambda: Ext())
     monkeypatch.delenv("STWEAVER_OFFLOAD", raising=False)
-    for env, on in ((None, True), ("1", True), ("0", False)):
+    for env, on in ((None, False), ("1", True), ("0", False)):
         if env is None:
             monkeypatch.delenv("STWEAVER_OFFLOAD_WATERMARK", raising=False)
         else:

@@ -26,7 +26,8 @@
 //! From the switch on the engine may still give the plan up (its ranges stay busy, or
 //! its pool hits the memory limit): serving is online from there.
 //!
-//! Serving defaults of the runtime that the replay shares: [`RELEASE_AT_PEAK`].
+//! Serving defaults of the runtime that the replay shares: [`RELEASE_AT_PEAK`],
+//! [`RELEASE_CHURN`].
 
 use std::time::Duration;
 
@@ -46,6 +47,12 @@ pub const SWITCH_DELAY_STEPS: u64 = 1;
 /// `STWEAVER_RELEASE_AT_PEAK`, on unless set to `0`): an online arena about to set a new
 /// reserved peak first gives the largest holes of the cache back.
 pub const RELEASE_AT_PEAK: bool = true;
+
+/// The runtime's default for `EngineConfig::release_churn_iterations` (its
+/// `STWEAVER_RELEASE_CHURN`): the releases before a new peak stop after 3 iterations in a
+/// row that each repeat the one before and release (a loop mapping again, each
+/// iteration, the holes it gave back).
+pub const RELEASE_CHURN: u32 = 3;
 
 /// Whether auto mode, still recording, plans at step `step` (module docs, step 2).
 pub fn plans_at_step(step: u64, auto_iterations: u64) -> bool {

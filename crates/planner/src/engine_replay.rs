@@ -85,7 +85,7 @@ use stweaver_core::{
 };
 
 use crate::auto::{
-    DEFAULT_AUTO_ITERATIONS, RELEASE_AT_PEAK, SWITCH_DELAY_STEPS, auto_plan_options,
+    DEFAULT_AUTO_ITERATIONS, RELEASE_AT_PEAK, RELEASE_CHURN, SWITCH_DELAY_STEPS, auto_plan_options,
     plan_recording, planning_step,
 };
 use crate::iteration::detect_period;
@@ -215,6 +215,8 @@ pub struct EngineReplayOptions {
     pub event_lag: Option<usize>,
     /// [`EngineConfig::release_before_new_peak`].
     pub release_before_new_peak: bool,
+    /// [`EngineConfig::release_churn_iterations`].
+    pub release_churn_iterations: u32,
     /// Print the device traffic so far at every iteration boundary (stderr).
     pub log_iterations: bool,
     /// Frees whose completion the trace records later than their request (a block
@@ -239,6 +241,7 @@ impl Default for EngineReplayOptions {
             serve: ServeOptions::default(),
             event_lag: None,
             release_before_new_peak: false,
+            release_churn_iterations: 0,
             log_iterations: false,
             deferred_frees: false,
         }
@@ -840,6 +843,7 @@ pub fn replay_engine(
         device: trace.device,
         record_trace: matches!(mode, ServeMode::Auto { .. }),
         release_before_new_peak: opts.release_before_new_peak,
+        release_churn_iterations: opts.release_churn_iterations,
         ..EngineConfig::default()
     };
     let engine = Engine::new(dev.clone(), config).map_err(Replayer::err(0, "start"))?;
@@ -1181,6 +1185,7 @@ impl EngineReplayRow {
             plan: PlanOptions::default(),
             replay: EngineReplayOptions {
                 release_before_new_peak: RELEASE_AT_PEAK,
+                release_churn_iterations: RELEASE_CHURN,
                 ..EngineReplayOptions::default()
             },
         }

@@ -101,7 +101,7 @@ def test_watermark_moves_less_before_the_plan_and_the_pool_shrinks_after_it(metr
     ref = last_json(run([script, "unlimited"]))
     budget = int(0.7 * ref["max_allocated"])
     runs = {}
-    for name, env in (("watermark", {}), ("every", {"STWEAVER_OFFLOAD_WATERMARK": "0"})):
+    for name, env in (("watermark", {"STWEAVER_OFFLOAD_WATERMARK": "1"}), ("every", {})):
         r = last_json(run([script, str(budget)], extra_env=env))
         assert r["error"] is None, (name, r)
         assert r["max_reserved"] <= budget, (name, r["max_reserved"], budget)

@@ -36,6 +36,11 @@ pub struct EngineConfig {
     /// does not rise: less memory, at the cost of synchronisations and re-mapping (module
     /// `engine::release` docs). Off by default.
     pub release_before_new_peak: bool,
+    /// With `release_before_new_peak`: after this many iterations in a row that each
+    /// repeat the one before (the same requests) and each release holes before a new
+    /// peak, those releases stop until the peak of live bytes grows (module
+    /// `engine::release`, `Churn`); 0: never. 0 by default.
+    pub release_churn_iterations: u32,
     /// Never give free memory back on its own: no release before a new peak, no cache
     /// released to retry an allocation that does not fit, none at a pause. Only
     /// [`Engine::empty_cache`](crate::engine::Engine::empty_cache) releases. For CUDA
@@ -53,6 +58,7 @@ impl Default for EngineConfig {
             arena_size: None,
             record_trace: false,
             release_before_new_peak: false,
+            release_churn_iterations: 0,
             keep_cache: false,
         }
     }

@@ -73,6 +73,7 @@ impl State {
         stats::increase(&mut s.active, kind, 1);
         stats::increase(&mut s.active_bytes, kind, rounded);
         stats::increase(&mut s.requested_bytes, kind, size.get());
+        self.churn.note(size, stream);
         if let Some(r) = self.recorder.as_mut() {
             let id = r.alloc(size, stream, addr);
             self.arenas.block_mut(i).trace_id = id;
@@ -247,12 +248,14 @@ impl<D: DeviceMemory> Engine<D> {
             }
             if !tried.holes
                 && self.release_at_peak
+                && !st.churn.off
                 && let Some(over) = st.growth_over_peak(a, rounded)?
             {
                 // Growing would set a new peak of reserved memory: first give back that
                 // much of the arena's free holes, so that the growth maps no more than
                 // is reserved now (module `release`).
                 tried.holes = true;
+                st.churn.released = true;
                 drop(st);
                 self.release(Some(over))?;
                 st = self.lock()?;

@@ -149,6 +149,8 @@ struct State {
     keep_arenas: bool,
     /// Pause / resume (module `pause`): the current tag and what is paused.
     pauses: pause::Pauses,
+    /// Whether releasing holes before a new peak churns (module `release`).
+    churn: release::Churn,
 }
 
 /// The online engine. See the module documentation.
@@ -228,6 +230,7 @@ impl<D: DeviceMemory> Engine<D> {
             abandoned: None,
             keep_arenas: false,
             pauses: pause::Pauses::default(),
+            churn: release::Churn::new(config.release_churn_iterations),
         };
         state.arenas.set_fine_units(limit < total);
         Ok(Engine {

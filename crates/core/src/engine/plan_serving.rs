@@ -629,6 +629,11 @@ impl<D: DeviceMemory> Engine<D> {
     /// iteration section.
     pub fn mark_iteration(&self) -> Result<(), EngineError> {
         let mut st = self.lock()?;
+        let (recording, live_peak) = (
+            st.recorder.is_some(),
+            st.stats.requested_bytes[0].peak as u64,
+        );
+        st.churn.boundary(recording, live_peak);
         let mut give_up = None;
         if let Some(p) = st.plan.as_mut() {
             // A boundary inside a phase ends it: the run is back in its iterations.

@@ -25,7 +25,77 @@
 //! peak, fixed for changing shapes". Off by default in the engine; the torch bridge
 //! turns it on (`STWEAVER_RELEASE_AT_PEAK`, default 1).
 
-use crate::units::Bytes;
+use crate::units::{Bytes, StreamId};
+
+/// Whether the release of holes before a new peak churns. A loop whose iterations
+/// repeat, served online, can settle into releasing holes in every iteration that the
+/// next one maps again: one device synchronisation per release and one map call per
+/// granule (on an H100, a Llama training loop served online ran 1.29x the native step,
+/// median; its CPU replay made 1.2 synchronisations and 316 granule maps per
+/// iteration). After `limit` iterations in a row
+/// ([`EngineConfig::release_churn_iterations`]; 0: never) that each repeat the
+/// previous one's requests (sizes and streams, in order: a running hash) and each
+/// release, the releases stop: the peak grows once by the memory the loop keeps using
+/// (6.90 -> 6.97 GiB on that loop's replay) and the steps no longer synchronise for
+/// it. They start again when the peak of live bytes grows (the loop needs more memory:
+/// holes are worth giving back again). Not while a trace is recorded (auto mode's
+/// recording is followed by its plan; a trace run is what later runs replay).
+/// Iterations are the engine's boundaries (`Engine::mark_iteration`); without them
+/// nothing changes. O(1) per request (the hash) and per boundary.
+#[derive(Debug, Default)]
+pub(super) struct Churn {
+    /// Iterations in a row after which the releases stop (0: never).
+    limit: u32,
+    /// A release happened since the last boundary.
+    pub released: bool,
+    /// Boundaries in a row whose iteration repeated the previous one and released.
+    streak: u32,
+    /// The releases stopped.
+    pub off: bool,
+    /// The running hash of this iteration's requests, and the last iteration's.
+    sig: u64,
+    prev_sig: Option<u64>,
+    /// The peak of live bytes when the releases stopped.
+    live_peak_at_off: u64,
+}
+
+impl Churn {
+    pub fn new(limit: u32) -> Churn {
+        Churn {
+            limit,
+            ..Churn::default()
+        }
+    }
+
+    /// A request of `size` on `stream` (every served allocation).
+    #[inline]
+    pub fn note(&mut self, size: Bytes, stream: StreamId) {
+        self.sig = (self.sig.rotate_left(5) ^ size.get() ^ stream.0.rotate_left(48))
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    /// At an iteration boundary: `recording` whether a trace is being recorded,
+    /// `live_peak` the peak of live requested bytes so far.
+    pub fn boundary(&mut self, recording: bool, live_peak: u64) {
+        let repeated = self.prev_sig == Some(self.sig);
+        self.streak = if self.released && repeated && !recording {
+            self.streak + 1
+        } else {
+            0
+        };
+        if self.off && live_peak > self.live_peak_at_off {
+            self.off = false;
+        }
+        if self.limit > 0 && self.streak >= self.limit && !self.off {
+            self.off = true;
+            self.live_peak_at_off = live_peak;
+            self.streak = 0;
+        }
+        self.prev_sig = Some(self.sig);
+        self.sig = 0;
+        self.released = false;
+    }
+}
 
 #[cfg(doc)]
 use super::EngineConfig;
@@ -185,5 +255,81 @@ impl<D: DeviceMemory> Engine<D> {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An iteration of `sizes` (stream 0), with or without a release, then its boundary.
+    fn iteration(c: &mut Churn, sizes: &[u64], released: bool, recording: bool, live_peak: u64) {
+        for &s in sizes {
+            c.note(Bytes(s), StreamId(0));
+        }
+        c.released |= released;
+        c.boundary(recording, live_peak);
+    }
+
+    #[test]
+    fn releases_stop_after_three_repeated_iterations_that_each_released() {
+        let mut c = Churn::new(3);
+        // The first iteration has nothing to repeat.
+        for k in 0..3 {
+            assert!(!c.off, "off after {k} iterations");
+            iteration(&mut c, &[512, 1024], true, false, 100);
+        }
+        assert!(!c.off);
+        iteration(&mut c, &[512, 1024], true, false, 100);
+        assert!(c.off);
+        // Iterations that need no more live memory keep them stopped.
+        iteration(&mut c, &[512, 2048], false, false, 100);
+        assert!(c.off);
+        // A new peak of live bytes starts them again.
+        iteration(&mut c, &[512, 4096], false, false, 101);
+        assert!(!c.off);
+    }
+
+    #[test]
+    fn iterations_that_differ_or_release_nothing_or_record_reset_the_streak() {
+        for breaker in 0..3 {
+            let mut c = Churn::new(3);
+            for k in 0..12 {
+                let sizes: &[u64] = if breaker == 0 && k % 3 == 0 {
+                    &[512, 7]
+                } else {
+                    &[512]
+                };
+                let released = !(breaker == 1 && k % 3 == 0);
+                let recording = breaker == 2 && k % 3 == 0;
+                iteration(&mut c, sizes, released, recording, 100);
+                assert!(!c.off, "breaker {breaker}: off at iteration {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_limit_of_zero_never_stops_the_releases() {
+        let mut c = Churn::new(0);
+        for _ in 0..10 {
+            iteration(&mut c, &[512], true, false, 100);
+        }
+        assert!(!c.off);
+    }
+
+    #[test]
+    fn the_signature_depends_on_order_size_and_stream() {
+        let sig = |reqs: &[(u64, u64)]| {
+            let mut c = Churn::default();
+            for &(s, st) in reqs {
+                c.note(Bytes(s), StreamId(st));
+            }
+            c.sig
+        };
+        let base = sig(&[(512, 0), (1024, 0)]);
+        assert_eq!(base, sig(&[(512, 0), (1024, 0)]));
+        assert_ne!(base, sig(&[(1024, 0), (512, 0)]));
+        assert_ne!(base, sig(&[(512, 0), (1024, 1)]));
+        assert_ne!(base, sig(&[(512, 0), (1536, 0)]));
     }
 }

@@ -257,6 +257,7 @@ impl Core {
             arena_size: None,
             record_trace: self.records_trace() && is_default(pool),
             release_before_new_peak: self.settings.release_at_peak,
+            release_churn_iterations: self.settings.release_churn,
             // A private pool's free memory may be a captured graph's scratch: it is
             // given back only by empty_cache once no graph uses the pool (keep_cache also
             // turns release before a new peak off).
