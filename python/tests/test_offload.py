@@ -1250,18 +1250,26 @@ def test_ext_limit_reads_the_budget_and_is_unknown_without_one():
     assert o2.watermark is None, "a backend that cannot read the bytes in use: no watermark"
 
 
-def test_pinned_memory_beyond_the_schedule_is_given_back_once_the_plan_is_served():
-    # Before the plan the pool grows to what the threshold rules offload; once the plan is
-    # served, it keeps what the schedule needs and gives the rest back (host cache too).
+def staged_offloader(schedule):
+    """An auto-mode offloader over the simulated device whose extension's stage (its
+    ``mode()``) the test sets, recording first; returns (offloader, ext, mem, params,
+    emptied: one entry per emptying of torch's pinned host cache)."""
     mem = SimMem()
     params = sim_params(mem)
-    ext = FakeExt(recording=False, schedule=[])
+    ext = FakeExt(recording=False, schedule=schedule)
     ext.stage = "auto (recording)"
     ext.mode = lambda: ext.stage
     emptied = []
     pool = PinnedPool(pin=cpu_pin(), pow2=False, min_grow=4 * KIB, empty_host_cache=lambda: emptied.append(1))
     o = Offloader(schedule="plan", ext=ext, backend=SimBackend(mem), pool=pool, first_min_bytes=KIB)
     o._before_plan = True
+    return o, ext, mem, params, emptied
+
+
+def test_pinned_memory_beyond_the_schedule_is_given_back_once_the_plan_is_served():
+    # Before the plan the pool grows to what the threshold rules offload; once the plan is
+    # served, it keeps what the schedule needs and gives the rest back (host cache too).
+    o, ext, mem, params, emptied = staged_offloader([])
     assert sim_step(o, mem, params) == LAYERS + 1
     before = o.stats()["host_capacity"]
     assert before >= LAYERS * ACT + LOGITS and emptied == []
@@ -1309,22 +1317,14 @@ def test_a_second_recording_grows_the_pool_and_the_next_plan_trims_it_again():
     # again; the next served plan trims it again, even with the same schedule bytes. In
     # between, under the plan, a pool that grew is left alone (no pin, no release per
     # boundary).
-    mem = SimMem()
-    params = sim_params(mem)
-    ext = FakeExt(recording=False, schedule=[(15, 2, -1, ACT)])
-    ext.stage = "auto (recording)"
-    ext.mode = lambda: ext.stage
-    emptied = []
-    pool = PinnedPool(pin=cpu_pin(), pow2=False, min_grow=4 * KIB, empty_host_cache=lambda: emptied.append(1))
-    o = Offloader(schedule="plan", ext=ext, backend=SimBackend(mem), pool=pool, first_min_bytes=KIB)
-    o._before_plan = True
+    o, ext, mem, params, emptied = staged_offloader([(15, 2, -1, ACT)])
     caps = []
     # The stage each step's boundary reads (the step itself runs under the one before).
     for stage in ("auto (recording)", "auto (plan)", "auto (plan)", "auto (recording)", "auto (recording)",
                   "auto (plan)", "auto (plan)"):
         ext.stage = stage
         sim_step(o, mem, params)
-        caps.append(pool.capacity)
+        caps.append(o.pool.capacity)
     big = LAYERS * ACT + LOGITS
     assert caps[0] >= big, caps  # threshold rules before the plan
     assert ACT <= caps[1] < big, caps  # trimmed once the plan was served

@@ -8,51 +8,18 @@ the losses as hex, one JSON line.
 """
 
 import json
-import os
 import sys
 
+from mlp_probe_model import setup  # this directory (the script's)
 
 
 def main() -> None:
     what = sys.argv[1]
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 30
-    os.environ.setdefault("STWEAVER_AUTO_ITERATIONS", "2")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    import stweaver
-
-    if what == "unlimited":
-        stweaver.install("online")
-    else:
-        stweaver.install("auto", budget=what)
-    import torch
-
-    torch.use_deterministic_algorithms(True)
-
-    class MLPBlock(torch.nn.Module):
-        def __init__(self, width):
-            super().__init__()
-            self.a = torch.nn.Linear(width, 4 * width)
-            self.b = torch.nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-    class Net(torch.nn.Module):
-        def __init__(self, width=1024, depth=16):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(MLPBlock(width) for _ in range(depth))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x.float().pow(2).mean()
-
-    torch.manual_seed(0)
-    model = Net().cuda()
+    stweaver, torch, model, gen = setup(what, 2)
     if what != "unlimited":
         stweaver.recompute_blocks(model, "auto")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator(device="cuda").manual_seed(1)
     losses, modes = [], []
     error = None
     try:

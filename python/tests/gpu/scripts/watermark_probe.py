@@ -1,6 +1,6 @@
 """Auto mode under a budget with install()'s offloader and nothing recomputed (issue #16):
-what the iterations before the plan move and pin, with the watermark (default) or without
-(``STWEAVER_OFFLOAD_WATERMARK=0``). A 16-block residual MLP trained with AdamW, as
+what the iterations before the plan move and pin, with the watermark (``STWEAVER_OFFLOAD_WATERMARK=1``) or without
+(the default). A 16-block residual MLP trained with AdamW, as
 auto_recompute_probe.py's. ``unlimited``: stweaver online, no budget (the reference: peak
 allocated, losses). ``BUDGET``: auto mode under that budget (bytes). Prints one JSON line:
 per iteration the mode, the bytes offloaded, the candidates the watermark kept, the
@@ -11,49 +11,17 @@ then the losses as hex, the peaks and the offloader's stats.
 """
 
 import json
-import os
 import sys
 import time
+
+from mlp_probe_model import setup  # this directory (the script's)
 
 
 def main() -> None:
     what = sys.argv[1]
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-    os.environ.setdefault("STWEAVER_AUTO_ITERATIONS", "5")  # the first moves all: room to learn
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    import stweaver
-
-    if what == "unlimited":
-        stweaver.install("online")
-    else:
-        stweaver.install("auto", budget=what)
-    import torch
-
-    torch.use_deterministic_algorithms(True)
-
-    class MLPBlock(torch.nn.Module):
-        def __init__(self, width):
-            super().__init__()
-            self.a = torch.nn.Linear(width, 4 * width)
-            self.b = torch.nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            return x + self.b(torch.nn.functional.gelu(self.a(x)))
-
-    class Net(torch.nn.Module):
-        def __init__(self, width=1024, depth=16):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(MLPBlock(width) for _ in range(depth))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x.float().pow(2).mean()
-
-    torch.manual_seed(0)
-    model = Net().cuda()
+    stweaver, torch, model, gen = setup(what, 5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator(device="cuda").manual_seed(1)
     losses, per_it = [], []
     error = None
     try:
