@@ -6,13 +6,17 @@
 //!
 //! - the replay reproduces the GPU: auto's peak reserved within 0.5 % of the auto run's
 //!   on the GPU (the zero-code run, no phase markers: the traces replayed without their
-//!   markers), on every loop (the eval loop's GPU numbers were measured again, session 14,
-//!   with the cursor's restarts: 6.916 GiB, 1.006 x the lower bound; 8.936 before them);
+//!   markers), on every loop but `len5` (the eval loop's GPU numbers were measured again,
+//!   session 14, with the cursor's restarts: 6.916 GiB, 1.006 x the lower bound; 8.936
+//!   before them). `len5`'s GPU run (13.56 GiB, 1.018 x) predates plans per iteration
+//!   class and served online, as its replay did then; its replay now plans per class
+//!   (below) and is not compared with a GPU run until one is measured with them;
 //! - with the phase markers, every loop stays at or below expandable segments' GPU peak,
-//!   and within 1 % of the lower bound except `len5` (1.7 %: five lengths served online,
-//!   no plan: issue #18's per-class plans are not built);
-//! - the fixed-shape loops do not drift: the peak after iteration 200 is the peak after
-//!   iteration 20.
+//!   and within 1 % of the lower bound: `len5` too (five sequence lengths, no single
+//!   repeating iteration: auto records 40 more iterations and serves a plan per
+//!   iteration class, `stweaver_planner::class_planning`; 1.0012 x, 1.0177 x online);
+//! - the fixed-shape loops and `len5` do not drift: the peak after iteration 200 is the
+//!   peak after iteration 20.
 
 mod common;
 
@@ -75,7 +79,8 @@ fn ratio(a: Bytes, b: u64) -> f64 {
 
 #[test]
 fn the_replay_reproduces_the_gpu_runs_without_phase_markers() {
-    for name in LOOPS {
+    // len5: no GPU run with plans per class yet (module docs).
+    for name in LOOPS.into_iter().filter(|&n| n != "len5") {
         eprintln!("{name}");
         let r = auto(&without_phases(&load(name)));
         let on_gpu = gpu(name, "auto");
@@ -99,12 +104,17 @@ fn with_phase_markers_every_loop_fits_the_lower_bound_and_beats_expandable() {
             "{name}: {} > expandable's {expandable}",
             r.peak_reserved
         );
-        let cap = if name == "len5" { 1.02 } else { 1.01 };
         assert!(
-            r.reserved_over_lb() <= cap,
+            r.reserved_over_lb() <= 1.01,
             "{name}: {:.4} x LB",
             r.reserved_over_lb()
         );
+        if name == "len5" {
+            // Served from a plan per iteration class, the classes told apart by the
+            // iterations' first requests: no conflict, no growth.
+            let st = r.plan_stats.expect("len5 serves its plan per class");
+            assert_eq!((st.conflicts, st.grown), (0, 0), "{st:?}");
+        }
         if name == "eval10" {
             // The eval passes are served beside the plan: no conflict, no growth.
             let st = r.plan_stats.expect("eval10 serves its plan");
@@ -115,7 +125,7 @@ fn with_phase_markers_every_loop_fits_the_lower_bound_and_beats_expandable() {
 
 #[test]
 fn fixed_shape_loops_do_not_drift() {
-    for name in ["eval10", "ckpt20"] {
+    for name in ["eval10", "ckpt20", "len5"] {
         let r = auto(&load(name));
         let (at20, at200) = (
             r.peak_by_iteration[19],

@@ -388,6 +388,18 @@ impl Cursor {
         (0..h as u64).map_while(move |k| self.entry(v + k))
     }
 
+    /// Every expected request of the classes other than the best hypothesis's, each
+    /// class's whole section (empty for a plan of one class): the next iteration may be
+    /// any class (module docs, iteration classes).
+    pub fn other_classes(&self) -> impl Iterator<Item = &Expected> + '_ {
+        let c = self.class() as usize;
+        self.classes
+            .iter()
+            .enumerate()
+            .filter(move |&(k, _)| k != c)
+            .flat_map(|(_, s)| s.iter())
+    }
+
     /// Whether every expected request is behind the cursor (a prologue-only plan the
     /// run has gone past).
     pub fn spent(&self) -> bool {
