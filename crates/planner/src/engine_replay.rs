@@ -997,7 +997,11 @@ pub fn replay_engine(
                             r.engine
                                 .start_trace()
                                 .map_err(Replayer::err(i, "record again"))?;
-                            class_round = Some(marked + crate::auto::CLASS_ITERATIONS as usize);
+                            // As the runtime: planned CLASS_ITERATIONS whole
+                            // iterations after this boundary.
+                            class_round = Some(
+                                marked + planning_step(crate::auto::CLASS_ITERATIONS) as usize,
+                            );
                         }
                         Ok(plan) => {
                             // Peaks before the switch; the engine's peaks restart after
