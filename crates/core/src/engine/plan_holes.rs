@@ -127,8 +127,9 @@ impl PlanServing {
     /// module docs". With several iteration classes, the large requests of every other
     /// class's whole section too: an unplanned tensor that outlives its iteration (the
     /// batch or the loss a loop keeps) must not sit where the next iteration's class,
-    /// whichever it is, plans its largest tensors (len5: the logits of the longest
-    /// length found a 4-byte loss in their range, 1.35 x the lower bound).
+    /// whichever it is, plans its largest tensors (len5's auto replay: 1.0082 x the
+    /// lower bound without this, 1.0012 x with it; with a length never recorded every
+    /// fifth iteration, 1.174 x and 1.001 x).
     fn unplanned_blocked(&self, len: u64) -> impl Iterator<Item = &cursor::Expected> + '_ {
         // One iteration ahead (a prologue-only plan, an aperiodic run, has none: its
         // unplanned requests are the irregular ones, short-lived), at most HOLE_SPAN_CAP.
