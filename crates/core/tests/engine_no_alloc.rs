@@ -156,3 +156,54 @@ fn plan_hits_do_not_allocate() {
     assert_eq!((st.hits, st.conflicts, st.unplanned), (600, 0, 0));
     assert_eq!(n, 0, "heap allocations on the plan hit path");
 }
+
+#[test]
+fn plans_per_class_and_their_misses_do_not_allocate() {
+    let e = Engine::new(
+        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let req = |size: u64, offset: u64, start: u64, end: u64| PlannedRequest {
+        size: Bytes(size),
+        stream: StreamId(0),
+        offset: Offset(offset),
+        start,
+        end,
+    };
+    // Two classes sharing the pool; every iteration also makes a request no class has
+    // (a hole search against every class's requests).
+    let plan = Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(4 << 20),
+        iteration: vec![req(1 << 20, 0, 0, 3), req(4096, 1 << 20, 1, 2)],
+        iteration_len: 4,
+        extra_classes: vec![stweaver_core::ClassSection {
+            requests: vec![req(2 << 20, 0, 0, 3), req(8192, 2 << 20, 1, 2)],
+            len: 4,
+        }],
+        ..Plan::default()
+    };
+    e.load_plan(&plan, PlanOptions::default()).unwrap();
+    let iterations = || {
+        for k in 0..100u64 {
+            e.mark_iteration().unwrap();
+            let (big, small) = if k % 3 == 0 {
+                (2 << 20, 8192)
+            } else {
+                (1 << 20, 4096)
+            };
+            let a = e.malloc(Bytes(big), StreamId(0)).unwrap();
+            let b = e.malloc(Bytes(small), StreamId(0)).unwrap();
+            let x = e.malloc(Bytes(1536), StreamId(0)).unwrap();
+            e.free(x).unwrap();
+            e.free(b).unwrap();
+            e.free(a).unwrap();
+        }
+    };
+    iterations();
+    let n = counted(iterations);
+    let st = e.plan_stats().unwrap().unwrap();
+    assert_eq!((st.hits, st.conflicts, st.unplanned), (400, 0, 200));
+    assert_eq!(n, 0, "heap allocations serving a plan per class");
+}

@@ -569,8 +569,15 @@ impl<D: DeviceMemory> Engine<D> {
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
         let cursor = Cursor::new(plan, options.window, &cross);
         let stream_ranges: usize = streams.iter().map(|(_, u)| u.len()).sum();
+        // With several classes a hole also keeps clear of the other classes' requests
+        // (module `plan_holes`): room for all of them, so that a miss never allocates.
+        let others: usize = if plan.class_count() > 1 {
+            (0..plan.class_count()).map(|c| plan.class(c).0.len()).sum()
+        } else {
+            0
+        };
         let blocked = Vec::with_capacity(
-            HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()) + stream_ranges,
+            HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()) + others + stream_ranges,
         );
         st.plan = Some(PlanServing {
             cursor,
