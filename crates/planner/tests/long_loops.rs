@@ -271,6 +271,49 @@ fn len5_with_classes_the_recording_never_saw_never_overlaps() {
 }
 
 #[test]
+fn len5_served_from_the_start_by_its_plan_per_class() {
+    // Plan mode: the whole recording planned per class (the first iteration's
+    // temporaries on the whole pool, the persistent tensors once above the classes),
+    // served from the first request, every block checked against the live ones:
+    // 1.0003 x the lower bound.
+    use stweaver_planner::class_planning::{ClassPlanOptions, plan_classes};
+    use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
+    let t = load("len5");
+    let o = ClassPlanOptions {
+        plan: stweaver_planner::auto::auto_plan_options(false),
+        ..ClassPlanOptions::default()
+    };
+    let cp = plan_classes(&t, &o).unwrap();
+    assert_eq!((cp.plan.class_count(), cp.covered), (5, cp.iterations));
+    assert!(
+        !cp.plan.prologue.is_empty(),
+        "the persistent part is planned"
+    );
+    let r = replay_engine(
+        &t,
+        &ServeMode::Plan(&cp.plan),
+        &EngineReplayOptions::default(),
+    )
+    .unwrap();
+    let st = r.plan_stats.expect("served");
+    eprintln!(
+        "len5 from the start: {} ({:.4} x LB), pool {}, {st:?}",
+        r.peak_reserved,
+        r.reserved_over_lb(),
+        cp.plan.pool_size
+    );
+    assert_eq!(r.plan_error, None);
+    // The classes keep clear of the first iteration and the persistent part.
+    assert_eq!(st.grown, 0, "{st:?}");
+    assert!(st.conflicts <= 10, "{st:?}");
+    assert!(
+        r.reserved_over_lb() <= 1.01,
+        "{:.4} x LB",
+        r.reserved_over_lb()
+    );
+}
+
+#[test]
 #[ignore]
 fn print_per_iteration() {
     let name = std::env::var("LOOP").unwrap_or("eval10".into());

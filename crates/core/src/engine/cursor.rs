@@ -388,11 +388,18 @@ impl Cursor {
         (0..h as u64).map_while(move |k| self.entry(v + k))
     }
 
-    /// Every expected request of the classes other than the best hypothesis's, each
-    /// class's whole section (empty for a plan of one class): the next iteration may be
-    /// any class (module docs, iteration classes).
+    /// Every expected request of the classes other than the best hypothesis's (all of
+    /// them in the prologue), each class's whole section (empty for a plan of one class):
+    /// the next iteration may be any class (module docs, iteration classes).
     pub fn other_classes(&self) -> impl Iterator<Item = &Expected> + '_ {
-        let c = self.class() as usize;
+        // In the prologue, every class is still ahead.
+        let c = if self.classes.len() < 2 {
+            0
+        } else if self.best() < self.p() {
+            usize::MAX
+        } else {
+            self.class() as usize
+        };
         self.classes
             .iter()
             .enumerate()
