@@ -670,14 +670,17 @@ impl Cursor {
         self.stats.skipped += best.skipped;
         match best.matched {
             Some(j) => {
-                // Counted from where the best hypothesis stood, or from the start of
-                // the iteration when the class changed (a branch's other class).
-                let from = if best.class == from_class {
-                    from.min(j)
+                if best.class == from_class {
+                    self.note_consumed(best.class, from.min(j), j);
                 } else {
-                    self.p().min(j)
-                };
-                self.note_consumed(best.class, from, j);
+                    // Another class took over (a branch's): its first iteration is the
+                    // one a marker (or the load) already counted; only the starts it
+                    // passed beyond are new.
+                    let (p, l) = (self.p(), self.l_of(best.class));
+                    if j >= p && l > 0 {
+                        self.stats.iterations += (j - p) / l;
+                    }
+                }
                 self.at_start = false;
                 self.stats.hits += 1;
                 self.matched_in(best.class, j)
@@ -865,6 +868,8 @@ mod tests {
         assert_eq!(got[..2], its(0..2)[..]);
         assert_eq!(got[2..], js(2..5)[..]);
         assert_eq!(c.class(), 1);
+        // Two iterations (the load's and the marker's): the change of class adds none.
+        assert_eq!(c.stats.iterations, 2);
     }
 
     #[test]
