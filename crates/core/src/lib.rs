@@ -179,7 +179,7 @@ pub mod trace_file;
 pub mod units;
 pub mod verify;
 
-pub use plan::{DynamicSummary, NEVER_FREED, OffloadEntry, Plan, PlannedRequest};
+pub use plan::{ClassSection, DynamicSummary, NEVER_FREED, OffloadEntry, Plan, PlannedRequest};
 pub use trace::{
     Allocation, Event, EventKind, Lifetime, LowerBound, MarkerKind, Restore, Trace, TraceError,
 };

@@ -31,6 +31,18 @@
 //! was). Pack and unpack are counted per steady iteration, from 0, in the order the
 //! run makes them ([`Plan::saved_packs`], [`Plan::saved_unpacks`] per iteration).
 //!
+//! # Iteration classes
+//!
+//! A loop whose iterations are not all alike (a few sequence-length buckets: issue #18)
+//! has one section per *iteration class*: [`Plan::iteration`] is class 0 and
+//! [`Plan::extra_classes`] the others, each with its own requests and length on its own
+//! clock. Any class may follow any other, in any order, so a plan with extra classes
+//! keeps every iteration request of every class within its iteration (`end <= len`:
+//! nothing crosses a boundary, where the next class's requests could sit), and the
+//! classes share the whole pool: iterations never overlap in time. Such a plan has no
+//! offload schedule. On the unrolled timeline the prologue is followed by any sequence
+//! of classes; the plan is valid when the prologue followed by each class repeated is.
+//!
 //! That check is the verifier's job (`crate::verify`), not this module's: a plan is a
 //! plain value.
 
@@ -76,6 +88,16 @@ pub struct OffloadEntry {
     pub back_request: u32,
 }
 
+/// One more iteration class of a plan (module docs, iteration classes): its requests,
+/// in order, on its own clock of `len` ticks, every one freed by `len`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ClassSection {
+    /// The class's requests, in the order the run makes them.
+    pub requests: Vec<PlannedRequest>,
+    /// Length of one iteration of the class in plan-clock ticks.
+    pub len: u64,
+}
+
 /// What the planner saw but left to dynamic serving (token-dependent shapes and the
 /// like). For reports; the engine serves these online.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -111,6 +133,9 @@ pub struct Plan {
     pub iteration: Vec<PlannedRequest>,
     /// Length of one iteration in plan-clock ticks (0 if there is no iteration section).
     pub iteration_len: u64,
+    /// The other iteration classes, [`Plan::iteration`] being class 0 (module docs,
+    /// iteration classes); empty for a loop of one class.
+    pub extra_classes: Vec<ClassSection>,
     /// What was left to dynamic serving.
     pub dynamic: DynamicSummary,
     /// The device memory budget the plan was made for (`pool_size <= budget`), if any.
@@ -121,4 +146,26 @@ pub struct Plan {
     pub saved_packs: u32,
     /// `SavedUnpack` events per steady iteration (0 unless the plan offloads).
     pub saved_unpacks: u32,
+}
+
+impl Plan {
+    /// Number of iteration classes: 0 without an iteration section, else 1 plus the
+    /// extra classes.
+    pub fn class_count(&self) -> usize {
+        if self.iteration.is_empty() {
+            0
+        } else {
+            1 + self.extra_classes.len()
+        }
+    }
+
+    /// Class `c`'s requests and length (class 0: [`Plan::iteration`]).
+    pub fn class(&self, c: usize) -> (&[PlannedRequest], u64) {
+        if c == 0 {
+            (&self.iteration, self.iteration_len)
+        } else {
+            let x = &self.extra_classes[c - 1];
+            (&x.requests, x.len)
+        }
+    }
 }

@@ -22,6 +22,15 @@
 //!    `< saved_unpacks`), the trigger is an earlier unpack than the tensor's own, and
 //!    no two entries share a pack or an unpack. O(entries + iteration requests).
 //!
+//! 6. **iteration classes** (a plan with [`Plan::extra_classes`]): the plan has an
+//!    iteration section (class 0), no offload schedule, and no iteration request of any
+//!    class ends past its class's length (any class may follow any other: nothing may
+//!    cross a boundary); then each class is checked as above as the only iteration
+//!    section after the prologue. That covers every order of classes: iterations never
+//!    overlap in time, and a prologue request meets the earliest instance of a class's
+//!    request when that class comes first, which its own check unrolls. O(classes ·
+//!    (prologue + 4 · class requests) · log).
+//!
 //! Coverage (every planned allocation of a trace has a request) is checked by the
 //! planner, which owns the mapping from trace to plan.
 //!
@@ -130,6 +139,24 @@ pub enum PlanViolation {
     OffloadWithoutBudget(usize),
     #[error("offload entry #{entry}: {problem}")]
     BadOffload { entry: usize, problem: String },
+    #[error("iteration class {class}: {violation}")]
+    InClass {
+        class: usize,
+        violation: Box<PlanViolation>,
+    },
+    #[error(
+        "iteration class {class}, request #{index}: ends at tick {end}, past its class's {len} ticks (a plan with several classes lets no request cross a boundary)"
+    )]
+    CrossesClassBoundary {
+        class: usize,
+        index: usize,
+        end: u64,
+        len: u64,
+    },
+    #[error("the plan has {0} extra iteration classes but no iteration section")]
+    ClassesWithoutIteration(usize),
+    #[error("the plan has several iteration classes and an offload schedule")]
+    OffloadWithClasses,
     #[error("the unrolled timeline would need {0} entries, more than the verifier accepts")]
     TooLarge(u128),
     #[error(
@@ -184,6 +211,84 @@ pub struct VerifyReport {
 
 /// Checks a plan. See the module docs for what is checked and the cost.
 pub fn verify_plan(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
+    if plan.extra_classes.is_empty() {
+        return verify_one(plan);
+    }
+    let mut errs = Vec::new();
+    if plan.iteration.is_empty() {
+        errs.push(PlanViolation::ClassesWithoutIteration(
+            plan.extra_classes.len(),
+        ));
+    }
+    if !plan.offload.is_empty() {
+        errs.push(PlanViolation::OffloadWithClasses);
+    }
+    for c in 0..plan.class_count() {
+        let (reqs, len) = plan.class(c);
+        for (index, r) in reqs.iter().enumerate() {
+            if r.end != NEVER_FREED && r.end > len {
+                errs.push(PlanViolation::CrossesClassBoundary {
+                    class: c,
+                    index,
+                    end: r.end,
+                    len,
+                });
+            }
+        }
+    }
+    if !errs.is_empty() {
+        errs.truncate(MAX_REPORTED);
+        return Err(PlanViolations(errs));
+    }
+    let mut report = VerifyReport {
+        used: Bytes::ZERO,
+        peak_live: Bytes::ZERO,
+        iterations_unrolled: 0,
+    };
+    for c in 0..plan.class_count() {
+        let (reqs, len) = plan.class(c);
+        let one = Plan {
+            device: plan.device,
+            alignment: plan.alignment,
+            pool_size: plan.pool_size,
+            lower_bound: plan.lower_bound,
+            trace_digest: plan.trace_digest,
+            prologue: plan.prologue.clone(),
+            prologue_len: plan.prologue_len,
+            iteration: reqs.to_vec(),
+            iteration_len: len,
+            extra_classes: Vec::new(),
+            dynamic: plan.dynamic,
+            budget: plan.budget,
+            offload: Vec::new(),
+            saved_packs: 0,
+            saved_unpacks: 0,
+        };
+        match verify_one(&one) {
+            Ok(r) => {
+                report.used = report.used.max(r.used);
+                report.peak_live = report.peak_live.max(r.peak_live);
+                report.iterations_unrolled = report.iterations_unrolled.max(r.iterations_unrolled);
+            }
+            Err(v) => errs.extend(v.0.into_iter().map(|violation| PlanViolation::InClass {
+                class: c,
+                violation: Box::new(violation),
+            })),
+        }
+        if errs.len() >= MAX_REPORTED {
+            errs.truncate(MAX_REPORTED);
+            break;
+        }
+    }
+    if errs.is_empty() {
+        Ok(report)
+    } else {
+        Err(PlanViolations(errs))
+    }
+}
+
+/// [`verify_plan`] for a plan of one iteration class (module docs, checks 1–5).
+fn verify_one(plan: &Plan) -> Result<VerifyReport, PlanViolations> {
     let mut errs = Vec::new();
     let align = plan.alignment;
     if !align.get().is_power_of_two() {
@@ -580,6 +685,67 @@ mod tests {
         let report = verify_plan(&p).expect("valid");
         assert_eq!(report.used, Bytes(2048));
         assert_eq!(report.peak_live, Bytes(2048));
+    }
+
+    #[test]
+    fn checks_each_iteration_class_and_forbids_crossing_a_boundary() {
+        use crate::plan::ClassSection;
+        // A weight at 0; class 0 uses [1024, 2048), class 1 [1024, 3072): classes never
+        // overlap in time, so they share the pool.
+        let mut p = plan(
+            vec![req(1024, 0, 0, NEVER_FREED)],
+            1,
+            vec![req(512, 1024, 0, 2), req(512, 1536, 1, 4)],
+            4,
+        );
+        p.extra_classes = vec![ClassSection {
+            requests: vec![req(2048, 1024, 0, 3), req(512, 1024, 3, 6)],
+            len: 6,
+        }];
+        let report = verify_plan(&p).expect("valid");
+        assert_eq!(report.used, Bytes(3072));
+        assert_eq!(report.peak_live, Bytes(3072));
+        // A class-1 request over the weight: found in class 1.
+        let mut bad = p.clone();
+        bad.extra_classes[0].requests[1].offset = Offset(512);
+        let e = verify_plan(&bad).unwrap_err();
+        assert!(
+            e.0.iter().any(|v| matches!(
+                v,
+                PlanViolation::InClass { class: 1, violation }
+                    if matches!(**violation, PlanViolation::Misaligned { .. } | PlanViolation::Overlap { .. })
+            )),
+            "{e}"
+        );
+        // Crossing a boundary (fine with one class) is refused with several, in any
+        // class.
+        let mut bad = p.clone();
+        bad.iteration[1].end = 5;
+        let e = verify_plan(&bad).unwrap_err();
+        assert!(
+            matches!(
+                e.0[..],
+                [PlanViolation::CrossesClassBoundary {
+                    class: 0,
+                    index: 1,
+                    end: 5,
+                    len: 4
+                }]
+            ),
+            "{e}"
+        );
+        bad.extra_classes.clear();
+        verify_plan(&bad).expect("one class may cross");
+        let mut bad = p.clone();
+        bad.extra_classes[0].requests[0].end = 7;
+        assert!(matches!(
+            verify_plan(&bad).unwrap_err().0[..],
+            [PlanViolation::CrossesClassBoundary { class: 1, .. }]
+        ));
+        // Classes without a class 0, or with an offload schedule.
+        let mut bad = p.clone();
+        bad.iteration.clear();
+        assert!(verify_plan(&bad).is_err());
     }
 
     #[test]

@@ -7,7 +7,6 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use stweaver_core::engine::{DevicePtr, Engine, EngineConfig, HostMemory, PlanOptions};
 use stweaver_core::plan::{Plan, PlannedRequest};
@@ -15,19 +14,19 @@ use stweaver_core::{Bytes, Offset, StreamId};
 
 struct Counting;
 
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
 thread_local! {
     static COUNTING: Cell<bool> = const { Cell::new(false) };
+    /// Allocations counted on this thread: per thread, so that the tests running beside
+    /// (the counter's own test allocates while counting) never add to another's count.
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
 }
 
 // Safety: every method forwards to `System` with the caller's arguments unchanged; the
-// counter is an atomic and the flag a const-initialised thread-local, neither of which
-// allocates.
+// counter and the flag are const-initialised thread-locals, which do not allocate.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.with(Cell::get) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            ALLOCS.with(|n| n.set(n.get() + 1));
         }
         // Safety: same contract as ours, passed through.
         unsafe { System.alloc(layout) }
@@ -38,7 +37,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if COUNTING.with(Cell::get) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            ALLOCS.with(|n| n.set(n.get() + 1));
         }
         // Safety: same contract as ours, passed through.
         unsafe { System.realloc(ptr, layout, new_size) }
@@ -100,11 +99,11 @@ fn steady_state_malloc_and_free_do_not_allocate() {
 
 /// Allocations `f` makes on this thread.
 fn counted(f: impl FnOnce()) -> u64 {
-    let before = ALLOCS.load(Ordering::Relaxed);
+    let before = ALLOCS.with(Cell::get);
     COUNTING.with(|c| c.set(true));
     f();
     COUNTING.with(|c| c.set(false));
-    ALLOCS.load(Ordering::Relaxed) - before
+    ALLOCS.with(Cell::get) - before
 }
 
 #[test]
@@ -155,4 +154,55 @@ fn plan_hits_do_not_allocate() {
     let st = e.plan_stats().unwrap().unwrap();
     assert_eq!((st.hits, st.conflicts, st.unplanned), (600, 0, 0));
     assert_eq!(n, 0, "heap allocations on the plan hit path");
+}
+
+#[test]
+fn plans_per_class_and_their_misses_do_not_allocate() {
+    let e = Engine::new(
+        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let req = |size: u64, offset: u64, start: u64, end: u64| PlannedRequest {
+        size: Bytes(size),
+        stream: StreamId(0),
+        offset: Offset(offset),
+        start,
+        end,
+    };
+    // Two classes sharing the pool; every iteration also makes a request no class has
+    // (a hole search against every class's requests).
+    let plan = Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(4 << 20),
+        iteration: vec![req(1 << 20, 0, 0, 3), req(4096, 1 << 20, 1, 2)],
+        iteration_len: 4,
+        extra_classes: vec![stweaver_core::ClassSection {
+            requests: vec![req(2 << 20, 0, 0, 3), req(8192, 2 << 20, 1, 2)],
+            len: 4,
+        }],
+        ..Plan::default()
+    };
+    e.load_plan(&plan, PlanOptions::default()).unwrap();
+    let iterations = || {
+        for k in 0..100u64 {
+            e.mark_iteration().unwrap();
+            let (big, small) = if k % 3 == 0 {
+                (2 << 20, 8192)
+            } else {
+                (1 << 20, 4096)
+            };
+            let a = e.malloc(Bytes(big), StreamId(0)).unwrap();
+            let b = e.malloc(Bytes(small), StreamId(0)).unwrap();
+            let x = e.malloc(Bytes(1536), StreamId(0)).unwrap();
+            e.free(x).unwrap();
+            e.free(b).unwrap();
+            e.free(a).unwrap();
+        }
+    };
+    iterations();
+    let n = counted(iterations);
+    let st = e.plan_stats().unwrap().unwrap();
+    assert_eq!((st.hits, st.conflicts, st.unplanned), (400, 0, 200));
+    assert_eq!(n, 0, "heap allocations serving a plan per class");
 }

@@ -112,6 +112,7 @@ fn main() -> anyhow::Result<()> {
         &ServeMode::Auto {
             schedule: AutoSchedule::At(k),
             planner: &planner,
+            class_planner: None,
         },
         &opts,
     )?;
@@ -126,6 +127,7 @@ fn main() -> anyhow::Result<()> {
         &ServeMode::Auto {
             schedule: AutoSchedule::runtime_default(),
             planner: &planner,
+            class_planner: None,
         },
         &opts,
     )?;

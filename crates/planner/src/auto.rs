@@ -23,6 +23,14 @@
 //! 4. **Settle.** One step after the switch the online cache is emptied again: the
 //!    previous iteration's online blocks are gone by then.
 //!
+//! **Iteration classes.** A recording with no single repeating iteration (a loop of a
+//! few sequence lengths) plans to a plan without an iteration section, which the engine
+//! cannot switch to ([`needs_classes`]). Auto mode then records again, from that step,
+//! for [`CLASS_ITERATIONS`] iterations, and plans that recording per iteration class
+//! ([`plan_class_recording`]: `crate::class_planning`, issue #18 item 1); the switch
+//! follows as in step 3. A recording whose classes are too many to plan (the planned
+//! ones cover less than 90 % of its iterations) leaves the run online, as before.
+//!
 //! From the switch on the engine may still give the plan up (its ranges stay busy, or
 //! its pool hits the memory limit): serving is online from there.
 //!
@@ -33,11 +41,17 @@ use std::time::Duration;
 
 use stweaver_core::{Plan, Trace};
 
+use crate::class_planning::{ClassPlanOptions, plan_classes};
 use crate::planning::{PlanOptions, plan_trace};
 use crate::solver::SolveOptions;
 
 /// Iterations auto mode records before it plans, unless `STWEAVER_AUTO_ITERATIONS` says.
 pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
+
+/// Iterations auto mode records for a plan per iteration class (module docs): with
+/// five classes in random order, all five are in 40 iterations but with probability
+/// 5 x 0.8^40 < 0.1 %.
+pub const CLASS_ITERATIONS: u64 = 40;
 
 /// Steps between the one that starts the planner and the earliest one that can switch to
 /// its plan: the runtime looks at the finished planner at the following step.
@@ -87,6 +101,25 @@ pub fn plan_recording(trace: &Trace, opts: &PlanOptions) -> Result<Plan, String>
     plan_trace(trace, opts)
         .map(|o| o.plan)
         .map_err(|e| e.to_string())
+}
+
+/// Whether auto mode, whose first recording planned to `plan`, records again for a plan
+/// per iteration class (module docs): the plan has no iteration section to switch to.
+pub fn needs_classes(plan: &Plan) -> bool {
+    plan.iteration.is_empty()
+}
+
+/// Auto mode's plan per iteration class of a recording ([`plan_classes`] with `opts`'s
+/// solver and stream settings and the default class limits). The error is the text the
+/// runtime reports.
+pub fn plan_class_recording(trace: &Trace, opts: &PlanOptions) -> Result<Plan, String> {
+    let o = ClassPlanOptions {
+        plan: opts.clone(),
+        ..ClassPlanOptions::default()
+    };
+    plan_classes(trace, &o)
+        .map(|c| c.plan)
+        .map_err(|e| format!("no plan per iteration class: {e}"))
 }
 
 #[cfg(test)]

@@ -34,7 +34,9 @@
 //!   planner at the following step), empty the online cache one boundary after the
 //!   switch; a planner error or a refused plan leaves the run online.
 //!   [`AutoSchedule::At`] plans and switches at the same boundary (a planner that takes
-//!   no time). The report's [`AutoOutcome`] says whether and where the switch came,
+//!   no time). A first plan without an iteration section, with a class planner given,
+//!   starts a second recording of [`crate::auto::CLASS_ITERATIONS`] iterations, planned
+//!   per iteration class and switched to on the same schedule. The report's [`AutoOutcome`] says whether and where the switch came,
 //!   whether the engine gave the plan up later, or why the run stayed online (the trace
 //!   ended first, the planner failed, the engine refused).
 //!
@@ -86,7 +88,7 @@ use stweaver_core::{
 
 use crate::auto::{
     DEFAULT_AUTO_ITERATIONS, RELEASE_AT_PEAK, RELEASE_CHURN, SWITCH_DELAY_STEPS, auto_plan_options,
-    plan_recording, planning_step,
+    plan_class_recording, plan_recording, planning_step,
 };
 use crate::iteration::detect_period;
 use crate::planning::{PlanBuildError, PlanOptions, PlanOutcome, plan_trace};
@@ -94,6 +96,9 @@ use crate::report::{CompareRow, ReportError, RowKind, StweaverRow};
 
 /// The mapping granularity of an H200 (and of every CUDA GPU stweaver targets).
 pub const GRANULE: Bytes = Bytes(2 << 20);
+
+/// Auto mode's planner: a recording to a plan, or the error the runtime reports.
+pub type AutoPlanner<'a> = &'a dyn Fn(&Trace) -> Result<Plan, String>;
 
 /// How a trace is served.
 pub enum ServeMode<'a> {
@@ -105,7 +110,12 @@ pub enum ServeMode<'a> {
     /// in at an iteration boundary ([`AutoSchedule`] says which).
     Auto {
         schedule: AutoSchedule,
-        planner: &'a dyn Fn(&Trace) -> Result<Plan, String>,
+        planner: AutoPlanner<'a>,
+        /// The planner per iteration class, for a first recording whose plan has no
+        /// iteration section ([`crate::auto::needs_classes`]): the engine records
+        /// [`crate::auto::CLASS_ITERATIONS`] more iterations for it (module docs of
+        /// [`crate::auto`]). `None`: such a run stays online.
+        class_planner: Option<AutoPlanner<'a>>,
     },
 }
 
@@ -903,6 +913,9 @@ pub fn replay_engine(
     // Auto mode: the planner's result and the boundary it is switched to at; the
     // boundary at which the online cache is emptied again; the outcome.
     let mut planned: Option<(Result<Plan, String>, usize)> = None;
+    // Auto mode: the boundary at which the second recording (per iteration class) is
+    // planned, once it started.
+    let mut class_round: Option<usize> = None;
     let mut settle_at: Option<usize> = None;
     let mut auto: Option<AutoOutcome> = None;
     let mut reserved_by_iteration = Vec::with_capacity(bounds.len());
@@ -938,7 +951,12 @@ pub fn replay_engine(
             r.engine
                 .check_invariants()
                 .map_err(Replayer::err(i, "check its invariants"))?;
-            if let ServeMode::Auto { schedule, planner } = mode {
+            if let ServeMode::Auto {
+                schedule,
+                planner,
+                class_planner,
+            } = mode
+            {
                 if settle_at == Some(marked) {
                     // The previous iteration's online blocks are gone: their memory goes
                     // back (the runtime's settle step).
@@ -954,12 +972,40 @@ pub fn replay_engine(
                         .unwrap_or_default();
                     planned = Some((planner(&recorded), marked + schedule.switch_delay()));
                 }
+                if let (Some(at), Some(cp)) = (class_round, class_planner)
+                    && at == marked
+                    && planned.is_none()
+                    && auto.is_none()
+                {
+                    let recorded = r
+                        .engine
+                        .take_trace()
+                        .map_err(Replayer::err(i, "hand over its trace"))?
+                        .unwrap_or_default();
+                    planned = Some((cp(&recorded), marked + schedule.switch_delay()));
+                }
                 if let Some((result, at)) = planned.take_if(|(_, at)| *at == marked) {
                     debug_assert_eq!(at, marked);
                     match result {
                         Err(e) => {
                             auto = Some(AutoOutcome::Online(format!("planning failed: {e}")));
                             plan_error = Some(e);
+                        }
+                        Ok(plan)
+                            if class_planner.is_some()
+                                && class_round.is_none()
+                                && crate::auto::needs_classes(&plan) =>
+                        {
+                            // No single repeating iteration: record again, for a plan
+                            // per iteration class (module docs of `crate::auto`).
+                            r.engine
+                                .start_trace()
+                                .map_err(Replayer::err(i, "record again"))?;
+                            // As the runtime: planned CLASS_ITERATIONS whole
+                            // iterations after this boundary.
+                            class_round = Some(
+                                marked + planning_step(crate::auto::CLASS_ITERATIONS) as usize,
+                            );
                         }
                         Ok(plan) => {
                             // Peaks before the switch; the engine's peaks restart after
@@ -1208,11 +1254,14 @@ impl EngineReplayRow {
             }
             EngineRowMode::Auto => {
                 let planner = |recorded: &Trace| plan_recording(recorded, &self.auto_plan);
+                let class_planner =
+                    |recorded: &Trace| plan_class_recording(recorded, &self.auto_plan);
                 let mode = ServeMode::Auto {
                     schedule: AutoSchedule::Runtime {
                         auto_iterations: self.auto_iterations,
                     },
                     planner: &planner,
+                    class_planner: Some(&class_planner),
                 };
                 let r = replay_engine(trace, &mode, &self.replay).map_err(e)?;
                 let outcome = match (&r.auto, r.peak_reserved_after_switch) {

@@ -6,6 +6,7 @@
 //! This crate links neither CUDA nor torch.
 
 pub mod auto;
+pub mod class_planning;
 pub mod classify;
 pub mod engine_replay;
 pub mod input;

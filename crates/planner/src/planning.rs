@@ -559,6 +559,8 @@ impl Ctx<'_> {
             prologue_len: self.c.prologue_len,
             iteration,
             iteration_len: self.c.iteration_len,
+            // One class: `crate::class_planning` plans several.
+            extra_classes: Vec::new(),
             dynamic: dynamic_summary(trace, self.c, self.life),
             // Set by `crate::offload` for a plan made under a budget.
             budget: None,

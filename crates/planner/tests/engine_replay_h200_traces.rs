@@ -48,6 +48,7 @@ fn auto_replay_after(
     let mode = ServeMode::Auto {
         schedule: AutoSchedule::At(record),
         planner: &planner,
+        class_planner: None,
     };
     replay_engine(trace, &mode, opts).unwrap()
 }

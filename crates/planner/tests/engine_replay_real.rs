@@ -135,6 +135,7 @@ fn llama_auto_mode_records_plans_and_switches() {
     let mode = ServeMode::Auto {
         schedule: AutoSchedule::At(3),
         planner: &planner,
+        class_planner: None,
     };
     let r = replay_engine(&trace, &mode, &EngineReplayOptions::default()).unwrap();
     show("llama1b_rcp", &r);

@@ -6,20 +6,26 @@
 //!
 //! - the replay reproduces the GPU: auto's peak reserved within 0.5 % of the auto run's
 //!   on the GPU (the zero-code run, no phase markers: the traces replayed without their
-//!   markers), on every loop (the eval loop's GPU numbers were measured again, session 14,
-//!   with the cursor's restarts: 6.916 GiB, 1.006 x the lower bound; 8.936 before them);
+//!   markers), on every loop but `len5` (the eval loop's GPU numbers were measured again,
+//!   session 14, with the cursor's restarts: 6.916 GiB, 1.006 x the lower bound; 8.936
+//!   before them). `len5`'s GPU run (13.56 GiB, 1.018 x) predates plans per iteration
+//!   class and served online, as its replay did then; its replay now plans per class
+//!   (below) and is not compared with a GPU run until one is measured with them;
 //! - with the phase markers, every loop stays at or below expandable segments' GPU peak,
-//!   and within 1 % of the lower bound except `len5` (1.7 %: five lengths served online,
-//!   no plan: issue #18's per-class plans are not built);
-//! - the fixed-shape loops do not drift: the peak after iteration 200 is the peak after
-//!   iteration 20.
+//!   and within 1 % of the lower bound: `len5` too (five sequence lengths, no single
+//!   repeating iteration: auto records 40 more iterations and serves a plan per
+//!   iteration class, `stweaver_planner::class_planning`; 1.0012 x, 1.0177 x online);
+//! - the fixed-shape loops and `len5` do not drift: the peak after iteration 200 is the
+//!   peak after iteration 20.
 
 mod common;
 
 use stweaver_core::trace::{Event, EventKind, MarkerKind};
 use stweaver_core::units::AllocId;
 use stweaver_core::{Bytes, Trace};
-use stweaver_planner::engine_replay::{EngineReplayReport, EngineReplayRow, EngineRowMode};
+use stweaver_planner::engine_replay::{
+    EngineReplayReport, EngineReplayRow, EngineRowMode, iteration_boundaries,
+};
 
 const LOOPS: [&str; 5] = ["len5", "len50", "eval10", "ckpt20", "moe"];
 
@@ -75,7 +81,8 @@ fn ratio(a: Bytes, b: u64) -> f64 {
 
 #[test]
 fn the_replay_reproduces_the_gpu_runs_without_phase_markers() {
-    for name in LOOPS {
+    // len5: no GPU run with plans per class yet (module docs).
+    for name in LOOPS.into_iter().filter(|&n| n != "len5") {
         eprintln!("{name}");
         let r = auto(&without_phases(&load(name)));
         let on_gpu = gpu(name, "auto");
@@ -99,12 +106,17 @@ fn with_phase_markers_every_loop_fits_the_lower_bound_and_beats_expandable() {
             "{name}: {} > expandable's {expandable}",
             r.peak_reserved
         );
-        let cap = if name == "len5" { 1.02 } else { 1.01 };
         assert!(
-            r.reserved_over_lb() <= cap,
+            r.reserved_over_lb() <= 1.01,
             "{name}: {:.4} x LB",
             r.reserved_over_lb()
         );
+        if name == "len5" {
+            // Served from a plan per iteration class, the classes told apart by the
+            // iterations' first requests: no conflict, no growth.
+            let st = r.plan_stats.expect("len5 serves its plan per class");
+            assert_eq!((st.conflicts, st.grown), (0, 0), "{st:?}");
+        }
         if name == "eval10" {
             // The eval passes are served beside the plan: no conflict, no growth.
             let st = r.plan_stats.expect("eval10 serves its plan");
@@ -115,7 +127,7 @@ fn with_phase_markers_every_loop_fits_the_lower_bound_and_beats_expandable() {
 
 #[test]
 fn fixed_shape_loops_do_not_drift() {
-    for name in ["eval10", "ckpt20"] {
+    for name in ["eval10", "ckpt20", "len5"] {
         let r = auto(&load(name));
         let (at20, at200) = (
             r.peak_by_iteration[19],
@@ -192,7 +204,7 @@ fn scaled_in_span(t: &Trace, (b, e): (usize, usize), num: u64, den: u64) -> Trac
     for ev in &t.events[b..=e] {
         if let EventKind::Alloc(id) = ev.kind {
             let a = &mut out.allocations[id.index()];
-            a.size = Bytes((a.size.get() * num / den).div_ceil(512) * 512);
+            a.size = Bytes((a.size.get() * num / den).max(1).div_ceil(512) * 512);
         }
     }
     out
@@ -223,6 +235,82 @@ fn perturbed_eval_loops_stay_within_the_lower_bound() {
             );
         }
     }
+}
+
+#[test]
+fn len5_with_classes_the_recording_never_saw_never_overlaps() {
+    // Issue #18 item 5: classes never seen. Auto records iterations 7 to 47 for its plan
+    // per class; from iteration 60 on, every fifth iteration makes its requests at
+    // `num / den` of their size (a length bucket the recording never had), served beside
+    // the plan: its first requests match no class, the implicit phase and the holes
+    // take it; the replay checks every block against the live ones as it goes.
+    //
+    // Smaller than the largest planned class (3/4): within the lower bound as if every
+    // class were known (1.0012 x; 1.0177 x online). Larger than every planned class
+    // (5/4 of the longest length): the pool grows for it, and best fit in the pool's
+    // holes fragments it: 1.16 x, where online serving reaches 1.0007 x (a known gap:
+    // a class first seen after the switch is not planned, issue #18 item 2).
+    let t = load("len5");
+    let bounds = iteration_boundaries(&t);
+    for (num, den, cap) in [(3, 4, 1.01), (5, 4, 1.17)] {
+        let mut p = t.clone();
+        for j in (60..bounds.len() - 1).filter(|j| j % 5 == 0) {
+            p = scaled_in_span(&p, (bounds[j], bounds[j + 1] - 1), num, den);
+        }
+        p.validate().unwrap();
+        eprintln!("len5, every fifth iteration from 60 at {num}/{den} of its sizes");
+        let r = auto(&p);
+        assert!(
+            r.reserved_over_lb() <= cap,
+            "{num}/{den}: {:.4} x LB",
+            r.reserved_over_lb()
+        );
+        let st = r.plan_stats.expect("served a plan");
+        assert!(st.hits > 80_000, "{num}/{den}: {st:?}");
+    }
+}
+
+#[test]
+fn len5_served_from_the_start_by_its_plan_per_class() {
+    // Plan mode: the whole recording planned per class (the first iteration's
+    // temporaries on the whole pool, the persistent tensors once above the classes),
+    // served from the first request, every block checked against the live ones:
+    // 1.0003 x the lower bound.
+    use stweaver_planner::class_planning::{ClassPlanOptions, plan_classes};
+    use stweaver_planner::engine_replay::{EngineReplayOptions, ServeMode, replay_engine};
+    let t = load("len5");
+    let o = ClassPlanOptions {
+        plan: stweaver_planner::auto::auto_plan_options(false),
+        ..ClassPlanOptions::default()
+    };
+    let cp = plan_classes(&t, &o).unwrap();
+    assert_eq!((cp.plan.class_count(), cp.covered), (5, cp.iterations));
+    assert!(
+        !cp.plan.prologue.is_empty(),
+        "the persistent part is planned"
+    );
+    let r = replay_engine(
+        &t,
+        &ServeMode::Plan(&cp.plan),
+        &EngineReplayOptions::default(),
+    )
+    .unwrap();
+    let st = r.plan_stats.expect("served");
+    eprintln!(
+        "len5 from the start: {} ({:.4} x LB), pool {}, {st:?}",
+        r.peak_reserved,
+        r.reserved_over_lb(),
+        cp.plan.pool_size
+    );
+    assert_eq!(r.plan_error, None);
+    // The classes keep clear of the first iteration and the persistent part.
+    assert_eq!(st.grown, 0, "{st:?}");
+    assert!(st.conflicts <= 10, "{st:?}");
+    assert!(
+        r.reserved_over_lb() <= 1.01,
+        "{:.4} x LB",
+        r.reserved_over_lb()
+    );
 }
 
 #[test]

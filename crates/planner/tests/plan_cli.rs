@@ -195,3 +195,48 @@ fn share_streams_plans_fsdp2s_streams_jointly_into_a_smaller_pool() {
     // In the replay: 6.47 vs 5.33 GiB reserved.
     assert!(joint * 10 < apart * 9, "joint {joint} vs apart {apart}");
 }
+
+/// Parameters, then iterations of three sequence lengths in an order with no period,
+/// each starting with an iteration marker.
+fn lengths_trace() -> Trace {
+    let mut b = TraceBuilder::new();
+    b.alloc_on(1 << 20, 7);
+    for k in [0u64, 1, 2, 1, 0, 0, 2, 1, 2, 2, 0, 1] {
+        b.iteration_begin();
+        let ids: Vec<AllocId> = [3000, 1 << 16, 5 << 10]
+            .iter()
+            .map(|&s| b.alloc_on(s * (k + 1), 7))
+            .collect();
+        for id in ids.into_iter().rev() {
+            b.free(id);
+        }
+    }
+    b.done()
+}
+
+#[test]
+fn plan_per_iteration_class_writes_a_plan_of_every_class() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = write(dir.path(), "lengths.stwt", &lengths_trace());
+    let plan = dir.path().join("lengths.stwp");
+    let o = stweaver(&[
+        "plan",
+        &t,
+        "--classes",
+        "-o",
+        plan.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(v["planned_classes"], 3, "{v}");
+    assert_eq!(v["covered_iterations"], v["iterations"], "{v}");
+    assert_eq!(v["class_requests"], serde_json::json!([3, 3, 3]), "{v}");
+    let p = stweaver_core::plan_file::read_plan_file(&plan).unwrap();
+    assert_eq!(p.class_count(), 3);
+    assert_eq!(p.prologue.len(), 1, "the parameters, once");
+    // With a budget: refused, naming why.
+    let o = stweaver(&["plan", &t, "--classes", "--budget", "1MiB"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("without offload"), "{}", text(&o));
+}

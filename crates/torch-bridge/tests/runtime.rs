@@ -693,6 +693,62 @@ fn auto_mode_records_plans_in_the_background_and_switches() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// One iteration of class `k` (a sequence-length bucket): `iteration`'s pattern with
+/// every activation `k + 1` times larger.
+fn class_iteration(rt: &Runtime, k: u64) {
+    let sizes = [4 * MIB, 1000, 3 * MIB, 64 * 1024, 2 * MIB + 512];
+    let mut live = Vec::new();
+    for &s in &sizes {
+        live.push(rt.malloc(0, (s * (k + 1)) as usize, S0, DEFAULT).unwrap());
+    }
+    for p in live.drain(..).rev() {
+        rt.free(p).unwrap();
+    }
+}
+
+#[test]
+fn auto_mode_plans_a_loop_of_several_iteration_classes_per_class() {
+    use stweaver_planner::auto::CLASS_ITERATIONS;
+    let (rt, _devs) = runtime("auto", "", 1, 256);
+    let iters = Settings::parse("auto", "", "").unwrap().auto_iterations;
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    // Three classes in an order with no period (a linear congruential sequence).
+    let mut x = 7u64;
+    let mut next_class = || {
+        x = (x * 1103515245 + 12345) % (1 << 31);
+        (x >> 16) % 3
+    };
+    let mut steps = 0;
+    while !rt.mode().unwrap().starts_with("auto (plan)") {
+        class_iteration(&rt, next_class());
+        rt.step().unwrap();
+        steps += 1;
+        let m = rt.mode().unwrap();
+        assert!(!m.starts_with("auto (online"), "fell back: {m}");
+        if m == "auto (planning)" {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(steps < 500, "never switched to the plan: {m}");
+    }
+    // The first recording had no single repeating iteration: a second one of
+    // CLASS_ITERATIONS iterations was planned per class.
+    assert!(
+        steps > iters + CLASS_ITERATIONS,
+        "switched after {steps} steps"
+    );
+    let before = plan_stats(&rt);
+    for _ in 0..30 {
+        class_iteration(&rt, next_class());
+        rt.step().unwrap();
+    }
+    let p = plan_stats(&rt);
+    let hits = p["hits"].as_u64().unwrap() - before["hits"].as_u64().unwrap();
+    // Every request of the 30 iterations at its planned offset, whatever the class.
+    assert_eq!(hits, 30 * 5, "{p}");
+    assert_eq!(p["conflicts"], 0, "{p}");
+    rt.free(weights).unwrap();
+}
+
 /// Plan mode on `plan` reports the refusal (its reason mentions `why`) and trains online.
 fn serves_online_refusing(plan: &std::path::Path, why: &str) {
     let (rt, _devs) = runtime_with_plan("plan", plan.to_str().unwrap(), "", 1, 64);

@@ -85,6 +85,27 @@
 //! plan hostage; earlier markers are boundaries the prologue itself spans and change
 //! nothing.
 //!
+//! # Iteration classes
+//!
+//! A plan may have several iteration sections, one per *class* (`Plan::extra_classes`:
+//! a few sequence-length buckets), any of which may follow any other. A hypothesis is
+//! then `(class, position, cost)`: positions `≥ P` index the hypothesis's own class,
+//! and look-ahead past its end runs into the same class again. Whenever the cursor
+//! stands at an iteration start — the load of a plan without prologue (a switch
+//! mid-run) and every marker — the beam *branches*: one hypothesis per class (at most
+//! [`MAX_CLASSES`]), all at cost 0, the class just served first. The iteration's first
+//! requests then choose the class exactly as they choose between alignments: the
+//! classes whose requests do not match pay inserts and skips and fall out of the beam
+//! within [`MARGIN`]; a tie goes to the earlier hypothesis (the class just served, then
+//! the plan's order). A wrong guess is a request placed at another class's offset:
+//! when the right class's request later finds that range occupied it is a conflict,
+//! served from a hole (module `crate::engine`), never an alias. Runs without markers
+//! stay in the class they are in.
+//!
+//! The virtual clock ([`Cursor::vtick`]) counts on across classes of different lengths:
+//! at each marker positions are rebased to `P` and the tick where the new iteration
+//! starts is kept (`base_tick`), so planned ends handed out earlier stay comparable.
+//!
 //! A match is only a proposal: the engine hands out the planned offset only after
 //! checking that nothing live occupies it (see [`crate::engine`]). The plan itself is
 //! never mutated; the cursor copies what it needs once at load.
@@ -92,7 +113,8 @@
 //! # Cost
 //!
 //! O(1) per request on the fast path; O(BEAM · window) worst case while the beam is
-//! open (after a departure from the plan). No heap allocation after construction (the
+//! open (after a departure from the plan, or at an iteration start of a plan with
+//! several classes until its first requests chose one). No heap allocation after construction (the
 //! beam is a fixed array).
 
 use crate::plan::{Plan, PlannedRequest};
@@ -100,6 +122,10 @@ use crate::units::{Offset, StreamId};
 
 /// Hypotheses kept at most.
 pub const BEAM: usize = 8;
+/// Iteration classes followed at most (module docs, iteration classes): one hypothesis
+/// each at an iteration start. A plan's later classes are not followed (their
+/// iterations are served as unplanned requests, from holes).
+pub const MAX_CLASSES: usize = BEAM;
 /// Hypotheses costing more than the best plus this are dropped.
 pub const MARGIN: u32 = 8;
 /// Consecutive best-path matches (with no rival at the best cost) that close the beam.
@@ -167,12 +193,17 @@ pub(crate) struct Expected {
 struct Hyp {
     pos: u64,
     cost: u32,
+    /// The iteration class the position is in (module docs, iteration classes).
+    class: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Cand {
     pos: u64,
     cost: u32,
+    class: u32,
+    /// The beam index of the hypothesis it came from (a deterministic tie-break).
+    from: u32,
     /// The expected request this step matched (`None`: an insert).
     matched: Option<u64>,
     /// The step was a match at distance 0.
@@ -184,14 +215,17 @@ struct Cand {
 #[derive(Debug, Clone)]
 pub(crate) struct Cursor {
     prologue: Vec<Expected>,
-    iteration: Vec<Expected>,
+    /// The iteration section of each class (class 0: the plan's `iteration`).
+    classes: Vec<Vec<Expected>>,
+    /// Each class's length on the plan clock.
+    class_len: Vec<u64>,
+    /// The virtual tick at which iteration 0 of the current positions starts (positions
+    /// are rebased at every iteration start a marker snaps to: module docs, classes).
+    base_tick: u64,
     beam: [Hyp; BEAM],
     n: usize,
     streak: u32,
     window: u64,
-    /// Section lengths on the plan clock.
-    prologue_len: u64,
-    iteration_len: u64,
     /// Requests offered since load.
     seen: u64,
     /// The last operation was a resynchronisation to an iteration start.
@@ -206,6 +240,7 @@ pub(crate) struct Bookmark {
     n: usize,
     streak: u32,
     at_start: bool,
+    base_tick: u64,
 }
 
 fn skip_cost(k: u64) -> u32 {
@@ -234,46 +269,96 @@ impl Cursor {
                 .collect()
         };
         let prologue = expected(&plan.prologue);
-        let iteration = expected(&plan.iteration);
-        let starts_in_iteration = prologue.is_empty() && !iteration.is_empty();
-        Cursor {
+        let k = plan.class_count().min(MAX_CLASSES);
+        let classes: Vec<Vec<Expected>> = (0..k).map(|c| expected(plan.class(c).0)).collect();
+        let class_len = (0..k).map(|c| plan.class(c).1).collect();
+        let starts_in_iteration = prologue.is_empty() && !classes.is_empty();
+        let mut c = Cursor {
             prologue,
-            iteration,
+            classes,
+            class_len,
+            base_tick: plan.prologue_len,
             beam: [Hyp::default(); BEAM],
             n: 1,
             streak: 0,
             window: window.max(1) as u64,
-            prologue_len: plan.prologue_len,
-            iteration_len: plan.iteration_len,
             seen: 0,
             at_start: starts_in_iteration,
             stats: PlanStats {
                 iterations: u64::from(starts_in_iteration),
                 ..PlanStats::default()
             },
+        };
+        if starts_in_iteration {
+            c.branch(0);
         }
+        c
+    }
+
+    /// The beam at the start of an iteration (position `P`), one hypothesis per class at
+    /// cost 0, class `first` first (the preferred one on a tie): the iteration's first
+    /// requests tell the classes apart (module docs, iteration classes).
+    fn branch(&mut self, first: u32) {
+        let k = self.classes.len();
+        self.n = k.max(1);
+        let p = self.p();
+        let order = std::iter::once(first).chain((0..k as u32).filter(|&c| c != first));
+        for (slot, class) in self.beam.iter_mut().zip(order) {
+            *slot = Hyp {
+                pos: p,
+                cost: 0,
+                class,
+            };
+        }
+    }
+
+    /// The class of the best hypothesis.
+    pub fn class(&self) -> u32 {
+        self.beam[0].class
+    }
+
+    /// Iteration section of class `c` (empty: no iteration section).
+    fn section(&self, c: u32) -> &[Expected] {
+        self.classes.get(c as usize).map_or(&[], Vec::as_slice)
+    }
+
+    fn len_of(&self, c: u32) -> u64 {
+        self.class_len.get(c as usize).copied().unwrap_or(0)
     }
 
     fn p(&self) -> u64 {
         self.prologue.len() as u64
     }
 
-    fn l(&self) -> u64 {
-        self.iteration.len() as u64
+    /// Requests in one iteration of class `c`.
+    fn l_of(&self, c: u32) -> u64 {
+        self.section(c).len() as u64
     }
 
-    /// Expected request at virtual position `v` (`None` past a prologue-only plan).
+    /// Requests in one iteration of the best hypothesis's class.
+    fn l(&self) -> u64 {
+        self.l_of(self.class())
+    }
+
+    /// Expected request at virtual position `v` of class `c` (`None` past a
+    /// prologue-only plan).
     #[inline]
-    pub fn entry(&self, v: u64) -> Option<&Expected> {
+    fn entry_in(&self, c: u32, v: u64) -> Option<&Expected> {
         let p = self.p();
         if v < p {
             return self.prologue.get(v as usize);
         }
-        let l = self.l();
+        let l = self.l_of(c);
         if l == 0 {
             return None;
         }
-        self.iteration.get(((v - p) % l) as usize)
+        self.section(c).get(((v - p) % l) as usize)
+    }
+
+    /// Expected request at virtual position `v` of the best hypothesis's class.
+    #[inline]
+    pub fn entry(&self, v: u64) -> Option<&Expected> {
+        self.entry_in(self.class(), v)
     }
 
     /// The best hypothesis's position.
@@ -303,10 +388,29 @@ impl Cursor {
         (0..h as u64).map_while(move |k| self.entry(v + k))
     }
 
+    /// Every expected request of the classes other than the best hypothesis's (all of
+    /// them in the prologue), each class's whole section (empty for a plan of one class):
+    /// the next iteration may be any class (module docs, iteration classes).
+    pub fn other_classes(&self) -> impl Iterator<Item = &Expected> + '_ {
+        // In the prologue, every class is still ahead.
+        let c = if self.classes.len() < 2 {
+            0
+        } else if self.best() < self.p() {
+            usize::MAX
+        } else {
+            self.class() as usize
+        };
+        self.classes
+            .iter()
+            .enumerate()
+            .filter(move |&(k, _)| k != c)
+            .flat_map(|(_, s)| s.iter())
+    }
+
     /// Whether every expected request is behind the cursor (a prologue-only plan the
     /// run has gone past).
     pub fn spent(&self) -> bool {
-        self.iteration.is_empty() && self.n == 1 && self.best() >= self.p()
+        self.classes.is_empty() && self.n == 1 && self.best() >= self.p()
     }
 
     /// The expected request at the best hypothesis's position, its virtual planned
@@ -315,14 +419,15 @@ impl Cursor {
         self.matched(self.best())
     }
 
-    /// Expected requests in the plan: the prologue's plus one iteration's.
+    /// Expected requests in the plan: the prologue's plus the largest class's.
     pub fn len(&self) -> usize {
-        self.prologue.len() + self.iteration.len()
+        self.prologue.len() + self.classes.iter().map(Vec::len).max().unwrap_or(0)
     }
 
-    /// Expected requests in one iteration (0: a prologue-only plan).
+    /// Expected requests in one iteration of the current class (0: a prologue-only
+    /// plan).
     pub fn iteration_requests(&self) -> usize {
-        self.iteration.len()
+        self.l() as usize
     }
 
     /// The expected requests after the best hypothesis's position that are planned to
@@ -339,20 +444,31 @@ impl Cursor {
     /// whole unrolled plan (the prologue's ticks, then each iteration's). Saturating;
     /// a never-freed end stays at the top.
     pub fn vtick(&self, v: u64, t: u64) -> u64 {
+        self.vtick_in(self.class(), v, t)
+    }
+
+    /// [`Cursor::vtick`] for a position of class `c`.
+    fn vtick_in(&self, c: u32, v: u64, t: u64) -> u64 {
         let p = self.p();
-        if v < p || self.l() == 0 || t == crate::plan::NEVER_FREED {
+        let l = self.l_of(c);
+        if v < p || l == 0 || t == crate::plan::NEVER_FREED {
             return t;
         }
-        let k = (v - p) / self.l();
-        self.prologue_len
-            .saturating_add(k.saturating_mul(self.iteration_len))
+        let k = (v - p) / l;
+        self.base_tick
+            .saturating_add(k.saturating_mul(self.len_of(c)))
             .saturating_add(t)
     }
 
     /// The stored entry at `j`, with its virtual planned end filled in.
     fn matched(&self, j: u64) -> Option<Expected> {
-        self.entry(j).map(|e| Expected {
-            vend: self.vtick(j, e.end),
+        self.matched_in(self.class(), j)
+    }
+
+    /// [`Cursor::matched`] for a position of class `c`.
+    fn matched_in(&self, c: u32, j: u64) -> Option<Expected> {
+        self.entry_in(c, j).map(|e| Expected {
+            vend: self.vtick_in(c, j, e.end),
             ..*e
         })
     }
@@ -374,12 +490,13 @@ impl Cursor {
                     _ => return self.step(size, stream),
                 }
             } else {
-                let l = self.l();
+                let c = self.beam[0].class;
+                let l = self.l_of(c);
                 if l == 0 {
                     return self.step(size, stream);
                 }
                 let (k, i) = ((v - p) / l, (v - p) % l);
-                match self.iteration.get(i as usize) {
+                match self.section(c).get(i as usize) {
                     Some(&e) if e.size == size && e.stream == stream => {
                         // Passing an iteration start that no marker (or the load)
                         // counted.
@@ -389,8 +506,8 @@ impl Cursor {
                         let vend = if e.end == crate::plan::NEVER_FREED {
                             e.end
                         } else {
-                            self.prologue_len
-                                .saturating_add(k.saturating_mul(self.iteration_len))
+                            self.base_tick
+                                .saturating_add(k.saturating_mul(self.len_of(c)))
                                 .saturating_add(e.end)
                         };
                         (e, vend)
@@ -408,22 +525,24 @@ impl Cursor {
         self.step(size, stream)
     }
 
-    /// The best hypothesis's position (virtual), for [`Cursor::lives_forever_at`].
-    pub fn best_pos(&self) -> u64 {
-        self.best()
+    /// The best hypothesis's class and position (virtual), for
+    /// [`Cursor::lives_forever_at`].
+    pub fn best_pos(&self) -> (u32, u64) {
+        (self.class(), self.best())
     }
 
-    /// Whether expected request `v` (virtual position) is planned to live forever.
-    pub fn lives_forever_at(&self, v: u64) -> bool {
-        self.entry(v)
+    /// Whether expected request `v` (virtual position) of class `c` is planned to live
+    /// forever.
+    pub fn lives_forever_at(&self, (c, v): (u32, u64)) -> bool {
+        self.entry_in(c, v)
             .is_some_and(|e| e.end == crate::plan::NEVER_FREED)
     }
 
     /// Counts the iteration starts passed when the cursor, at `from`, consumes
     /// expected request `j ≥ from`: every start in `[from, j]`, except one at `from`
     /// that a marker (or the load) already counted.
-    fn note_consumed(&mut self, from: u64, j: u64) {
-        let (p, l) = (self.p(), self.l());
+    fn note_consumed(&mut self, c: u32, from: u64, j: u64) {
+        let (p, l) = (self.p(), self.l_of(c));
         if l == 0 || j < p {
             return;
         }
@@ -441,13 +560,18 @@ impl Cursor {
         let mut cands = [Cand {
             pos: 0,
             cost: 0,
+            class: 0,
+            from: 0,
             matched: None,
             direct: false,
             skipped: 0,
         }; 3 * BEAM];
         let mut m = 0;
         let mut push = |c: Cand, cands: &mut [Cand; 3 * BEAM]| {
-            if let Some(x) = cands[..m].iter_mut().find(|x| x.pos == c.pos) {
+            if let Some(x) = cands[..m]
+                .iter_mut()
+                .find(|x| x.pos == c.pos && x.class == c.class)
+            {
                 let better = (c.cost, c.matched.is_none()) < (x.cost, x.matched.is_none());
                 if better {
                     *x = c;
@@ -458,59 +582,46 @@ impl Cursor {
             }
         };
         let beam = self.beam;
-        for h in &beam[..self.n] {
+        for (from, h) in (0u32..).zip(&beam[..self.n]) {
             let matches = |e: &Expected| e.size == size && e.stream == stream;
-            match self.entry(h.pos) {
-                Some(e) if matches(e) => push(
-                    Cand {
-                        pos: h.pos + 1,
-                        cost: h.cost,
-                        matched: Some(h.pos),
-                        direct: true,
-                        skipped: 0,
-                    },
-                    &mut cands,
-                ),
+            let cand = |pos, cost, matched, direct, skipped| Cand {
+                pos,
+                cost,
+                class: h.class,
+                from,
+                matched,
+                direct,
+                skipped,
+            };
+            match self.entry_in(h.class, h.pos) {
+                Some(e) if matches(e) => {
+                    push(cand(h.pos + 1, h.cost, Some(h.pos), true, 0), &mut cands)
+                }
                 _ => {
-                    push(
-                        Cand {
-                            pos: h.pos,
-                            cost: h.cost + INSERT,
-                            matched: None,
-                            direct: false,
-                            skipped: 0,
-                        },
-                        &mut cands,
-                    );
+                    push(cand(h.pos, h.cost + INSERT, None, false, 0), &mut cands);
                     let found = (1..self.window)
-                        .map_while(|k| self.entry(h.pos + k).map(|e| (k, e)))
+                        .map_while(|k| self.entry_in(h.class, h.pos + k).map(|e| (k, e)))
                         .find(|(_, e)| matches(e));
                     if let Some((k, _)) = found {
                         push(
-                            Cand {
-                                pos: h.pos + k + 1,
-                                cost: h.cost + skip_cost(k),
-                                matched: Some(h.pos + k),
-                                direct: false,
-                                skipped: k,
-                            },
+                            cand(
+                                h.pos + k + 1,
+                                h.cost + skip_cost(k),
+                                Some(h.pos + k),
+                                false,
+                                k,
+                            ),
                             &mut cands,
                         );
                     }
                     // Restart: the run begins this iteration again (an unmarked eval
                     // pass took the forward's places; module docs, restarts).
-                    let (p, l) = (self.p(), self.l());
+                    let (p, l) = (self.p(), self.l_of(h.class));
                     if l > 0 && h.pos > p && (h.pos - p) % l != 0 && (h.pos - p) % l < l / 2 {
                         let start = h.pos - (h.pos - p) % l;
-                        if self.entry(start).is_some_and(matches) {
+                        if self.entry_in(h.class, start).is_some_and(matches) {
                             push(
-                                Cand {
-                                    pos: start + 1,
-                                    cost: h.cost + RESTART,
-                                    matched: Some(start),
-                                    direct: false,
-                                    skipped: 0,
-                                },
+                                cand(start + 1, h.cost + RESTART, Some(start), false, 0),
                                 &mut cands,
                             );
                         }
@@ -519,15 +630,18 @@ impl Cursor {
             }
         }
         let cands = &mut cands[..m];
-        // Best first: cost, then a matching step, then the lower position.
-        cands.sort_unstable_by_key(|c| (c.cost, c.matched.is_none(), c.pos));
+        // Best first: cost, then a matching step, then the lower position, then the
+        // earlier hypothesis (the class preferred at a branch).
+        cands.sort_unstable_by_key(|c| (c.cost, c.matched.is_none(), c.pos, c.from));
         let best = cands[0];
         let from = self.beam[0].pos;
+        let from_class = self.beam[0].class;
         // The beam: within MARGIN of the best, lowest cost then lowest position.
         let floor = best.cost;
         self.beam[0] = Hyp {
             pos: best.pos,
             cost: 0,
+            class: best.class,
         };
         let mut rest: [Cand; 3 * BEAM] = [best; 3 * BEAM];
         let mut r = 0;
@@ -535,12 +649,13 @@ impl Cursor {
             rest[r] = *c;
             r += 1;
         }
-        rest[..r].sort_unstable_by_key(|c| (c.cost, c.pos));
+        rest[..r].sort_unstable_by_key(|c| (c.cost, c.pos, c.from));
         self.n = 1 + r.min(BEAM - 1);
         for (slot, c) in self.beam[1..self.n].iter_mut().zip(&rest[..r]) {
             *slot = Hyp {
                 pos: c.pos,
                 cost: c.cost - floor,
+                class: c.class,
             };
         }
         let rival = self.beam[1..self.n].iter().any(|h| h.cost == 0);
@@ -555,10 +670,20 @@ impl Cursor {
         self.stats.skipped += best.skipped;
         match best.matched {
             Some(j) => {
-                self.note_consumed(from.min(j), j);
+                if best.class == from_class {
+                    self.note_consumed(best.class, from.min(j), j);
+                } else {
+                    // Another class took over (a branch's): its first iteration is the
+                    // one a marker (or the load) already counted; only the starts it
+                    // passed beyond are new.
+                    let (p, l) = (self.p(), self.l_of(best.class));
+                    if j >= p && l > 0 {
+                        self.stats.iterations += (j - p) / l;
+                    }
+                }
                 self.at_start = false;
                 self.stats.hits += 1;
-                self.matched(j)
+                self.matched_in(best.class, j)
             }
             None => {
                 self.stats.unplanned += 1;
@@ -588,6 +713,7 @@ impl Cursor {
             n: self.n,
             streak: self.streak,
             at_start: self.at_start,
+            base_tick: self.base_tick,
         }
     }
 
@@ -598,6 +724,7 @@ impl Cursor {
         self.n = b.n;
         self.streak = b.streak;
         self.at_start = b.at_start;
+        self.base_tick = b.base_tick;
     }
 
     /// An iteration boundary (module docs: snap to the nearest iteration start).
@@ -629,11 +756,11 @@ impl Cursor {
         if !(self.at_start && target == v) {
             self.stats.iterations += 1;
         }
-        self.beam[0] = Hyp {
-            pos: target,
-            cost: 0,
-        };
-        self.n = 1;
+        // Positions start again at `P`, the clock where the target iteration starts
+        // (module docs, iteration classes); then one hypothesis per class.
+        let c = self.class();
+        self.base_tick = self.vtick_in(c, target, 0);
+        self.branch(c);
         self.streak = 0;
         self.at_start = true;
     }
@@ -688,6 +815,80 @@ mod tests {
     /// Iteration positions `range`.
     fn its(range: std::ops::Range<u64>) -> Vec<Option<u64>> {
         range.map(|i| Some(I0 + i)).collect()
+    }
+
+    /// Class 1's request `i` at `J0 + i` (KiB).
+    const J0: u64 = 3000;
+
+    /// A plan without prologue of two classes, `a` (class 0) and `b`.
+    fn two_classes(a: &[u64], b: &[u64]) -> Cursor {
+        let mut p = plan(&[], a);
+        p.extra_classes = vec![crate::plan::ClassSection {
+            requests: (0..).zip(b).map(|(i, &s)| req(s, J0 + i)).collect(),
+            len: 2 * b.len() as u64,
+        }];
+        Cursor::new(&p, 4, &[])
+    }
+
+    fn js(range: std::ops::Range<u64>) -> Vec<Option<u64>> {
+        range.map(|i| Some(J0 + i)).collect()
+    }
+
+    #[test]
+    fn each_iteration_follows_the_class_its_first_requests_show() {
+        let (a, b) = ([10, 11, 12, 13], [20, 21, 22]);
+        let mut c = two_classes(&a, &b);
+        // Loaded at an iteration start (a switch): either class may come first.
+        assert_eq!(run(&mut c, &b), js(0..3));
+        assert_eq!(c.class(), 1);
+        for _ in 0..3 {
+            c.mark_iteration();
+            assert_eq!(run(&mut c, &a), its(0..4));
+            assert_eq!(c.class(), 0);
+            c.mark_iteration();
+            assert_eq!(run(&mut c, &b), js(0..3));
+            c.mark_iteration();
+            assert_eq!(run(&mut c, &b), js(0..3));
+        }
+        assert_eq!(c.stats.hits, 3 + 3 * 10);
+        assert_eq!((c.stats.unplanned, c.stats.skipped), (0, 0));
+        assert_eq!(c.stats.iterations, 10);
+    }
+
+    #[test]
+    fn classes_sharing_their_first_requests_are_told_apart_by_the_next() {
+        // Both classes begin with 5, 6; the class just served is the guess until 9.
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let mut c = two_classes(&a, &b);
+        assert_eq!(run(&mut c, &a), its(0..4));
+        c.mark_iteration();
+        let got = run(&mut c, &b);
+        // The shared prefix went to class 0's places (the wrong guess: at worst a
+        // conflict for the engine), the rest to class 1's.
+        assert_eq!(got[..2], its(0..2)[..]);
+        assert_eq!(got[2..], js(2..5)[..]);
+        assert_eq!(c.class(), 1);
+        // Two iterations (the load's and the marker's): the change of class adds none.
+        assert_eq!(c.stats.iterations, 2);
+    }
+
+    #[test]
+    fn the_virtual_clock_counts_on_across_classes_of_other_lengths() {
+        // Every request lives over [0, 1) of its iteration; class 0 is 8 ticks long,
+        // class 1 6: iterations a, b, b, a, b start at ticks 0, 8, 14, 20, 28.
+        let (a, b) = ([10, 11, 12, 13], [20, 21, 22]);
+        let mut c = two_classes(&a, &b);
+        let mut ends = Vec::new();
+        for seq in [&a[..], &b[..], &b[..], &a[..], &b[..]] {
+            let v: Vec<u64> = seq
+                .iter()
+                .map(|&s| c.next(s, StreamId(0)).expect("planned").vend)
+                .collect();
+            assert!(v.iter().all(|&e| e == v[0]), "{v:?}");
+            ends.push(v[0]);
+            c.mark_iteration();
+        }
+        assert_eq!(ends, [1, 9, 15, 21, 29]);
     }
 
     #[test]

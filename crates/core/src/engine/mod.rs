@@ -107,7 +107,7 @@ use self::arena::{ALIGNMENT, ArenaId, Arenas, Idx};
 pub use self::checkpoint::{Checkpoint, CheckpointBlock, Restored};
 use self::config::limit_bytes;
 pub use self::config::{EngineConfig, GIVE_UP_ITERATIONS, MemoryLimit, PlanOptions};
-pub use self::cursor::{PlanStats, Section as PlanSection};
+pub use self::cursor::{MAX_CLASSES as MAX_PLAN_CLASSES, PlanStats, Section as PlanSection};
 pub use self::device::{DeviceError, DeviceEvent, DeviceMemory, DevicePtr, HostBuffer, HostMem};
 pub use self::error::EngineError;
 pub use self::host::{FakeEvents, HostCounters, HostMemory};

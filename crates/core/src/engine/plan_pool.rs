@@ -16,7 +16,7 @@
 //!
 //! # The steady slice
 //!
-//! [`steady_slice`] keeps a plan's iteration section only, for an engine that switches
+//! [`steady_slice`] keeps a plan's iteration sections only (every class's), for an engine that switches
 //! to the plan after serving the first iterations online ([`super::Engine::switch_to_plan`]):
 //! the prologue's requests (parameters, optimizer state, the first iterations) were made
 //! already and live in the online arenas. The ranges of the pool that no iteration
@@ -38,7 +38,7 @@
 //! reserved — on the H200, MoE served that way reserved 9.97 GiB against 9.49 GiB
 //! online. O(1).
 
-use crate::plan::{Plan, PlannedRequest};
+use crate::plan::{ClassSection, Plan, PlannedRequest};
 use crate::units::{Bytes, Offset, StreamId};
 
 /// The block length a request takes in the pool: its size rounded up to `align`.
@@ -63,10 +63,12 @@ fn union(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 pub(crate) type StreamRanges = Vec<(StreamId, Vec<(u64, u64)>)>;
 
 /// Per stream, in order of first appearance, the union of its requests' pool ranges;
-/// and for the prologue then the iteration requests, whether their range meets another
+/// and for the prologue then the iteration requests (class 0, then the extra classes in
+/// order; any class's range may be used next by any class), whether their range meets another
 /// stream's union (module docs).
 pub(crate) fn stream_ranges(plan: &Plan) -> (StreamRanges, Vec<bool>) {
-    let reqs: Vec<&PlannedRequest> = plan.prologue.iter().chain(&plan.iteration).collect();
+    let classes = || (0..plan.class_count()).flat_map(|c| plan.class(c).0);
+    let reqs: Vec<&PlannedRequest> = plan.prologue.iter().chain(classes()).collect();
     let mut per: Vec<(StreamId, Vec<(u64, u64)>)> = Vec::new();
     for r in &reqs {
         let range = (r.offset.get(), r.offset.get() + len_of(r, 512));
@@ -80,7 +82,7 @@ pub(crate) fn stream_ranges(plan: &Plan) -> (StreamRanges, Vec<bool>) {
     // stream's iteration requests (every prologue request starts before the iteration
     // section does); a prologue request's by anything of another stream.
     let mut iter_per: Vec<(StreamId, Vec<(u64, u64)>)> = Vec::new();
-    for r in &plan.iteration {
+    for r in classes() {
         let range = (r.offset.get(), r.offset.get() + len_of(r, 512));
         match iter_per.iter_mut().find(|(s, _)| *s == r.stream) {
             Some((_, v)) => v.push(range),
@@ -135,9 +137,9 @@ pub fn steady_slice(plan: &Plan) -> Result<Plan, String> {
             plan.alignment
         ));
     }
+    let all = || (0..plan.class_count()).flat_map(|c| plan.class(c).0);
     let used = union(
-        plan.iteration
-            .iter()
+        all()
             .map(|r| {
                 (
                     r.offset.get(),
@@ -154,23 +156,31 @@ pub fn steady_slice(plan: &Plan) -> Result<Plan, String> {
         below.push(gap);
         end = hi;
     }
-    let iteration = plan
-        .iteration
-        .iter()
-        .map(|r| {
-            let o = r.offset.get();
-            let i = used.partition_point(|&(lo, _)| lo <= o) - 1;
-            PlannedRequest {
-                offset: Offset(o - below[i]),
-                ..*r
-            }
-        })
-        .collect();
+    let moved = |reqs: &[PlannedRequest]| -> Vec<PlannedRequest> {
+        reqs.iter()
+            .map(|r| {
+                let o = r.offset.get();
+                let i = used.partition_point(|&(lo, _)| lo <= o) - 1;
+                PlannedRequest {
+                    offset: Offset(o - below[i]),
+                    ..*r
+                }
+            })
+            .collect()
+    };
     Ok(Plan {
         pool_size: Bytes(end - gap),
         prologue: Vec::new(),
         prologue_len: 0,
-        iteration,
+        iteration: moved(&plan.iteration),
+        extra_classes: plan
+            .extra_classes
+            .iter()
+            .map(|c| ClassSection {
+                requests: moved(&c.requests),
+                len: c.len,
+            })
+            .collect(),
         ..plan.clone()
     })
 }

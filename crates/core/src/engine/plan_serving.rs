@@ -88,6 +88,18 @@
 //! changes for requests it matches. The eval above: 1.006 x, as the unmarked eval of
 //! the training shapes.
 //!
+//! With several iteration classes (`Plan::extra_classes`), an iteration whose first
+//! requests match no class (a class the recording never saw: a length bucket first
+//! seen after the switch) begins an implicit phase the same way, and the phase lasts to
+//! the next boundary: the run of hits that ends one in a plan of one class comes there
+//! from the tensors every class has (the gradients), which the cursor places at their
+//! planned offsets all the same, while the class's own requests still match nothing;
+//! served with every other class's large requests kept clear (module `plan_holes`),
+//! they grew the pool instead (len5 with every fifth iteration from 60 at 3/4 of its
+//! sizes, a length the recording never had: 1.107 x the lower bound with phases ending
+//! at 8 hits, 1.001 x with them lasting to the boundary,
+//! `crates/planner/tests/long_loops.rs`).
+//!
 //! A short run is not a phase: one unplanned request at an iteration start that lives
 //! on while the iteration's planned requests come (a batch of a new shape) must keep
 //! clear of their ranges, or they find them occupied. Serving every unplanned request
@@ -201,14 +213,18 @@ pub(super) struct ImplicitPhase {
     /// Unplanned requests in a row, and hits in a row.
     unplanned: u32,
     hits: u32,
+    /// The plan has several iteration classes: a phase, once begun, lasts to the next
+    /// boundary (module docs, implicit phases).
+    sticky: bool,
 }
 
 impl ImplicitPhase {
     /// The detector just after a boundary; `at_start`: the cursor stands at an
     /// iteration start of the iteration section.
-    fn after_boundary(at_start: bool) -> ImplicitPhase {
+    fn after_boundary(at_start: bool, sticky: bool) -> ImplicitPhase {
         ImplicitPhase {
             following: !at_start,
+            sticky,
             ..ImplicitPhase::default()
         }
     }
@@ -221,7 +237,7 @@ impl ImplicitPhase {
     fn matched(&mut self) {
         self.unplanned = 0;
         self.hits = self.hits.saturating_add(1);
-        if self.hits >= IMPLICIT_PHASE_FOLLOWED {
+        if self.hits >= IMPLICIT_PHASE_FOLLOWED && !(self.on && self.sticky) {
             self.following = true;
             self.on = false;
         }
@@ -553,8 +569,15 @@ impl<D: DeviceMemory> Engine<D> {
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
         let cursor = Cursor::new(plan, options.window, &cross);
         let stream_ranges: usize = streams.iter().map(|(_, u)| u.len()).sum();
+        // With several classes a hole also keeps clear of the other classes' requests
+        // (module `plan_holes`): room for all of them, so that a miss never allocates.
+        let others: usize = if plan.class_count() > 1 {
+            (0..plan.class_count()).map(|c| plan.class(c).0.len()).sum()
+        } else {
+            0
+        };
         let blocked = Vec::with_capacity(
-            HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()) + stream_ranges,
+            HOLE_SPAN_CAP.max(options.hole_horizon).max(cursor.len()) + others + stream_ranges,
         );
         st.plan = Some(PlanServing {
             cursor,
@@ -573,7 +596,7 @@ impl<D: DeviceMemory> Engine<D> {
             first_conflict: None,
             phase_depth: 0,
             phase_mark: None,
-            implicit: ImplicitPhase::after_boundary(false),
+            implicit: ImplicitPhase::after_boundary(false, plan.class_count() > 1),
         });
         Ok(())
     }
@@ -640,7 +663,8 @@ impl<D: DeviceMemory> Engine<D> {
             p.phase_depth = 0;
             p.phase_mark = None;
             p.cursor.mark_iteration();
-            p.implicit = ImplicitPhase::after_boundary(p.cursor.at_iteration_start());
+            let sticky = p.implicit.sticky;
+            p.implicit = ImplicitPhase::after_boundary(p.cursor.at_iteration_start(), sticky);
             let (h, c) = (p.cursor.stats.hits, p.cursor.stats.conflicts);
             let (dh, dc) = (h - p.at_boundary.0, c - p.at_boundary.1);
             p.at_boundary = (h, c);

@@ -10,8 +10,9 @@
 //! clock lengths, and the dynamic summary. Version 2 adds the budget (0: none), the
 //! offload schedule (32-byte structs `{bytes, pack, unpack, prefetch_after_unpack,
 //! out_request, back_request}`, `0xFFFF_FFFF` for no trigger) and the saved-tensor
-//! event counts per iteration; version-1 files still load (no budget, no offload), other
-//! versions are refused naming the version found and those read ([`READ_VERSIONS`]).
+//! event counts per iteration. Version 3 adds the other iteration classes (`classes`: a
+//! vector of tables `{requests, len}`, [`Plan::extra_classes`]). Version-1 and -2 files
+//! still load (no budget, no offload; one iteration class), other versions are refused naming the version found and those read ([`READ_VERSIONS`]).
 //!
 //! Reading ([`read_plan_file`], [`plan_from_bytes`]) maps the file, checks the
 //! envelope, runs the FlatBuffers verifier once (O(tables): each struct vector is one
@@ -46,16 +47,17 @@ use plan_generated::stweaver::plan_fb as fb;
 use crate::file_format::{
     self, FileKind, FormatError, IN_MEMORY, MAX_BUFFER, PRODUCER_NAME, PRODUCER_VERSION,
 };
-use crate::plan::{DynamicSummary, OffloadEntry, Plan, PlannedRequest};
+use crate::plan::{ClassSection, DynamicSummary, OffloadEntry, Plan, PlannedRequest};
 use crate::units::{Bytes, DeviceId, Offset, StreamId};
 use crate::verify::{PlanViolations, verify_plan};
 
 /// The plan format version this build writes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
-/// The versions this build reads: 1 (no budget, no offload schedule) and 2 (adds
-/// `budget`, `offload`, `saved_packs`, `saved_unpacks`; nothing else changed).
-pub const READ_VERSIONS: &[u32] = &[1, 2];
+/// The versions this build reads: 1 (no budget, no offload schedule), 2 (adds
+/// `budget`, `offload`, `saved_packs`, `saved_unpacks`; nothing else changed) and 3
+/// (adds `classes`: a version-2 file is a plan of one iteration class).
+pub const READ_VERSIONS: &[u32] = &[1, 2, 3];
 
 /// `OffloadRec.prefetch_after_unpack` for `None`.
 const NO_TRIGGER: u32 = u32::MAX;
@@ -250,9 +252,15 @@ fn offload_entry(r: &fb::OffloadRec) -> OffloadEntry {
 fn encode(plan: &Plan) -> Result<Vec<u8>, Failure> {
     verify_plan(plan).map_err(Failure::Invalid)?;
     // The builder panics past 2 GiB; refuse before that with an error.
+    let extra: u64 = plan
+        .extra_classes
+        .iter()
+        .map(|c| 64 + 40 * c.requests.len() as u64)
+        .sum();
     let estimated = 512
         + 40 * (plan.prologue.len() as u64 + plan.iteration.len() as u64)
-        + 32 * plan.offload.len() as u64;
+        + 32 * plan.offload.len() as u64
+        + extra;
     if estimated >= MAX_BUFFER {
         return Err(FormatError::TooLarge { estimated }.into());
     }
@@ -261,6 +269,21 @@ fn encode(plan: &Plan) -> Result<Vec<u8>, Failure> {
     let iteration = fbb.create_vector_from_iter(plan.iteration.iter().map(record));
     let prologue = fbb.create_vector_from_iter(plan.prologue.iter().map(record));
     let offload = fbb.create_vector_from_iter(plan.offload.iter().map(offload_record));
+    let classes: Vec<_> = plan
+        .extra_classes
+        .iter()
+        .map(|c| {
+            let requests = fbb.create_vector_from_iter(c.requests.iter().map(record));
+            fb::ClassRec::create(
+                &mut fbb,
+                &fb::ClassRecArgs {
+                    requests: Some(requests),
+                    len: c.len,
+                },
+            )
+        })
+        .collect();
+    let classes = fbb.create_vector(&classes);
     let name = fbb.create_string(PRODUCER_NAME);
     let version = fbb.create_string(PRODUCER_VERSION);
     let producer = fb::Producer::create(
@@ -290,6 +313,7 @@ fn encode(plan: &Plan) -> Result<Vec<u8>, Failure> {
             offload: Some(offload),
             saved_packs: plan.saved_packs,
             saved_unpacks: plan.saved_unpacks,
+            classes: Some(classes),
         },
     );
     fb::finish_size_prefixed_plan_file_buffer(&mut fbb, root);
@@ -329,6 +353,18 @@ fn decode(buf: &[u8]) -> Result<Plan, Failure> {
         prologue_len: pf.prologue_len(),
         iteration: pf.iteration().iter().map(request).collect(),
         iteration_len: pf.iteration_len(),
+        // Versions 1 and 2 have no `classes`: one iteration class.
+        extra_classes: pf
+            .classes()
+            .map(|v| {
+                v.iter()
+                    .map(|c| ClassSection {
+                        requests: c.requests().iter().map(request).collect(),
+                        len: c.len(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
         dynamic,
         // Version 1 has none of these fields: they read as absent (0, none).
         budget: (pf.budget() != 0).then_some(Bytes(pf.budget())),
@@ -436,8 +472,30 @@ mod tests {
         assert_eq!(back.iteration, p.iteration);
         assert_eq!(back.budget, None);
         assert!(back.offload.is_empty());
-        let e = format_error(&raw(3, &p, true));
-        assert!(e.to_string().contains("versions 1 and 2"), "{e}");
+        let e = format_error(&raw(4, &p, true));
+        assert!(e.to_string().contains("versions 1, 2 and 3"), "{e}");
+    }
+
+    #[test]
+    fn iteration_classes_round_trip_and_version_2_files_are_one_class() {
+        let mut p = small();
+        // Class 1 reuses class 0's range: classes never overlap in time.
+        let (at, len) = (p.iteration[0].offset.get(), 4);
+        p.extra_classes = vec![ClassSection {
+            requests: vec![req(700, at, 0, 3), req(100, at + 1024, 1, 2)],
+            len,
+        }];
+        let b = plan_to_bytes(&p).unwrap();
+        assert_eq!(plan_from_bytes(&b).unwrap(), p);
+        let back = plan_from_bytes(&raw(2, &p, true)).unwrap();
+        assert!(back.extra_classes.is_empty());
+        assert_eq!(back.iteration, p.iteration);
+        // A class request crossing its class's end is refused by the writer.
+        p.extra_classes[0].requests[0].end = len + 1;
+        assert!(matches!(
+            plan_to_bytes(&p),
+            Err(PlanFileError::Invalid { .. })
+        ));
     }
 
     #[test]

@@ -644,6 +644,141 @@ pub mod stweaver {
             }
         }
 
+        pub enum ClassRecOffset {}
+        #[derive(Copy, Clone, PartialEq)]
+
+        /// One more iteration class (format version 3; mirrors
+        /// `stweaver_core::plan::ClassSection`): its requests, in order, on its own clock.
+        pub struct ClassRec<'a> {
+            pub _tab: flatbuffers::Table<'a>,
+        }
+
+        impl<'a> flatbuffers::Follow<'a> for ClassRec<'a> {
+            type Inner = ClassRec<'a>;
+            #[inline]
+            unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+                Self {
+                    _tab: flatbuffers::Table::new(buf, loc),
+                }
+            }
+        }
+
+        impl<'a> ClassRec<'a> {
+            pub const VT_REQUESTS: flatbuffers::VOffsetT = 4;
+            pub const VT_LEN: flatbuffers::VOffsetT = 6;
+
+            #[inline]
+            pub unsafe fn init_from_table(table: flatbuffers::Table<'a>) -> Self {
+                ClassRec { _tab: table }
+            }
+            #[allow(unused_mut)]
+            pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr>(
+                _fbb: &'mut_bldr mut flatbuffers::FlatBufferBuilder<'bldr>,
+                args: &'args ClassRecArgs<'args>,
+            ) -> flatbuffers::WIPOffset<ClassRec<'bldr>> {
+                let mut builder = ClassRecBuilder::new(_fbb);
+                builder.add_len(args.len);
+                if let Some(x) = args.requests {
+                    builder.add_requests(x);
+                }
+                builder.finish()
+            }
+
+            #[inline]
+            pub fn requests(&self) -> flatbuffers::Vector<'a, RequestRec> {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe {
+                    self._tab
+                        .get::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'a, RequestRec>>>(
+                            ClassRec::VT_REQUESTS,
+                            None,
+                        )
+                        .unwrap()
+                }
+            }
+            /// Length of one iteration of the class in plan-clock ticks.
+            #[inline]
+            pub fn len(&self) -> u64 {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe { self._tab.get::<u64>(ClassRec::VT_LEN, Some(0)).unwrap() }
+            }
+        }
+
+        impl flatbuffers::Verifiable for ClassRec<'_> {
+            #[inline]
+            fn run_verifier(
+                v: &mut flatbuffers::Verifier,
+                pos: usize,
+            ) -> Result<(), flatbuffers::InvalidFlatbuffer> {
+                use self::flatbuffers::Verifiable;
+                v.visit_table(pos)?
+     .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, RequestRec>>>("requests", Self::VT_REQUESTS, true)?
+     .visit_field::<u64>("len", Self::VT_LEN, false)?
+     .finish();
+                Ok(())
+            }
+        }
+        pub struct ClassRecArgs<'a> {
+            pub requests: Option<flatbuffers::WIPOffset<flatbuffers::Vector<'a, RequestRec>>>,
+            pub len: u64,
+        }
+        impl<'a> Default for ClassRecArgs<'a> {
+            #[inline]
+            fn default() -> Self {
+                ClassRecArgs {
+                    requests: None, // required field
+                    len: 0,
+                }
+            }
+        }
+
+        pub struct ClassRecBuilder<'a: 'b, 'b> {
+            fbb_: &'b mut flatbuffers::FlatBufferBuilder<'a>,
+            start_: flatbuffers::WIPOffset<flatbuffers::TableUnfinishedWIPOffset>,
+        }
+        impl<'a: 'b, 'b> ClassRecBuilder<'a, 'b> {
+            #[inline]
+            pub fn add_requests(
+                &mut self,
+                requests: flatbuffers::WIPOffset<flatbuffers::Vector<'b, RequestRec>>,
+            ) {
+                self.fbb_
+                    .push_slot_always::<flatbuffers::WIPOffset<_>>(ClassRec::VT_REQUESTS, requests);
+            }
+            #[inline]
+            pub fn add_len(&mut self, len: u64) {
+                self.fbb_.push_slot::<u64>(ClassRec::VT_LEN, len, 0);
+            }
+            #[inline]
+            pub fn new(
+                _fbb: &'b mut flatbuffers::FlatBufferBuilder<'a>,
+            ) -> ClassRecBuilder<'a, 'b> {
+                let start = _fbb.start_table();
+                ClassRecBuilder {
+                    fbb_: _fbb,
+                    start_: start,
+                }
+            }
+            #[inline]
+            pub fn finish(self) -> flatbuffers::WIPOffset<ClassRec<'a>> {
+                let o = self.fbb_.end_table(self.start_);
+                self.fbb_.required(o, ClassRec::VT_REQUESTS, "requests");
+                flatbuffers::WIPOffset::new(o.value())
+            }
+        }
+
+        impl core::fmt::Debug for ClassRec<'_> {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                let mut ds = f.debug_struct("ClassRec");
+                ds.field("requests", &self.requests());
+                ds.field("len", &self.len());
+                ds.finish()
+            }
+        }
         pub enum ProducerOffset {}
         #[derive(Copy, Clone, PartialEq)]
 
@@ -819,6 +954,7 @@ pub mod stweaver {
             pub const VT_OFFLOAD: flatbuffers::VOffsetT = 30;
             pub const VT_SAVED_PACKS: flatbuffers::VOffsetT = 32;
             pub const VT_SAVED_UNPACKS: flatbuffers::VOffsetT = 34;
+            pub const VT_CLASSES: flatbuffers::VOffsetT = 36;
 
             #[inline]
             pub unsafe fn init_from_table(table: flatbuffers::Table<'a>) -> Self {
@@ -837,6 +973,9 @@ pub mod stweaver {
                 builder.add_lower_bound(args.lower_bound);
                 builder.add_pool_size(args.pool_size);
                 builder.add_align_bytes(args.align_bytes);
+                if let Some(x) = args.classes {
+                    builder.add_classes(x);
+                }
                 builder.add_saved_unpacks(args.saved_unpacks);
                 builder.add_saved_packs(args.saved_packs);
                 if let Some(x) = args.offload {
@@ -859,8 +998,8 @@ pub mod stweaver {
                 builder.finish()
             }
 
-            /// Format version; this schema is version 2 (version 1: no budget and offload fields;
-            /// readers accept both). 0 (absent) is never valid.
+            /// Format version; this schema is version 3 (version 1: no budget and offload fields;
+            /// version 2: no `classes`; readers accept all three). 0 (absent) is never valid.
             #[inline]
             pub fn format_version(&self) -> u32 {
                 // Safety:
@@ -1049,6 +1188,22 @@ pub mod stweaver {
                         .unwrap()
                 }
             }
+            /// The other iteration classes (`iteration` is class 0; any class may follow any
+            /// other). Version 3; absent: one class.
+            #[inline]
+            pub fn classes(
+                &self,
+            ) -> Option<flatbuffers::Vector<'a, flatbuffers::ForwardsUOffset<ClassRec<'a>>>>
+            {
+                // Safety:
+                // Created from valid Table for this object
+                // which contains a valid value in this slot
+                unsafe {
+                    self._tab.get::<flatbuffers::ForwardsUOffset<
+                        flatbuffers::Vector<'a, flatbuffers::ForwardsUOffset<ClassRec>>,
+                    >>(PlanFile::VT_CLASSES, None)
+                }
+            }
         }
 
         impl flatbuffers::Verifiable for PlanFile<'_> {
@@ -1075,6 +1230,7 @@ pub mod stweaver {
      .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, OffloadRec>>>("offload", Self::VT_OFFLOAD, false)?
      .visit_field::<u32>("saved_packs", Self::VT_SAVED_PACKS, false)?
      .visit_field::<u32>("saved_unpacks", Self::VT_SAVED_UNPACKS, false)?
+     .visit_field::<flatbuffers::ForwardsUOffset<flatbuffers::Vector<'_, flatbuffers::ForwardsUOffset<ClassRec>>>>("classes", Self::VT_CLASSES, false)?
      .finish();
                 Ok(())
             }
@@ -1096,6 +1252,11 @@ pub mod stweaver {
             pub offload: Option<flatbuffers::WIPOffset<flatbuffers::Vector<'a, OffloadRec>>>,
             pub saved_packs: u32,
             pub saved_unpacks: u32,
+            pub classes: Option<
+                flatbuffers::WIPOffset<
+                    flatbuffers::Vector<'a, flatbuffers::ForwardsUOffset<ClassRec<'a>>>,
+                >,
+            >,
         }
         impl<'a> Default for PlanFileArgs<'a> {
             #[inline]
@@ -1117,6 +1278,7 @@ pub mod stweaver {
                     offload: None,
                     saved_packs: 0,
                     saved_unpacks: 0,
+                    classes: None,
                 }
             }
         }
@@ -1219,6 +1381,16 @@ pub mod stweaver {
                     .push_slot::<u32>(PlanFile::VT_SAVED_UNPACKS, saved_unpacks, 0);
             }
             #[inline]
+            pub fn add_classes(
+                &mut self,
+                classes: flatbuffers::WIPOffset<
+                    flatbuffers::Vector<'b, flatbuffers::ForwardsUOffset<ClassRec<'b>>>,
+                >,
+            ) {
+                self.fbb_
+                    .push_slot_always::<flatbuffers::WIPOffset<_>>(PlanFile::VT_CLASSES, classes);
+            }
+            #[inline]
             pub fn new(
                 _fbb: &'b mut flatbuffers::FlatBufferBuilder<'a>,
             ) -> PlanFileBuilder<'a, 'b> {
@@ -1256,6 +1428,7 @@ pub mod stweaver {
                 ds.field("offload", &self.offload());
                 ds.field("saved_packs", &self.saved_packs());
                 ds.field("saved_unpacks", &self.saved_unpacks());
+                ds.field("classes", &self.classes());
                 ds.finish()
             }
         }

@@ -17,7 +17,10 @@ use stweaver_core::plan_file::{read_plan_file, write_plan_file};
 use stweaver_core::trace::{EventKind, Trace};
 use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::units::{AllocId, Bytes, DeviceId};
-use stweaver_planner::auto::{auto_plan_options, plan_recording, plans_at_step};
+use stweaver_planner::auto::{
+    CLASS_ITERATIONS, auto_plan_options, needs_classes, plan_class_recording, plan_recording,
+    plans_at_step,
+};
 use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
 use stweaver_planner::planning::PlanOptions as PlannerOptions;
 
@@ -145,6 +148,10 @@ pub(super) struct PlanControl {
     /// of [`Core::release_held_plan`]'s new recording): it plans `auto_iterations`
     /// iterations later.
     record_from: u64,
+    /// Auto: the current recording is the second one, for a plan per iteration class
+    /// (the first one's plan had no iteration section: `stweaver_planner::auto`, module
+    /// docs); it plans [`CLASS_ITERATIONS`] iterations after `record_from`.
+    classes: bool,
     /// Auto mode under a budget: the link speed (GB/s per direction) and the device time
     /// of an iteration (µs) to time the offload schedule with, instead of
     /// [`stweaver_planner::offload::DEFAULT_LINK_GBPS`] and the trace's host clock
@@ -165,6 +172,7 @@ impl PlanControl {
             gate: false,
             held: Vec::new(),
             record_from: 0,
+            classes: false,
             timing: (None, None),
         };
         match settings.mode {
@@ -381,9 +389,14 @@ impl Core {
             PlanStage::Recording
                 if plans_at_step(
                     n.saturating_sub(pc.record_from),
-                    self.settings.auto_iterations,
+                    if pc.classes {
+                        CLASS_ITERATIONS
+                    } else {
+                        self.settings.auto_iterations
+                    },
                 ) =>
             {
+                let classes = pc.classes;
                 let share_streams = self.settings.share_streams;
                 let (plan_threads, plan_nice) =
                     (self.settings.plan_threads, self.settings.plan_nice);
@@ -422,6 +435,10 @@ impl Core {
                             // the engine replay's auto mode plans with too.
                             let mut opts = auto_plan_options(share_streams);
                             opts.solve.threads = plan_threads;
+                            if classes {
+                                // A plan per iteration class (without offload).
+                                return plan_class_recording(&trace, &opts).map(|p| (p, None));
+                            }
                             plan_in_background(&trace, &opts, budget, has_packs, timing)
                         })
                         .map_err(|e| {
@@ -467,6 +484,26 @@ impl Core {
                         lock(&self.notes).push(err.to_string());
                     }
                     plans.push((d, plan));
+                }
+                if !pc.classes
+                    && errors.is_empty()
+                    && !plans.is_empty()
+                    && plans.iter().all(|(_, p)| needs_classes(p))
+                {
+                    // No single repeating iteration: record again, from this step, for
+                    // a plan per iteration class (stweaver_planner::auto, module docs).
+                    for (d, _) in &plans {
+                        if let Some(e) = self.slot(*d)?.default.get() {
+                            e.start_trace()?;
+                        }
+                    }
+                    lock(&self.notes).push(format!(
+                        "no single repeating iteration in the recording: recording {CLASS_ITERATIONS} more iterations for a plan per iteration class"
+                    ));
+                    pc.classes = true;
+                    pc.record_from = n;
+                    pc.stage = PlanStage::Recording;
+                    return Ok(());
                 }
                 if pc.gate && !plans.is_empty() {
                     lock(&self.notes).extend(errors);
@@ -572,6 +609,7 @@ impl Core {
             }
         }
         pc.record_from = self.iterations.load(Ordering::Acquire);
+        pc.classes = false;
         pc.stage = PlanStage::Recording;
         Ok(())
     }

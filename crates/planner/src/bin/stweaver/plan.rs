@@ -61,6 +61,12 @@ pub struct PlanArgs {
     /// device memory is a runtime notion and is refused here.
     #[arg(long, value_name = "SIZE")]
     pub budget: Option<String>,
+    /// Plan per iteration class (a loop of a few sequence lengths, which has no single
+    /// repeating iteration): each class of the trace's iterations planned on its own, all
+    /// in one pool, with the persistent tensors once (`class_planning`). Not with
+    /// `--budget`.
+    #[arg(long)]
+    pub classes: bool,
     /// How saved activations are scheduled to host memory under `--budget`.
     #[command(flatten)]
     pub offload: crate::offload_args::OffloadArgs,

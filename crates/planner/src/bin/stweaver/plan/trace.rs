@@ -65,6 +65,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         share_streams: args.share_streams,
         ..PlanOptions::default()
     };
+    if args.classes {
+        return per_class(args, &trace, opts);
+    }
     let budget = match &args.budget {
         Some(b) => Some(parse_budget(b).context("--budget")?),
         None => None,
@@ -276,4 +279,61 @@ fn print_text(args: &PlanArgs, o: &PlanOutcome, load_s: f64) {
     if let Err(why) = servable_from_start(&o.plan) {
         println!("  warning          plan mode will not serve it: {why}; use auto mode");
     }
+}
+
+/// `--classes`: the trace planned per iteration class
+/// ([`stweaver_planner::class_planning::plan_classes`]), written with `-o`, summarised.
+fn per_class(args: &PlanArgs, trace: &stweaver_core::Trace, opts: PlanOptions) -> Result<()> {
+    use stweaver_planner::class_planning::{ClassPlanOptions, plan_classes};
+    if args.budget.is_some() {
+        bail!("--classes plans without offload: leave out --budget");
+    }
+    let o = ClassPlanOptions {
+        plan: opts,
+        ..ClassPlanOptions::default()
+    };
+    let cp = plan_classes(trace, &o)
+        .with_context(|| format!("{}: no plan per iteration class", args.input.display()))?;
+    if let Some(out) = &args.output {
+        write_plan_file(out, &cp.plan)?;
+    }
+    let p = &cp.plan;
+    let lb = trace.lower_bound().bytes;
+    let sizes: Vec<usize> = (0..p.class_count()).map(|c| p.class(c).0.len()).collect();
+    if args.json {
+        let v = serde_json::json!({
+            "input": args.input.display().to_string(),
+            "output": args.output.as_ref().map(|p| p.display().to_string()),
+            "classes": cp.classes,
+            "planned_classes": cp.planned,
+            "iterations": cp.iterations,
+            "covered_iterations": cp.covered,
+            "class_requests": sizes,
+            "prologue_requests": p.prologue.len(),
+            "unplanned_requests": p.dynamic.requests,
+            "lower_bound": lb.get(),
+            "pool": p.pool_size.get(),
+            "pool_over_lb": p.pool_size.ratio(lb),
+        });
+        println!("{v}");
+    } else {
+        println!("plan {} per iteration class", args.input.display());
+        println!(
+            "  classes          {} planned of {} ({} of {} iterations)",
+            cp.planned, cp.classes, cp.covered, cp.iterations
+        );
+        println!("  class requests   {sizes:?}");
+        println!("  prologue         {} requests", p.prologue.len());
+        println!("  lower bound      {} ({})", lb.get(), lb);
+        println!(
+            "  pool             {} ({}, {:.5} x lower bound)",
+            p.pool_size.get(),
+            p.pool_size,
+            p.pool_size.ratio(lb)
+        );
+        if let Some(out) = &args.output {
+            println!("  written          {}", out.display());
+        }
+    }
+    Ok(())
 }

@@ -1,0 +1,199 @@
+//! Plans per iteration class (`stweaver_planner::class_planning`, issue #18 item 1) on
+//! random loops of several classes: every plan verifies, round-trips through the plan
+//! file, has one section per class with the class's planned requests, and is served by
+//! the engine (auto mode switching to it mid-run) with every live block checked for
+//! overlap at every step — also when the run goes on with a class the recording never
+//! saw (issue #18 item 5). With every class seen, nothing conflicts.
+
+use proptest::prelude::*;
+use stweaver_core::plan_file::{plan_from_bytes, plan_to_bytes};
+use stweaver_core::testkit::TraceBuilder;
+use stweaver_core::verify::verify_plan;
+use stweaver_core::{AllocId, Trace};
+use stweaver_planner::auto::{auto_plan_options, plan_class_recording};
+use stweaver_planner::class_planning::{ClassPlanError, ClassPlanOptions, plan_classes};
+use stweaver_planner::engine_replay::{
+    AutoOutcome, AutoSchedule, EngineReplayOptions, ServeMode, replay_engine,
+};
+
+/// One class of iterations: its forward activations (the first one, the batch, of a
+/// size no other class has) and the gradients its backward makes.
+#[derive(Debug, Clone)]
+struct Class {
+    acts: Vec<u64>,
+    grads: Vec<u64>,
+}
+
+/// A loop: weights, then iterations of the classes in `order`, each starting with an
+/// iteration marker. Gradients live from backward to the next iteration's start (freed
+/// before its first allocation, as `zero_grad` after the optimizer step); the loss
+/// (4 B) from the end of forward to after the next iteration's first allocation (the
+/// loop's variable, replaced by the next loss). `end_marker`: the trace ends with an
+/// iteration marker, as auto mode's recording, taken at a boundary, does.
+fn build(classes: &[Class], order: &[usize], end_marker: bool) -> Trace {
+    let mut b = TraceBuilder::new();
+    let _weights = b.alloc(1 << 20);
+    let mut grads: Vec<AllocId> = Vec::new();
+    let mut loss: Option<AllocId> = None;
+    for &c in order {
+        b.iteration_begin();
+        for g in grads.drain(..) {
+            b.free(g);
+        }
+        let class = &classes[c];
+        let acts: Vec<AllocId> = class.acts.iter().map(|&s| b.alloc(s)).collect();
+        if let Some(l) = loss.take() {
+            b.free(l);
+        }
+        loss = Some(b.alloc(4));
+        // Backward: each activation freed as the gradients come.
+        for (k, a) in acts.into_iter().rev().enumerate() {
+            if let Some(&g) = class.grads.get(k) {
+                grads.push(b.alloc(g));
+            }
+            b.free(a);
+        }
+    }
+    if end_marker {
+        b.iteration_begin();
+    }
+    b.done()
+}
+
+fn classes() -> impl Strategy<Value = Vec<Class>> {
+    (2usize..=5).prop_flat_map(|k| {
+        prop::collection::vec(
+            (
+                prop::collection::vec(512u64..(1 << 20), 2..8),
+                prop::collection::vec(512u64..(1 << 18), 1..4),
+            ),
+            k,
+        )
+        .prop_map(|v| {
+            v.into_iter()
+                .enumerate()
+                .map(|(c, (mut acts, grads))| {
+                    // The batch: a size of its own per class (its length bucket).
+                    acts.insert(0, (c as u64 + 1) << 21);
+                    Class { acts, grads }
+                })
+                .collect()
+        })
+    })
+}
+
+/// Auto mode planning per class after `at` boundaries and switching there, as the
+/// engine replay runs it; the replay fails on any overlap of live blocks.
+fn serve(trace: &Trace, at: usize) -> stweaver_planner::engine_replay::EngineReplayReport {
+    let opts = auto_plan_options(false);
+    let planner = |t: &Trace| plan_class_recording(t, &opts);
+    let mode = ServeMode::Auto {
+        schedule: AutoSchedule::At(at),
+        planner: &planner,
+        class_planner: None,
+    };
+    replay_engine(trace, &mode, &EngineReplayOptions::default()).expect("no overlap")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn plans_per_class_verify_and_are_served_without_overlap(
+        classes in classes(),
+        picks in prop::collection::vec(0usize..1000, 24..48),
+    ) {
+        let k = classes.len();
+        let order: Vec<usize> = picks.iter().map(|p| p % k).collect();
+        let trace = build(&classes, &order, false);
+        let half = order.len() / 2;
+        let recorded = build(&classes, &order[..half], true);
+        let opts = ClassPlanOptions::default();
+        let cp = plan_classes(&recorded, &opts).expect("planned");
+        let plan = &cp.plan;
+        verify_plan(plan).expect("verified");
+        prop_assert_eq!(&plan_from_bytes(&plan_to_bytes(plan).unwrap()).unwrap(), plan);
+        // One section per class recorded, each with the class's activations and
+        // gradients (the loss, which outlives the iteration, and nothing else, left
+        // unplanned; a class recorded only as the last iteration has no next one to
+        // show where its gradients are freed: they are left unplanned too).
+        let distinct = |o: &[usize]| {
+            let mut v = o.to_vec();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let seen = distinct(&order[..half]);
+        let last_only = |c: usize| !order[..half - 1].contains(&c);
+        prop_assert_eq!(plan.class_count(), seen.len());
+        for c in 0..plan.class_count() {
+            let (reqs, len) = plan.class(c);
+            let sizes: Vec<u64> = reqs.iter().map(|r| r.size.get()).collect();
+            let s = *seen
+                .iter()
+                .find(|&&s| classes[s].acts[0] == sizes[0])
+                .expect("a recorded class");
+            let class = &classes[s];
+            let n_grads = if last_only(s) {
+                0
+            } else {
+                class.grads.len().min(class.acts.len())
+            };
+            prop_assert_eq!(sizes.len(), class.acts.len() + n_grads);
+            prop_assert!(reqs.iter().all(|r| r.end <= len));
+        }
+        prop_assert!(plan.pool_size.get() >= cp.plan.lower_bound.get());
+
+        // Served from the switch on; a class first seen after it is served beside the
+        // plan, never over a live block (the replay checks every step).
+        let r = serve(&trace, half);
+        let switched = matches!(r.auto, Some(AutoOutcome::Switched { gave_up: None, .. }));
+        prop_assert!(switched, "{:?}", r.auto);
+        let st = r.plan_stats.expect("served");
+        prop_assert!(st.hits > 0);
+        // At boundary `half` the recording holds the first `half - 1` iterations.
+        let served = distinct(&order[..half - 1]);
+        let unseen = order[half - 1..].iter().any(|c| !served.contains(c));
+        if !unseen {
+            prop_assert_eq!(st.conflicts, 0, "{:?}", st);
+        }
+    }
+}
+
+#[test]
+fn a_loop_with_more_classes_than_planned_is_refused_naming_the_coverage() {
+    let classes: Vec<Class> = (0..12)
+        .map(|c| Class {
+            acts: vec![(c + 1) << 21, 4096],
+            grads: vec![8192],
+        })
+        .collect();
+    let order: Vec<usize> = (0..36).map(|i| i % 12).collect();
+    let t = build(&classes, &order, false);
+    match plan_classes(&t, &ClassPlanOptions::default()) {
+        Err(ClassPlanError::TooManyClasses {
+            classes, planned, ..
+        }) => assert_eq!((classes, planned), (12, 8)),
+        other => panic!("{other:?}"),
+    }
+    // With room for all twelve (more than the engine follows: the cursor serves the
+    // first eight, the rest as unplanned requests), the plan is made and verifies.
+    let o = ClassPlanOptions {
+        max_classes: 12,
+        ..ClassPlanOptions::default()
+    };
+    let cp = plan_classes(&t, &o).unwrap();
+    assert_eq!(cp.plan.class_count(), 12);
+    assert_eq!(cp.covered, cp.iterations);
+    // Served from the start (plan mode): the engine follows eight of them, the other
+    // four are served beside the plan, nothing overlaps.
+    let r = replay_engine(
+        &t,
+        &ServeMode::Plan(&cp.plan),
+        &EngineReplayOptions::default(),
+    )
+    .expect("no overlap");
+    assert_eq!(r.plan_error, None);
+    let st = r.plan_stats.unwrap();
+    assert!(st.hits >= 8 * 3 * 2 && st.unplanned >= 4 * 3 * 2, "{st:?}");
+}
