@@ -6,11 +6,10 @@
 //!
 //! - the replay reproduces the GPU: auto's peak reserved within 0.5 % of the auto run's
 //!   on the GPU (the zero-code run, no phase markers: the traces replayed without their
-//!   markers), on every loop but `len5` (the eval loop's GPU numbers were measured again,
-//!   session 14, with the cursor's restarts: 6.916 GiB, 1.006 x the lower bound; 8.936
-//!   before them). `len5`'s GPU run (13.56 GiB, 1.018 x) predates plans per iteration
-//!   class and served online, as its replay did then; its replay now plans per class
-//!   (below) and is not compared with a GPU run until one is measured with them;
+//!   markers), on every loop (the eval loop's GPU numbers were measured again, session
+//!   14, with the cursor's restarts: 6.916 GiB, 1.006 x the lower bound; 8.936 before
+//!   them; len5's in session 15 with plans per iteration class: 13.344 GiB, 1.0012 x,
+//!   13.56 online before them);
 //! - with the phase markers, every loop stays at or below expandable segments' GPU peak,
 //!   and within 1 % of the lower bound: `len5` too (five sequence lengths, no single
 //!   repeating iteration: auto records 40 more iterations and serves a plan per
@@ -81,8 +80,7 @@ fn ratio(a: Bytes, b: u64) -> f64 {
 
 #[test]
 fn the_replay_reproduces_the_gpu_runs_without_phase_markers() {
-    // len5: no GPU run with plans per class yet (module docs).
-    for name in LOOPS.into_iter().filter(|&n| n != "len5") {
+    for name in LOOPS {
         eprintln!("{name}");
         let r = auto(&without_phases(&load(name)));
         let on_gpu = gpu(name, "auto");
@@ -346,16 +344,22 @@ fn print_per_iteration() {
 /// Online serving of a loop whose iterations repeat (the eval loop's training steps)
 /// settles into releasing holes before a new peak in every iteration and mapping them
 /// again in the next: on the H100 1.29x native's median step (BENCHMARKS.md, session
-/// 15). The engine stops those releases after three repeated iterations that each
-/// released (`engine::release::Churn`); before, the replay made 244 synchronisations and
-/// 63 156 granule maps in 200 iterations. The peak may grow by what the loop maps again
-/// (6.90 -> 6.99 GiB) and stays below expandable segments'.
+/// 15; by default the replay makes 244 synchronisations and 63 156 granule maps in 200
+/// iterations). With `STWEAVER_RELEASE_CHURN=3` (opt-in) the engine stops those releases
+/// after three repeated iterations that each released (`engine::release::Churn`): the
+/// peak grows by what the loop maps again (6.90 -> 6.99 GiB), below expandable segments'.
 #[test]
-fn online_serving_of_a_repeating_loop_does_not_churn_mappings() {
+fn online_serving_of_a_repeating_loop_does_not_churn_mappings_with_the_opt_in() {
     let t = without_phases(&load("eval10"));
-    let (r, _) = EngineReplayRow::new(EngineRowMode::Online)
-        .replay(&t)
-        .unwrap();
+    let mut row = EngineReplayRow::new(EngineRowMode::Online);
+    let (plain, _) = row.replay(&t).unwrap();
+    assert!(
+        plain.device_counters.synchronizes > 200,
+        "{:?}",
+        plain.device_counters
+    );
+    row.replay.release_churn_iterations = 3;
+    let (r, _) = row.replay(&t).unwrap();
     let c = r.device_counters;
     eprintln!(
         "eval10 online: {c:?}, {} ({:.4} x LB)",
