@@ -82,11 +82,7 @@ fn workload(e: &Engine<HostMemory>) {
 
 #[test]
 fn steady_state_malloc_and_free_do_not_allocate() {
-    let e = Engine::new(
-        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let e = engine();
     workload(&e);
     workload(&e);
     assert_eq!(
@@ -106,6 +102,26 @@ fn counted(f: impl FnOnce()) -> u64 {
     ALLOCS.with(Cell::get) - before
 }
 
+/// An engine over 1 GiB of host memory with 2 MiB granules.
+fn engine() -> Engine<HostMemory> {
+    Engine::new(
+        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
+        EngineConfig::default(),
+    )
+    .unwrap()
+}
+
+/// A planned request on stream 0.
+fn req(size: u64, offset: u64, start: u64, end: u64) -> PlannedRequest {
+    PlannedRequest {
+        size: Bytes(size),
+        stream: StreamId(0),
+        offset: Offset(offset),
+        start,
+        end,
+    }
+}
+
 #[test]
 fn the_counter_counts() {
     assert_eq!(counted(|| drop(std::hint::black_box(vec![1u8; 10]))), 1);
@@ -113,19 +129,8 @@ fn the_counter_counts() {
 
 #[test]
 fn plan_hits_do_not_allocate() {
-    let e = Engine::new(
-        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let e = engine();
     // One iteration: a (kept) and b (temporary) overlap, c reuses b's place.
-    let req = |size: u64, offset: u64, start: u64, end: u64| PlannedRequest {
-        size: Bytes(size),
-        stream: StreamId(0),
-        offset: Offset(offset),
-        start,
-        end,
-    };
     let plan = Plan {
         alignment: Bytes(512),
         pool_size: Bytes(3 << 20),
@@ -158,18 +163,7 @@ fn plan_hits_do_not_allocate() {
 
 #[test]
 fn plans_per_class_and_their_misses_do_not_allocate() {
-    let e = Engine::new(
-        HostMemory::new(Bytes(1 << 30), Bytes(2 << 20)),
-        EngineConfig::default(),
-    )
-    .unwrap();
-    let req = |size: u64, offset: u64, start: u64, end: u64| PlannedRequest {
-        size: Bytes(size),
-        stream: StreamId(0),
-        offset: Offset(offset),
-        start,
-        end,
-    };
+    let e = engine();
     // Two classes sharing the pool; every iteration also makes a request no class has
     // (a hole search against every class's requests).
     let plan = Plan {
