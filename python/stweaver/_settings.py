@@ -15,7 +15,7 @@ with no arguments):
 ``STWEAVER_RELEASE_AT_PEAK`` ``1``/``0``: before an online arena grows past the peak of
                            reserved memory, give its free holes back first (lower peak,
                            a device synchronisation each time; default on)
-``STWEAVER_RELEASE_CHURN`` iterations (default ``0``: never; opt-in, e.g. ``3``): a loop whose
+``STWEAVER_RELEASE_CHURN`` iterations (default 3; ``0``: never), online mode only: a loop whose
                            iterations repeat and each give holes back before a new peak
                            (to map them again in the next) stops giving them back after
                            this many in a row, until it needs more live memory

@@ -62,14 +62,14 @@ pub const SWITCH_DELAY_STEPS: u64 = 1;
 /// reserved peak first gives the largest holes of the cache back.
 pub const RELEASE_AT_PEAK: bool = true;
 
-/// The runtime's default for `EngineConfig::release_churn_iterations` (its
-/// `STWEAVER_RELEASE_CHURN`): 0, the releases before a new peak never stop. With 3 (the
-/// opt-in) a loop served online that releases holes in every iteration and maps them
-/// again stops releasing: on the H100 eval10 served online went from 1.29x native's
-/// median step to native's, at 6.99 instead of 6.90 GiB; but in auto mode the stop can
-/// fall in the planning window, where the online peak then rose to 7.50 GiB (the GPU
-/// run and its replay with the GPU's four planning iterations): not the default.
-pub const RELEASE_CHURN: u32 = 0;
+/// The runtime's default for `EngineConfig::release_churn_iterations` in **online mode**
+/// (its `STWEAVER_RELEASE_CHURN`): a loop served online that releases holes before a new
+/// peak in every iteration and maps them again stops releasing after 3 such iterations
+/// in a row. On the H100 eval10 served online went from 1.29x native's median step to
+/// native's, at 6.99 instead of 6.90 GiB. Other modes never stop (0): in auto mode the
+/// stop can fall in the planning window, where eval10's online peak rose to 7.50 GiB on
+/// the GPU (and in its replay with the GPU's four planning iterations), against 6.92.
+pub const RELEASE_CHURN: u32 = 3;
 
 /// Whether auto mode, still recording, plans at step `step` (module docs, step 2).
 pub fn plans_at_step(step: u64, auto_iterations: u64) -> bool {

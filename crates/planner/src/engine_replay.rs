@@ -1231,7 +1231,12 @@ impl EngineReplayRow {
             plan: PlanOptions::default(),
             replay: EngineReplayOptions {
                 release_before_new_peak: RELEASE_AT_PEAK,
-                release_churn_iterations: RELEASE_CHURN,
+                // As the runtime: the churn stop in online mode only.
+                release_churn_iterations: if matches!(mode, EngineRowMode::Online) {
+                    RELEASE_CHURN
+                } else {
+                    0
+                },
                 ..EngineReplayOptions::default()
             },
         }

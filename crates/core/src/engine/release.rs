@@ -26,10 +26,11 @@
 //! turns it on (`STWEAVER_RELEASE_AT_PEAK`, default 1).
 //!
 //! **Churn** ([`EngineConfig::release_churn_iterations`], the bridge's
-//! `STWEAVER_RELEASE_CHURN`, default 0: off): a loop whose iterations repeat can settle into
-//! releasing, in every iteration, holes that the next one maps again. After that many
-//! iterations in a row that each repeat the previous one's requests and each released,
-//! the releases stop until the peak of live bytes grows ([`Churn`]).
+//! `STWEAVER_RELEASE_CHURN`, default 3 in online mode only): a loop whose iterations
+//! repeat can settle into releasing, in every iteration, holes that the next one maps
+//! again. After that many iterations in a row that each repeat the previous one's
+//! requests and each released, the releases stop until the peak of live bytes grows
+//! ([`Churn`]).
 
 use crate::units::{Bytes, StreamId};
 

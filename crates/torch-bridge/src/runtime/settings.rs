@@ -53,12 +53,12 @@ pub struct Settings {
     /// each time an online arena would set a new reserved peak for a lower peak (on the
     /// H200, Qwen2-MoE online 97.58 -> 98.69 %, variable lengths 92.60 -> 95.12 %).
     pub release_at_peak: bool,
-    /// `STWEAVER_RELEASE_CHURN` (default 0: never; opt-in, e.g. 3):
+    /// `STWEAVER_RELEASE_CHURN` (default 3; `0`: never), online mode only:
     /// [`EngineConfig::release_churn_iterations`]. A loop served online that gives holes
     /// back before a new peak in every iteration and maps them again in the next stops
     /// giving them back after that many in a row (on the H100 a Llama loop served online
     /// ran 1.29x the native step with ~5 synchronisations per iteration, and native's
-    /// step with 3; [`RELEASE_CHURN`] says why it is not the default).
+    /// step with 3; [`RELEASE_CHURN`] says why not in auto mode).
     pub release_churn: u32,
     /// `STWEAVER_PLAN_WAIT` (default on; `0` turns it off):
     /// [`EnginePlanOptions::wait_for_pending_frees`]. A planned request whose range only
@@ -302,11 +302,11 @@ mod tests {
     }
 
     #[test]
-    fn releases_before_a_new_peak_never_stop_by_default() {
+    fn a_churning_online_loop_stops_releasing_after_three_iterations_by_default() {
         let s = Settings::parse("online", "", "").unwrap();
         if std::env::var_os("STWEAVER_RELEASE_CHURN").is_none() {
             assert_eq!(s.release_churn, RELEASE_CHURN);
         }
-        assert_eq!(RELEASE_CHURN, 0);
+        assert_eq!(RELEASE_CHURN, 3);
     }
 }
