@@ -159,6 +159,11 @@ impl Plan {
         }
     }
 
+    /// Every class's requests, class 0 first, then the extra classes in order.
+    pub fn class_requests(&self) -> impl Iterator<Item = &PlannedRequest> + '_ {
+        (0..self.class_count()).flat_map(|c| self.class(c).0)
+    }
+
     /// Class `c`'s requests and length (class 0: [`Plan::iteration`]).
     pub fn class(&self, c: usize) -> (&[PlannedRequest], u64) {
         if c == 0 {

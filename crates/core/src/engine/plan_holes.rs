@@ -145,11 +145,10 @@ impl PlanServing {
             move |e: &&cursor::Expected| e.len >= len.saturating_mul(UNPLANNED_DISPLACE_FACTOR);
         // With several iteration classes the next iteration may be any of them: the
         // large requests of every other class too (their whole sections).
-        let others = self
-            .cursor
-            .other_classes()
-            .take(if cycle > 0 { usize::MAX } else { 0 })
-            .filter(large);
+        let others = (cycle > 0)
+            .then(|| self.cursor.other_classes().filter(large))
+            .into_iter()
+            .flatten();
         self.cursor
             .upcoming(near.max(cycle))
             .enumerate()

@@ -67,8 +67,7 @@ pub(crate) type StreamRanges = Vec<(StreamId, Vec<(u64, u64)>)>;
 /// order; any class's range may be used next by any class), whether their range meets another
 /// stream's union (module docs).
 pub(crate) fn stream_ranges(plan: &Plan) -> (StreamRanges, Vec<bool>) {
-    let classes = || (0..plan.class_count()).flat_map(|c| plan.class(c).0);
-    let reqs: Vec<&PlannedRequest> = plan.prologue.iter().chain(classes()).collect();
+    let reqs: Vec<&PlannedRequest> = plan.prologue.iter().chain(plan.class_requests()).collect();
     let mut per: Vec<(StreamId, Vec<(u64, u64)>)> = Vec::new();
     for r in &reqs {
         let range = (r.offset.get(), r.offset.get() + len_of(r, 512));
@@ -82,7 +81,7 @@ pub(crate) fn stream_ranges(plan: &Plan) -> (StreamRanges, Vec<bool>) {
     // stream's iteration requests (every prologue request starts before the iteration
     // section does); a prologue request's by anything of another stream.
     let mut iter_per: Vec<(StreamId, Vec<(u64, u64)>)> = Vec::new();
-    for r in classes() {
+    for r in plan.class_requests() {
         let range = (r.offset.get(), r.offset.get() + len_of(r, 512));
         match iter_per.iter_mut().find(|(s, _)| *s == r.stream) {
             Some((_, v)) => v.push(range),
@@ -137,9 +136,8 @@ pub fn steady_slice(plan: &Plan) -> Result<Plan, String> {
             plan.alignment
         ));
     }
-    let all = || (0..plan.class_count()).flat_map(|c| plan.class(c).0);
     let used = union(
-        all()
+        plan.class_requests()
             .map(|r| {
                 (
                     r.offset.get(),

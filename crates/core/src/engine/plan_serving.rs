@@ -572,7 +572,7 @@ impl<D: DeviceMemory> Engine<D> {
         // With several classes a hole also keeps clear of the other classes' requests
         // (module `plan_holes`): room for all of them, so that a miss never allocates.
         let others: usize = if plan.class_count() > 1 {
-            (0..plan.class_count()).map(|c| plan.class(c).0.len()).sum()
+            plan.class_requests().count()
         } else {
             0
         };
