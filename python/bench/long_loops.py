@@ -19,10 +19,14 @@ numbers here are memory, which one process's neighbours do not change). Allocato
 mode, zero code changes, the optimizer hook marking iterations) and ``trace`` (stweaver's trace
 mode: online serving, and the whole run written as a ``.stwt`` file, with ``stweaver.phase``
 markers around eval and checkpoint passes: the file the CPU replay tests read) and
-``auto_phases`` (auto mode with those markers: the one-line hint of ``stweaver.phase``).
+``auto_phases`` (auto mode with those markers: the one-line hint of ``stweaver.phase``), and
+``online`` / ``online_aa`` (stweaver's online mode twice: the A/A pair the report's step time
+inside auto's planning window is compared with).
 
 Per run: ``memory_reserved`` / ``memory_allocated`` after every iteration, the peaks, stweaver's
-mode after every iteration. The driver writes ``$OUT/long_loops.json``, copies the traces to
+mode after every iteration, each training step's time (the previous iteration's end to the loss
+read, which waits for the step's device work) and ``torch.cuda.memory_stats()``'s driver calls
+and synchronisations. The driver writes ``$OUT/long_loops.json``, copies the traces to
 ``$OUT/traces/`` (gzip'd) and prints a table last: reserved at iteration 20 and at the end, the
 drift between them, the peak reserved, and the peak allocated of the native run (a lower
 bound's stand-in on the GPU; the CPU replay computes the exact one).
