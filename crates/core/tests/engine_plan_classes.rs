@@ -4,7 +4,7 @@
 //! against the live ones on allocation (`testkit::audit::SentinelEngine`, invariant 1).
 
 use proptest::prelude::*;
-use stweaver_core::engine::{DevicePtr, PlanOptions};
+use stweaver_core::engine::{DevicePtr, EngineConfig, PlanOptions};
 use stweaver_core::testkit::audit::SentinelEngine;
 use stweaver_core::testkit::planned;
 use stweaver_core::units::{Bytes, DeviceId, StreamId};
@@ -82,56 +82,129 @@ fn a_wrong_class_guess_is_a_conflict_served_beside_the_plan() {
     e.settle_idle();
 }
 
+/// An engine over 2 MiB granules and 64 MiB online arenas, with the release of holes
+/// before a new peak (`release`: the torch bridge's default) or without.
+fn engine(release: bool) -> SentinelEngine {
+    SentinelEngine::with_config(
+        2 * MIB,
+        EngineConfig {
+            arena_size: Some(Bytes(64 * MIB)),
+            release_before_new_peak: release,
+            ..EngineConfig::default()
+        },
+    )
+}
+
+#[test]
+fn a_pool_grown_for_an_unplanned_iteration_gives_its_free_units_back_first() {
+    // One class of two 4 MiB tensors (the pool: 8 MiB, mapped as two units). An
+    // iteration the plan never saw: its first two 4 MiB requests take the planned
+    // ranges, the first is freed, then 10 MiB finds no hole and grows the pool past its
+    // plan. With the release before a new peak the freed unit goes back before the
+    // growth maps (peak 14 MiB: what is live); the next planned iteration maps its first
+    // range again and gives the grown, now free, tail back first (still 14 MiB).
+    // Without it the pool keeps both: 18 MiB. Sentinels and overlaps checked throughout.
+    let classes = vec![vec![4 * MIB, 4 * MIB]];
+    let p = plan(&classes, &[vec![0, 4 * MIB]]);
+    for (release, peak) in [(true, 14 * MIB), (false, 18 * MIB)] {
+        let mut e = engine(release);
+        e.engine.load_plan(&p, PlanOptions::default()).unwrap();
+        iteration(&mut e, &classes[0]);
+        e.engine.mark_iteration().unwrap();
+        let a = e.alloc(4 * MIB, S);
+        let b = e.alloc(4 * MIB, S);
+        e.free(a);
+        let c = e.alloc(10 * MIB, S);
+        e.free(c);
+        e.free(b);
+        for _ in 0..3 {
+            iteration(&mut e, &classes[0]);
+        }
+        let s = e.engine.stats().unwrap();
+        assert_eq!(
+            s.reserved_bytes[0].peak as u64, peak,
+            "release {release}: {:?}",
+            s.reserved_bytes[0]
+        );
+        let st = e.engine.plan_stats().unwrap().unwrap();
+        assert_eq!(st.grown, 1, "{st:?}");
+        assert!(e.engine.plan_abandoned().unwrap().is_none());
+        e.settle_idle();
+    }
+}
+
+/// Random classes (sizes; each class's requests stacked from offset 0, so the classes
+/// overlap in the pool), and a run of random iterations: a planned class, or one of
+/// sizes the plan never had (larger ones too, which grow the pool); some of their tensors
+/// outlive the iteration. Nothing overlaps and every sentinel survives; stats are exact
+/// when idle.
+fn run_over_a_plan_per_class(
+    classes: &[Vec<u64>],
+    run: &[(usize, bool)],
+    strangers: &[u64],
+    release: bool,
+) {
+    let offsets: Vec<Vec<u64>> = classes
+        .iter()
+        .map(|c| {
+            let mut o = 0;
+            c.iter()
+                .map(|&s| {
+                    let at = o;
+                    o += s.div_ceil(512) * 512;
+                    at
+                })
+                .collect()
+        })
+        .collect();
+    let p = plan(classes, &offsets);
+    assert!(stweaver_core::verify::verify_plan(&p).is_ok());
+    let mut e = engine(release);
+    e.engine.load_plan(&p, PlanOptions::default()).unwrap();
+    let mut kept: Option<DevicePtr> = None;
+    for &(pick, keep) in run {
+        let sizes = classes.get(pick).map_or(strangers, Vec::as_slice);
+        e.engine.mark_iteration().unwrap();
+        let ptrs: Vec<DevicePtr> = sizes.iter().map(|&s| e.alloc(s, S)).collect();
+        // The last iteration's kept tensor goes once this one has allocated.
+        if let Some(k) = kept.take() {
+            e.free(k);
+        }
+        let mut ptrs = ptrs.into_iter().rev();
+        if keep {
+            kept = ptrs.next();
+        }
+        for q in ptrs {
+            e.free(q);
+        }
+    }
+    if let Some(k) = kept {
+        e.free(k);
+    }
+    e.settle_idle();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
-    /// Random classes (sizes; each class's requests stacked from offset 0, so the classes
-    /// overlap in the pool), and a run of random iterations: a planned class, or one of
-    /// sizes the plan never had; some of their tensors outlive the iteration. Nothing
-    /// overlaps and every sentinel survives.
     #[test]
     fn any_run_over_a_plan_per_class_never_overlaps(
         classes in prop::collection::vec(prop::collection::vec(1u64..(4 * MIB), 1..6), 2..5),
         run in prop::collection::vec((0usize..6, prop::bool::weighted(0.3)), 1..40),
         strangers in prop::collection::vec(1u64..(4 * MIB), 1..6),
     ) {
-        let offsets: Vec<Vec<u64>> = classes
-            .iter()
-            .map(|c| {
-                let mut o = 0;
-                c.iter()
-                    .map(|&s| {
-                        let at = o;
-                        o += s.div_ceil(512) * 512;
-                        at
-                    })
-                    .collect()
-            })
-            .collect();
-        let p = plan(&classes, &offsets);
-        prop_assert!(stweaver_core::verify::verify_plan(&p).is_ok());
-        let mut e = SentinelEngine::new(2 * MIB, 64 * MIB);
-        e.engine.load_plan(&p, PlanOptions::default()).unwrap();
-        let mut kept: Option<DevicePtr> = None;
-        for (pick, keep) in run {
-            let sizes = classes.get(pick).unwrap_or(&strangers);
-            e.engine.mark_iteration().unwrap();
-            let ptrs: Vec<DevicePtr> = sizes.iter().map(|&s| e.alloc(s, S)).collect();
-            // The last iteration's kept tensor goes once this one has allocated.
-            if let Some(k) = kept.take() {
-                e.free(k);
-            }
-            let mut ptrs = ptrs.into_iter().rev();
-            if keep {
-                kept = ptrs.next();
-            }
-            for q in ptrs {
-                e.free(q);
-            }
-        }
-        if let Some(k) = kept {
-            e.free(k);
-        }
-        e.settle_idle();
+        run_over_a_plan_per_class(&classes, &run, &strangers, false);
+    }
+
+    /// The same with the release before a new peak (the bridge's default), and
+    /// strangers up to 12 MiB: the pool grows past its plan, gives free units back and
+    /// maps them again.
+    #[test]
+    fn any_run_over_a_plan_per_class_with_releases_never_overlaps(
+        classes in prop::collection::vec(prop::collection::vec(1u64..(4 * MIB), 1..6), 2..5),
+        run in prop::collection::vec((0usize..6, prop::bool::weighted(0.3)), 1..40),
+        strangers in prop::collection::vec(1u64..(12 * MIB), 1..6),
+    ) {
+        run_over_a_plan_per_class(&classes, &run, &strangers, true);
     }
 }

@@ -158,7 +158,8 @@ impl<D: DeviceMemory> Engine<D> {
             PlanAnswer::Placed(i) => return Ok((Some(i), st)),
             PlanAnswer::Nothing => return Ok((None, st)),
             PlanAnswer::Map { addr, e } => {
-                let (mapped, guard) = self.map_pool_range(st, addr, rounded, (size, stream))?;
+                let (mapped, guard) =
+                    self.map_pool_range(st, addr, rounded, (size, stream), false)?;
                 st = guard;
                 if let PoolMapping::InHole(i) = mapped {
                     st.plan_conflict(&e, addr);
@@ -179,7 +180,8 @@ impl<D: DeviceMemory> Engine<D> {
                 // hold the range (on the H100, a prologue request over a
                 // threshold-offloaded tensor's pending free and unmapped granules
                 // conflicted, and its plan was given up).
-                let (mapped, guard) = self.map_pool_range(st, addr, rounded, (size, stream))?;
+                let (mapped, guard) =
+                    self.map_pool_range(st, addr, rounded, (size, stream), false)?;
                 st = guard;
                 if let PoolMapping::InHole(i) = mapped {
                     st.plan_conflict(&e, addr);
@@ -214,7 +216,7 @@ impl<D: DeviceMemory> Engine<D> {
         let Some(at) = st.pool_growth(rounded, stream) else {
             return Ok((None, st));
         };
-        let (mapped, mut st) = self.map_pool_range(st, at, rounded, (size, stream))?;
+        let (mapped, mut st) = self.map_pool_range(st, at, rounded, (size, stream), true)?;
         match mapped {
             PoolMapping::Mapped => {}
             PoolMapping::InHole(i) => return Ok((Some(i), st)),

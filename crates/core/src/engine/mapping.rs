@@ -134,8 +134,10 @@ impl<D: DeviceMemory> Engine<D> {
         addr: u64,
         rounded: u64,
         (size, stream): (Bytes, StreamId),
+        growth: bool,
     ) -> Result<(PoolMapping, MutexGuard<'a, State>), EngineError> {
         let mut released = false;
+        let mut peak_released = false;
         let (carved, total, reserved) = loop {
             let Some(pa) = st.plan.as_ref().map(|p| p.arena) else {
                 return Ok((PoolMapping::No, st));
@@ -147,6 +149,24 @@ impl<D: DeviceMemory> Engine<D> {
                 return Ok((PoolMapping::Mapped, st));
             }
             let total: u64 = carved.iter().map(|&i| st.arenas.block(i).size).sum();
+            if !peak_released
+                && self.release_at_peak
+                && !st.churn.off
+                && let Some(h) = st.pool_over_peak(addr, rounded, total, growth)
+            {
+                // Mapping this would set a new peak of reserved memory while the pool
+                // (grown past its plan) or the online arenas hold free units: give
+                // those back first (module `release`, the plan pool).
+                peak_released = true;
+                st.churn.released = true;
+                for i in carved {
+                    st.arenas.finish_mapping(i, false);
+                }
+                drop(st);
+                self.release(Some(h))?;
+                st = self.lock()?;
+                continue;
+            }
             let reserved = st.stats.reserved_bytes[0].current as u64;
             if released || reserved + st.mapping + total <= st.limit {
                 break (carved, total, reserved);

@@ -17,7 +17,9 @@
 //! range reaches as far as an online arena's; granules are mapped as for an online
 //! arena): it goes at the high end of the free tail of the pool plus new granules if
 //! the next expected requests do not need that range, else wholly above the mapped end,
-//! where nothing is planned. Only small requests without a hole, and requests on
+//! where nothing is planned. A growth (or a planned range mapped again while the pool is
+//! grown) that would map past the peak of reserved bytes first gives the pool's free
+//! units back (module `release`, the plan pool). Only small requests without a hole, and requests on
 //! streams the plan does not know, go to the online arenas. The placement goes through
 //! the same occupancy-checked `alloc_at`, so it can never alias; at worst it makes a
 //! later planned request a conflict, which then takes a hole or goes online in turn.

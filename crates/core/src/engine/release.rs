@@ -25,6 +25,21 @@
 //! peak, fixed for changing shapes". Off by default in the engine; the torch bridge
 //! turns it on (`STWEAVER_RELEASE_AT_PEAK`, default 1).
 //!
+//! **The plan pool** (pinned: `empty_cache` leaves it mapped while it serves) takes part
+//! only when it maps past the peak for what its plan did not foresee
+//! ([`State::pool_over_peak`], checked by `Engine::map_pool_range` before it maps):
+//! when the pool *grows* (a large unplanned request without a hole: an iteration of a
+//! class never recorded, longer than every planned one), its free whole units anywhere
+//! go back first (largest first, never the range about to be mapped,
+//! `Arenas::carve_pool_holes`), then the online arenas' holes; when a planned range is
+//! mapped again while the pool is still grown past its planned length, the grown part's
+//! free units go first. A plan's own first pass maps a new peak at every range it
+//! touches first, by design: then nothing is released. Measured on len5 (an H100 trace
+//! of five sequence lengths, planned per class) with every fifth iteration from 60 at
+//! 5/4 of its sizes: 1.16 x the lower bound when the pool kept its free units, 1.0032 x
+//! with them given back (online serving: 1.0007 x), at 3 more synchronisations in 200
+//! iterations (`crates/planner/tests/long_loops.rs`).
+//!
 //! **Churn** ([`EngineConfig::release_churn_iterations`], the bridge's
 //! `STWEAVER_RELEASE_CHURN`, default 3 in online mode only): a loop whose iterations
 //! repeat can settle into releasing, in every iteration, holes that the next one maps
@@ -119,6 +134,9 @@ use super::{DeviceError, DeviceMemory, DevicePtr, Engine, EngineError, PoolKind,
 pub(super) struct HoleRelease {
     want: u64,
     keep: Option<(ArenaId, u64, u64)>,
+    /// The plan pool's free units to give back first (its arena, from which address
+    /// up: [`State::pool_over_peak`]).
+    pool: Option<(ArenaId, u64)>,
 }
 
 impl State {
@@ -147,8 +165,45 @@ impl State {
                     .arenas
                     .growth_run(a, rounded)
                     .map(|(lo, hi)| (a, lo, hi)),
+                pool: None,
             }),
             Err(GrowthFailure::NoRoom) => None,
+        })
+    }
+
+    /// Whether mapping `total` more bytes of the plan pool for `[addr, addr + rounded)`
+    /// would map past the peak of reserved bytes, and if so what to give back first
+    /// (module docs, the plan pool): for the pool's growth (`growth`: a request the plan
+    /// does not serve, placed past its holes), the pool's free units anywhere, then the
+    /// online arenas' holes; for a planned range, the same only once the pool has grown
+    /// past its planned length (the free units of that grown part, then the online
+    /// holes): a plan's own first pass maps a new peak at every first-touched range, by
+    /// design, and its free ranges are what it plans next. `None`: nothing to do.
+    pub(super) fn pool_over_peak(
+        &self,
+        addr: u64,
+        rounded: u64,
+        total: u64,
+        growth: bool,
+    ) -> Option<HoleRelease> {
+        let p = self.plan.as_ref()?;
+        let reserved = self.stats.reserved_bytes[0].current as u64 + self.mapping;
+        let peak = self.stats.reserved_bytes[0].peak as u64;
+        if reserved + total <= peak {
+            return None;
+        }
+        let planned_end = p.base + p.len;
+        let from = if growth {
+            p.base
+        } else if self.arenas.mapped_end(p.arena) > planned_end {
+            planned_end
+        } else {
+            return None;
+        };
+        Some(HoleRelease {
+            want: reserved + total - peak,
+            keep: Some((p.arena, addr, addr + rounded)),
+            pool: Some((p.arena, from)),
         })
     }
 }
@@ -212,7 +267,20 @@ impl<D: DeviceMemory> Engine<D> {
                 }
                 all
             }
-            Some(h) => st.arenas.carve_holes(&ids, h.want, h.keep)?,
+            Some(h) => {
+                let mut out = Vec::new();
+                let mut want = h.want;
+                if let Some((pa, from)) = h.pool {
+                    let keep = h.keep.map_or((0, 0), |(_, lo, hi)| (lo, hi));
+                    out = st.arenas.carve_pool_holes(pa, from, want, keep)?;
+                    let got: u64 = out.iter().map(|&i| st.arenas.block(i).size).sum();
+                    want = want.saturating_sub(got);
+                }
+                if want > 0 {
+                    out.extend(st.arenas.carve_holes(&ids, want, h.keep)?);
+                }
+                out
+            }
         };
         for i in pieces {
             let b = st.arenas.block(i);

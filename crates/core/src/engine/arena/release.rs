@@ -104,6 +104,53 @@ impl Arenas {
         Ok(out)
     }
 
+    /// The plan pool's share of a release before a new peak (module `engine::release`):
+    /// the whole units of the free blocks of arena `a` (pinned or not) that lie at or
+    /// above `from`, largest first, until `want` bytes are carved; a free block that
+    /// overlaps `keep` (`[lo, hi)`: the range about to be mapped) is left alone, and so is
+    /// the free tail's unmapped end (nothing mapped there to give back).
+    /// O(blocks · log blocks).
+    pub fn carve_pool_holes(
+        &mut self,
+        a: ArenaId,
+        from: u64,
+        want: u64,
+        keep: (u64, u64),
+    ) -> Result<Vec<Idx>, SlabFull> {
+        let g = self.granule;
+        let mut cands: Vec<(u64, u64, u64, Idx)> = Vec::new();
+        for (b, blk) in self.arena_blocks(a) {
+            if blk.state != BlockState::Free {
+                continue;
+            }
+            let end = blk.addr + blk.size;
+            if end <= from || (blk.addr < keep.1 && end > keep.0) {
+                continue;
+            }
+            let (lo, hi) = self.whole_units_in(a, blk.addr.max(from).div_ceil(g) * g, end / g * g);
+            if hi > lo {
+                cands.push((hi - lo, lo, hi, b));
+            }
+        }
+        cands.sort_unstable_by(|x, y| y.cmp(x));
+        let (mut out, mut got) = (Vec::new(), 0);
+        for (_, lo, hi, b) in cands {
+            if got >= want {
+                break;
+            }
+            got += hi - lo;
+            out.push(self.carve_unmapping(a, b, lo, hi)?);
+        }
+        Ok(out)
+    }
+
+    /// The end of arena `a`'s highest mapped unit (its base when nothing is mapped).
+    pub fn mapped_end(&self, a: ArenaId) -> u64 {
+        self.arena(a).map_or(0, |x| {
+            x.units.last_key_value().map_or(x.base, |(_, &end)| end)
+        })
+    }
+
     /// Turns `[lo, hi)` (whole units) of free block `b` of arena `a` into an `Unmapping`
     /// block (returned); what is left on either side stays free.
     pub(super) fn carve_unmapping(
