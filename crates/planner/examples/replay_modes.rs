@@ -113,6 +113,7 @@ fn main() -> anyhow::Result<()> {
             schedule: AutoSchedule::At(k),
             planner: &planner,
             class_planner: None,
+            relearner: None,
         },
         &opts,
     )?;
@@ -128,6 +129,7 @@ fn main() -> anyhow::Result<()> {
             schedule: AutoSchedule::runtime_default(),
             planner: &planner,
             class_planner: None,
+            relearner: None,
         },
         &opts,
     )?;

@@ -31,6 +31,26 @@
 //! follows as in step 3. A recording whose classes are too many to plan (the planned
 //! ones cover less than 90 % of its iterations) leaves the run online, as before.
 //!
+//! **Learning after the switch** (issue #18 item 2). A plan per class serves the
+//! classes its recording saw; a class first seen later (a longer sequence length, an
+//! eval of another batch) is served beside the plan, from the pool's holes and its
+//! growth. At a boundary whose iteration was mostly not served by the plan
+//! ([`unknown_iteration`]: more requests unplanned or in conflict than planned hits, of
+//! [`UNKNOWN_MIN_REQUESTS`] at least), auto mode records again, from that step, for
+//! [`RELEARN_ITERATIONS`] iterations while the plan keeps serving, plans that
+//! recording per class in the background ([`plan_relearned`]: every class it saw, no
+//! coverage floor) and adds the classes the served plan lacks
+//! ([`crate::class_planning::merge_class_plans`]: the served classes keep their
+//! places, the pool grows to the largest class). At the first later step at which the
+//! planner has finished, the engine gives up the old plan and switches to the merged
+//! one (`Engine::unload_plan`, then `Engine::switch_to_plan`; what is live in the old
+//! pool stays there until freed), and the cache is emptied one step later as after the
+//! first switch. At most [`MAX_RELEARNS`] rounds per run, and none once the plan has
+//! [`stweaver_core::engine::MAX_PLAN_CLASSES`] classes (the cursor follows no more); a
+//! round that finds nothing new, or whose planning fails, leaves the served plan as it
+//! is. Only plans per class learn (a single-iteration plan's loop repeated when it was
+//! recorded; its strays are phases).
+//!
 //! From the switch on the engine may still give the plan up (its ranges stay busy, or
 //! its pool hits the memory limit): serving is online from there.
 //!
@@ -41,7 +61,7 @@ use std::time::Duration;
 
 use stweaver_core::{Plan, Trace};
 
-use crate::class_planning::{ClassPlanOptions, plan_classes};
+use crate::class_planning::{ClassPlanOptions, merge_class_plans, plan_classes};
 use crate::planning::{PlanOptions, plan_trace};
 use crate::solver::SolveOptions;
 
@@ -52,6 +72,50 @@ pub const DEFAULT_AUTO_ITERATIONS: u64 = 4;
 /// five classes in random order, all five are in 40 iterations but with probability
 /// 5 x 0.8^40 < 0.1 %.
 pub const CLASS_ITERATIONS: u64 = 40;
+
+/// Iterations auto mode records to learn the classes first seen after its switch
+/// (module docs, learning after the switch).
+pub const RELEARN_ITERATIONS: u64 = CLASS_ITERATIONS;
+
+/// Rounds of learning after the switch, at most, per run (module docs).
+pub const MAX_RELEARNS: u32 = 3;
+
+/// Requests an iteration must make, at least, to count as one of a class the plan
+/// does not know ([`unknown_iteration`]): a boundary with a few stray requests
+/// (a checkpoint's digest) is no class.
+pub const UNKNOWN_MIN_REQUESTS: u64 = 64;
+
+/// Whether an iteration served by a plan per class was of a class the plan does not
+/// know: `hits` of its requests were served at their planned offsets, `misses`
+/// (unplanned and conflicts) were not; more misses than hits, of
+/// [`UNKNOWN_MIN_REQUESTS`] requests at least.
+pub fn unknown_iteration(hits: u64, misses: u64) -> bool {
+    hits + misses >= UNKNOWN_MIN_REQUESTS && misses > hits
+}
+
+/// Whether auto mode, serving a plan of `classes` classes after `rounds` rounds of
+/// learning, starts another at an unknown iteration (module docs).
+pub fn relearns(classes: usize, rounds: u32) -> bool {
+    rounds < MAX_RELEARNS && classes < stweaver_core::engine::MAX_PLAN_CLASSES
+}
+
+/// The plan auto mode switches to after a round of learning (module docs): `trace` (the
+/// round's recording) planned per class with `opts`'s solver and stream settings and no
+/// coverage floor, its classes that `served` lacks added to it. `Ok(None)`: nothing new.
+/// The error is the text the runtime reports.
+pub fn plan_relearned(
+    served: &Plan,
+    trace: &Trace,
+    opts: &PlanOptions,
+) -> Result<Option<Plan>, String> {
+    let o = ClassPlanOptions {
+        plan: opts.clone(),
+        min_coverage_percent: 0,
+        ..ClassPlanOptions::default()
+    };
+    let new = plan_classes(trace, &o).map_err(|e| format!("no plan per iteration class: {e}"))?;
+    Ok(merge_class_plans(served, &new.plan, o.max_classes)?.map(|m| m.plan))
+}
 
 /// Steps between the one that starts the planner and the earliest one that can switch to
 /// its plan: the runtime looks at the finished planner at the following step.

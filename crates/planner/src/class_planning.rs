@@ -316,6 +316,73 @@ pub fn plan_classes(trace: &Trace, opts: &ClassPlanOptions) -> Result<ClassPlan,
     })
 }
 
+/// What [`merge_class_plans`] made: the plan auto mode switches to, and what it added.
+#[derive(Debug, Clone)]
+pub struct MergedClasses {
+    /// The served plan's classes first, then the new ones (no prologue: a steady slice).
+    pub plan: Plan,
+    /// Classes of `new` the served plan did not have, and how many of them fit in.
+    pub new_classes: usize,
+    pub added: usize,
+}
+
+/// The request sequence (size and stream, in order) that identifies a planned class.
+fn section_key(reqs: &[PlannedRequest]) -> Vec<(Bytes, StreamId)> {
+    reqs.iter().map(|r| (r.size, r.stream)).collect()
+}
+
+/// Auto mode learning classes after its switch (issue #18 item 2, `crate::auto`, module
+/// docs): the plan served (`served`) with the classes of a plan per class of a later
+/// recording (`new`) that it does not have, up to `max_classes` in all. Both are taken
+/// as their steady slices (`stweaver_core::engine::steady_slice`: the classes alone,
+/// the persistent tensors' room squeezed out), so every class starts at offset 0 of one
+/// pool and the pool is the largest class's: classes never overlap in time (nothing
+/// planned crosses a boundary), so their sections simply stand side by side. The served
+/// classes keep their places (what is live in the pool at the switch is unplanned
+/// anyway); a class of `new` is the same as a served one when its request sequence
+/// (sizes and streams) is. New classes are taken in `new`'s order, the most frequent
+/// first. `Ok(None)`: nothing new to add. The merged plan is verified
+/// ([`verify_plan`]). O(requests) plus the verifier.
+pub fn merge_class_plans(
+    served: &Plan,
+    new: &Plan,
+    max_classes: usize,
+) -> Result<Option<MergedClasses>, String> {
+    use stweaver_core::engine::steady_slice;
+    let old = steady_slice(served)?;
+    let new = steady_slice(new)?;
+    let known: Vec<Vec<(Bytes, StreamId)>> = (0..old.class_count())
+        .map(|c| section_key(old.class(c).0))
+        .collect();
+    let fresh: Vec<usize> = (0..new.class_count())
+        .filter(|&c| !known.contains(&section_key(new.class(c).0)))
+        .collect();
+    let room = max_classes.saturating_sub(old.class_count());
+    let added = fresh.len().min(room);
+    if added == 0 {
+        return Ok(None);
+    }
+    let mut plan = old.clone();
+    plan.pool_size = old.pool_size.max(new.pool_size);
+    plan.extra_classes.extend(fresh[..added].iter().map(|&c| {
+        let (requests, len) = new.class(c);
+        ClassSection {
+            requests: requests.to_vec(),
+            len,
+        }
+    }));
+    plan.dynamic.requests += new.dynamic.requests;
+    plan.dynamic.peak_bytes = plan.dynamic.peak_bytes.max(new.dynamic.peak_bytes);
+    let report = verify_plan(&plan)
+        .map_err(|v| format!("the merged plan per class is invalid (a planner bug): {v}"))?;
+    plan.lower_bound = report.peak_live;
+    Ok(Some(MergedClasses {
+        plan,
+        new_classes: fresh.len(),
+        added,
+    }))
+}
+
 /// Places one class's requests (module docs, step 4); returns the class's pool.
 fn place(
     reqs: &mut [PlannedRequest],

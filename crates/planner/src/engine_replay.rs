@@ -36,7 +36,11 @@
 //!   [`AutoSchedule::At`] plans and switches at the same boundary (a planner that takes
 //!   no time). A first plan without an iteration section, with a class planner given,
 //!   starts a second recording of [`crate::auto::CLASS_ITERATIONS`] iterations, planned
-//!   per iteration class and switched to on the same schedule. The report's [`AutoOutcome`] says whether and where the switch came,
+//!   per iteration class and switched to on the same schedule. Serving a plan per
+//!   class, an iteration the plan does not know starts a round of learning, as the
+//!   runtime does ([`crate::auto`], learning after the switch: [`AutoRelearner`]);
+//!   [`EngineReplayReport::relearned`] lists the boundaries where the merged plans
+//!   were switched to. The report's [`AutoOutcome`] says whether and where the switch came,
 //!   whether the engine gave the plan up later, or why the run stayed online (the trace
 //!   ended first, the planner failed, the engine refused).
 //!
@@ -88,7 +92,7 @@ use stweaver_core::{
 
 use crate::auto::{
     DEFAULT_AUTO_ITERATIONS, RELEASE_AT_PEAK, RELEASE_CHURN, SWITCH_DELAY_STEPS, auto_plan_options,
-    plan_class_recording, plan_recording, planning_step,
+    plan_class_recording, plan_recording, plan_relearned, planning_step,
 };
 use crate::iteration::detect_period;
 use crate::planning::{PlanBuildError, PlanOptions, PlanOutcome, plan_trace};
@@ -99,6 +103,11 @@ pub const GRANULE: Bytes = Bytes(2 << 20);
 
 /// Auto mode's planner: a recording to a plan, or the error the runtime reports.
 pub type AutoPlanner<'a> = &'a dyn Fn(&Trace) -> Result<Plan, String>;
+
+/// Auto mode's learning after the switch: the plan served and a later recording to the
+/// plan with the classes it adds (`None`: nothing new), or the error the runtime
+/// reports ([`crate::auto::plan_relearned`]).
+pub type AutoRelearner<'a> = &'a dyn Fn(&Plan, &Trace) -> Result<Option<Plan>, String>;
 
 /// How a trace is served.
 pub enum ServeMode<'a> {
@@ -116,6 +125,9 @@ pub enum ServeMode<'a> {
         /// [`crate::auto::CLASS_ITERATIONS`] more iterations for it (module docs of
         /// [`crate::auto`]). `None`: such a run stays online.
         class_planner: Option<AutoPlanner<'a>>,
+        /// Learning after the switch to a plan per class (module docs of
+        /// [`crate::auto`]): `None`, the plan per class stays as it is.
+        relearner: Option<AutoRelearner<'a>>,
     },
 }
 
@@ -339,6 +351,9 @@ pub struct EngineReplayReport {
     /// is `peak_by_iteration[n] / peak_by_iteration[20]` (issue #18).
     pub reserved_by_iteration: Vec<Bytes>,
     pub peak_by_iteration: Vec<Bytes>,
+    /// Auto mode: the boundaries at which the engine switched to a plan with the
+    /// classes learned after the first switch (module docs of [`crate::auto`]).
+    pub relearned: Vec<usize>,
 }
 
 impl EngineReplayReport {
@@ -918,6 +933,17 @@ pub fn replay_engine(
     let mut class_round: Option<usize> = None;
     let mut settle_at: Option<usize> = None;
     let mut auto: Option<AutoOutcome> = None;
+    // Auto mode, learning after the switch to a plan per class: the plan served, the
+    // plan counts at the last boundary (hits, misses), the boundary the round's
+    // recording started at, its planner's result and the boundary to switch at, the
+    // rounds so far, and the plan statistics of the plans given up for a merged one.
+    let mut served_classes: Option<Plan> = None;
+    let mut last_counts = (0u64, 0u64);
+    let mut relearn_from: Option<usize> = None;
+    let mut relearn_planned: Option<(Result<Option<Plan>, String>, usize)> = None;
+    let mut relearn_rounds = 0u32;
+    let mut relearned: Vec<usize> = Vec::new();
+    let mut earlier_stats: Option<PlanStats> = None;
     let mut reserved_by_iteration = Vec::with_capacity(bounds.len());
     let mut peak_by_iteration = Vec::with_capacity(bounds.len());
     for (i, e) in trace.events.iter().enumerate() {
@@ -955,6 +981,7 @@ pub fn replay_engine(
                 schedule,
                 planner,
                 class_planner,
+                relearner,
             } = mode
             {
                 if settle_at == Some(marked) {
@@ -1032,6 +1059,9 @@ pub fn replay_engine(
                                     if schedule.settles() {
                                         settle_at = Some(marked + 1);
                                     }
+                                    if class_round.is_some() {
+                                        served_classes = Some(plan);
+                                    }
                                 }
                                 Err(e) => {
                                     auto = Some(AutoOutcome::Online(format!(
@@ -1041,6 +1071,74 @@ pub fn replay_engine(
                                 }
                             }
                         }
+                    }
+                } else if let (Some(served), Some(relearn)) = (&served_classes, relearner) {
+                    // Learning after the switch (module docs of `crate::auto`), as the
+                    // runtime does it at each step.
+                    let st = r
+                        .engine
+                        .plan_stats()
+                        .map_err(Replayer::err(i, "read plan stats"))?
+                        .unwrap_or_default();
+                    let counts = (st.hits, st.unplanned + st.conflicts);
+                    let (dh, dm) = (counts.0 - last_counts.0, counts.1 - last_counts.1);
+                    last_counts = counts;
+                    if let Some((result, _)) = relearn_planned.take_if(|(_, at)| *at == marked) {
+                        if let Ok(Some(merged)) = result {
+                            let prior = earlier_stats.unwrap_or_default();
+                            earlier_stats = Some(add_stats(prior, st));
+                            r.engine
+                                .unload_plan()
+                                .map_err(Replayer::err(i, "give the plan up"))?;
+                            match r.engine.switch_to_plan(&merged, opts.serve) {
+                                Ok(()) => {
+                                    relearned.push(marked);
+                                    served_classes = Some(merged);
+                                    last_counts = (0, 0);
+                                    r.plan_base = r.pool()?;
+                                    if schedule.settles() {
+                                        settle_at = Some(marked + 1);
+                                    }
+                                }
+                                Err(e) => {
+                                    // As the runtime: the served plan again.
+                                    plan_error = Some(format!("the merged plan: {e}"));
+                                    let old = served.clone();
+                                    r.engine
+                                        .switch_to_plan(&old, opts.serve)
+                                        .map_err(Replayer::err(i, "serve the plan again"))?;
+                                    last_counts = (0, 0);
+                                    r.plan_base = r.pool()?;
+                                }
+                            }
+                        }
+                    } else if let Some(from) = relearn_from {
+                        if marked - from == planning_step(crate::auto::RELEARN_ITERATIONS) as usize
+                        {
+                            let recorded = r
+                                .engine
+                                .take_trace()
+                                .map_err(Replayer::err(i, "hand over its trace"))?
+                                .unwrap_or_default();
+                            relearn_planned = Some((
+                                relearn(served, &recorded),
+                                marked + schedule.switch_delay(),
+                            ));
+                            relearn_from = None;
+                            relearn_rounds += 1;
+                        }
+                    } else if relearn_planned.is_none()
+                        && crate::auto::unknown_iteration(dh, dm)
+                        && crate::auto::relearns(served.class_count(), relearn_rounds)
+                        && r.engine
+                            .plan_abandoned()
+                            .map_err(Replayer::err(i, "read plan state"))?
+                            .is_none()
+                    {
+                        r.engine
+                            .start_trace()
+                            .map_err(Replayer::err(i, "record again"))?;
+                        relearn_from = Some(marked);
                     }
                 }
             }
@@ -1099,7 +1197,8 @@ pub fn replay_engine(
     let plan_stats = r
         .engine
         .plan_stats()
-        .map_err(Replayer::err(end, "read plan stats"))?;
+        .map_err(Replayer::err(end, "read plan stats"))?
+        .map(|s| earlier_stats.map_or(s, |e| add_stats(e, s)));
     let plan_abandoned = r
         .engine
         .plan_abandoned()
@@ -1155,7 +1254,22 @@ pub fn replay_engine(
         overlap_checks: r.live.checks,
         reserved_by_iteration,
         peak_by_iteration,
+        relearned,
     })
+}
+
+/// Two plans' statistics added up (a run that switched to a merged plan: both).
+fn add_stats(a: PlanStats, b: PlanStats) -> PlanStats {
+    PlanStats {
+        hits: a.hits + b.hits,
+        conflicts: a.conflicts + b.conflicts,
+        waits: a.waits + b.waits,
+        unplanned: a.unplanned + b.unplanned,
+        holes: a.holes + b.holes,
+        grown: a.grown + b.grown,
+        skipped: a.skipped + b.skipped,
+        iterations: a.iterations + b.iterations,
+    }
 }
 
 /// "1st", "2nd", "3rd", "4th", ...
@@ -1261,12 +1375,16 @@ impl EngineReplayRow {
                 let planner = |recorded: &Trace| plan_recording(recorded, &self.auto_plan);
                 let class_planner =
                     |recorded: &Trace| plan_class_recording(recorded, &self.auto_plan);
+                let relearner = |served: &Plan, recorded: &Trace| {
+                    plan_relearned(served, recorded, &self.auto_plan)
+                };
                 let mode = ServeMode::Auto {
                     schedule: AutoSchedule::Runtime {
                         auto_iterations: self.auto_iterations,
                     },
                     planner: &planner,
                     class_planner: Some(&class_planner),
+                    relearner: Some(&relearner),
                 };
                 let r = replay_engine(trace, &mode, &self.replay).map_err(e)?;
                 let outcome = match (&r.auto, r.peak_reserved_after_switch) {

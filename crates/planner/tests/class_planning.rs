@@ -91,6 +91,7 @@ fn serve(trace: &Trace, at: usize) -> stweaver_planner::engine_replay::EngineRep
         schedule: AutoSchedule::At(at),
         planner: &planner,
         class_planner: None,
+        relearner: None,
     };
     replay_engine(trace, &mode, &EngineReplayOptions::default()).expect("no overlap")
 }
@@ -196,4 +197,135 @@ fn a_loop_with_more_classes_than_planned_is_refused_naming_the_coverage() {
     assert_eq!(r.plan_error, None);
     let st = r.plan_stats.unwrap();
     assert!(st.hits >= 8 * 3 * 2 && st.unplanned >= 4 * 3 * 2, "{st:?}");
+}
+
+/// Plans `trace` per class with auto mode's settings and no coverage floor, as a round
+/// of learning after the switch does (`stweaver_planner::auto::plan_relearned`).
+fn per_class(trace: &Trace) -> stweaver_core::Plan {
+    let o = ClassPlanOptions {
+        plan: auto_plan_options(false),
+        min_coverage_percent: 0,
+        ..ClassPlanOptions::default()
+    };
+    plan_classes(trace, &o).expect("planned").plan
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Issue #18 item 2: the plan served (of every class but the last) merged with the
+    /// plan of a later recording (every class) gains exactly the class it lacked, keeps
+    /// its own classes where they were, verifies, and round-trips; merging nothing new
+    /// changes nothing.
+    #[test]
+    fn merging_adds_exactly_the_classes_the_served_plan_lacks(
+        classes in classes(),
+        seed in 0u64..1000,
+    ) {
+        use stweaver_planner::class_planning::merge_class_plans;
+        let k = classes.len();
+        let mut x = seed;
+        let mut next = |m: usize| {
+            x = (x * 1103515245 + 12345) % (1 << 31);
+            ((x >> 16) % m as u64) as usize
+        };
+        // Every class at least once, in a random order after that.
+        let mut old_order: Vec<usize> = (0..k - 1).collect();
+        old_order.extend((0..12).map(|_| next(k - 1)));
+        let mut new_order: Vec<usize> = (0..k).collect();
+        new_order.extend((0..12).map(|_| next(k)));
+        let served = stweaver_core::engine::steady_slice(&per_class(&build(&classes, &old_order, true))).unwrap();
+        let later = per_class(&build(&classes, &new_order, true));
+        prop_assert!(merge_class_plans(&served, &served, 8).unwrap().is_none());
+        let m = merge_class_plans(&served, &later, 8).unwrap().expect("a class to add");
+        prop_assert_eq!((m.new_classes, m.added), (1, 1));
+        prop_assert_eq!(m.plan.class_count(), served.class_count() + 1);
+        for c in 0..served.class_count() {
+            prop_assert_eq!(m.plan.class(c), served.class(c), "class {} moved", c);
+        }
+        prop_assert!(verify_plan(&m.plan).is_ok());
+        prop_assert_eq!(plan_from_bytes(&plan_to_bytes(&m.plan).unwrap()).unwrap(), m.plan.clone());
+        prop_assert!(merge_class_plans(&m.plan, &later, 8).unwrap().is_none());
+        // No room: nothing added.
+        prop_assert!(merge_class_plans(&served, &later, served.class_count()).unwrap().is_none());
+    }
+}
+
+#[test]
+fn auto_mode_learns_a_class_first_seen_after_its_switch_in_the_replay() {
+    // Issue #18 item 2 as the runtime runs it (the replay's auto row): two wide classes
+    // (70 requests each: an iteration the plan does not know counts from 64) in a
+    // random order, switched to their plan per class; from iteration 70 on a third
+    // class every third iteration. It is served beside the plan until the round of
+    // learning (recorded from its first appearance for 40 iterations) adds it; from
+    // then on it is served at its planned offsets. No overlap anywhere (the replay
+    // checks every block).
+    use stweaver_planner::engine_replay::{EngineReplayRow, EngineRowMode};
+    let wide = |c: u64| Class {
+        acts: (0..70).map(|i| (c + 1) * ((64 << 10) + 512 * i)).collect(),
+        grads: vec![(c + 1) << 16],
+    };
+    let classes = vec![wide(0), wide(1), wide(2)];
+    let mut x = 11u64;
+    let mut next = |m: u64| {
+        x = (x * 1103515245 + 12345) % (1 << 31);
+        ((x >> 16) % m) as usize
+    };
+    let order: Vec<usize> = (0..200)
+        .map(|j| if j >= 70 && j % 3 == 0 { 2 } else { next(2) })
+        .collect();
+    let t = build(&classes, &order, true);
+    let (r, outcome) = EngineReplayRow::new(EngineRowMode::Auto)
+        .replay(&t)
+        .unwrap();
+    eprintln!(
+        "{outcome}; relearned at {:?}; {:?}",
+        r.relearned, r.plan_stats
+    );
+    assert!(
+        matches!(r.auto, Some(AutoOutcome::Switched { gave_up: None, .. })),
+        "{outcome}"
+    );
+    assert_eq!(r.relearned.len(), 1, "{:?}", r.relearned);
+    let at = r.relearned[0];
+    // The third class first comes in iteration 72, which ends at boundary 74: recorded
+    // from there, planned 41 boundaries later (115), switched at the next.
+    assert_eq!(at, 116, "relearned at {at}");
+    // Before the merge the third class's iterations (15 of them, 71 requests each)
+    // were not planned; after it, they are. The same replay without learning leaves
+    // all 43 of them unplanned.
+    let st = r.plan_stats.unwrap();
+    let row = EngineReplayRow::new(EngineRowMode::Auto);
+    let planner = |t: &Trace| stweaver_planner::auto::plan_recording(t, &row.auto_plan);
+    let class_planner = |t: &Trace| plan_class_recording(t, &row.auto_plan);
+    let without = replay_engine(
+        &t,
+        &ServeMode::Auto {
+            schedule: AutoSchedule::runtime_default(),
+            planner: &planner,
+            class_planner: Some(&class_planner),
+            relearner: None,
+        },
+        &row.replay,
+    )
+    .unwrap();
+    let plain = without.plan_stats.unwrap();
+    eprintln!("without learning: {plain:?}");
+    assert!(without.relearned.is_empty());
+    assert!(
+        st.unplanned + 28 * 71 <= plain.unplanned,
+        "{st:?} against {plain:?}"
+    );
+    // As little as online serving reserves, within a granule (2 MiB on a loop of
+    // 18 MiB).
+    let (online, _) = EngineReplayRow::new(EngineRowMode::Online)
+        .replay(&t)
+        .unwrap();
+    eprintln!("auto {} online {}", r.peak_reserved, online.peak_reserved);
+    assert!(
+        r.peak_reserved.get() <= online.peak_reserved.get() + (2 << 20),
+        "auto {} online {}",
+        r.peak_reserved,
+        online.peak_reserved
+    );
 }

@@ -49,6 +49,7 @@ fn auto_replay_after(
         schedule: AutoSchedule::At(record),
         planner: &planner,
         class_planner: None,
+        relearner: None,
     };
     replay_engine(trace, &mode, opts).unwrap()
 }

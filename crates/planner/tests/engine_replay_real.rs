@@ -136,6 +136,7 @@ fn llama_auto_mode_records_plans_and_switches() {
         schedule: AutoSchedule::At(3),
         planner: &planner,
         class_planner: None,
+        relearner: None,
     };
     let r = replay_engine(&trace, &mode, &EngineReplayOptions::default()).unwrap();
     show("llama1b_rcp", &r);

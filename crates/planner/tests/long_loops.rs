@@ -248,7 +248,12 @@ fn len5_with_classes_the_recording_never_saw_never_overlaps() {
     // (5/4 of the longest length): the pool grows for it; before a growth maps past the
     // peak the pool gives its free units back, as an online arena does (module docs of
     // `engine/release.rs`): 1.0032 x (online serving: 1.0007 x; 1.16 x when the pool
-    // kept its free units mapped).
+    // kept its free units mapped). Either way auto mode learns the classes first seen
+    // after its switch (issue #18 item 2, module docs of `stweaver_planner::auto`): the
+    // first unknown iteration (60) starts a recording of 40 iterations, planned per
+    // class and merged into the served plan at boundary 104 (three classes added, the
+    // cursor follows eight); from there those iterations are served from the plan:
+    // 97.9 k requests at their planned offset instead of 87.6 k, half the unplanned.
     let t = load("len5");
     let bounds = iteration_boundaries(&t);
     for (num, den, cap) in [(3, 4, 1.01), (5, 4, 1.01)] {
@@ -265,7 +270,9 @@ fn len5_with_classes_the_recording_never_saw_never_overlaps() {
             r.reserved_over_lb()
         );
         let st = r.plan_stats.expect("served a plan");
-        assert!(st.hits > 80_000, "{num}/{den}: {st:?}");
+        assert!(st.hits > 95_000, "{num}/{den}: {st:?}");
+        assert!(st.unplanned < 12_000, "{num}/{den}: {st:?}");
+        assert_eq!(r.relearned.len(), 1, "{num}/{den}: {:?}", r.relearned);
     }
 }
 

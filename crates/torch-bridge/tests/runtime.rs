@@ -749,6 +749,95 @@ fn auto_mode_plans_a_loop_of_several_iteration_classes_per_class() {
     rt.free(weights).unwrap();
 }
 
+/// One iteration of class `k` with `n` requests (so that an iteration the plan does not
+/// know counts as one: `stweaver_planner::auto::UNKNOWN_MIN_REQUESTS`): `n` blocks of
+/// `(k + 1) * (64 KiB + 512 i)`, allocated in order and freed in reverse.
+fn wide_class_iteration(rt: &Runtime, k: u64, n: u64) {
+    let live: Vec<usize> = (0..n)
+        .map(|i| {
+            rt.malloc(0, ((k + 1) * (64 * 1024 + 512 * i)) as usize, S0, DEFAULT)
+                .unwrap()
+        })
+        .collect();
+    for p in live.into_iter().rev() {
+        rt.free(p).unwrap();
+    }
+}
+
+#[test]
+fn auto_mode_learns_an_iteration_class_first_seen_after_its_switch() {
+    use stweaver_planner::auto::{RELEARN_ITERATIONS, UNKNOWN_MIN_REQUESTS};
+    // Issue #18 item 2: a loop of three classes, switched to its plan per class; then a
+    // fourth class (a longer length) every third iteration. Its first iteration is served
+    // beside the plan; auto mode records RELEARN_ITERATIONS iterations, plans them in
+    // the background and serves a plan with the fourth class added.
+    let (rt, _devs) = runtime("auto", "", 1, 256);
+    let n = UNKNOWN_MIN_REQUESTS + 6;
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    let mut x = 7u64;
+    let mut next_class = || {
+        x = (x * 1103515245 + 12345) % (1 << 31);
+        (x >> 16) % 3
+    };
+    let mut steps = 0;
+    while !rt.mode().unwrap().starts_with("auto (plan)") {
+        wide_class_iteration(&rt, next_class(), n);
+        rt.step().unwrap();
+        steps += 1;
+        if rt.mode().unwrap() == "auto (planning)" {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(
+            steps < 500,
+            "never switched to the plan: {}",
+            rt.mode().unwrap()
+        );
+    }
+    let notes = |rt: &Runtime| -> Vec<String> {
+        let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+        serde_json::from_value(info["notes"].clone()).unwrap()
+    };
+    let learned = |rt: &Runtime| {
+        notes(rt)
+            .iter()
+            .any(|m| m.contains("learned 1 iteration class"))
+    };
+    let mut k = 0;
+    while !learned(&rt) {
+        let class = if k % 3 == 0 { 3 } else { next_class() };
+        wide_class_iteration(&rt, class, n);
+        rt.step().unwrap();
+        k += 1;
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert!(
+            k < RELEARN_ITERATIONS + 200,
+            "never learned the class: {:?}",
+            notes(&rt)
+        );
+    }
+    assert!(k > RELEARN_ITERATIONS, "learned after {k} steps");
+    assert!(
+        notes(&rt)
+            .iter()
+            .any(|m| m.contains("recording 40 iterations to learn it")),
+        "{:?}",
+        notes(&rt)
+    );
+    assert!(rt.mode().unwrap().starts_with("auto (plan)"));
+    // From here every class, the fourth included, at its planned offsets.
+    let before = plan_stats(&rt);
+    for j in 0..30 {
+        let class = if j % 3 == 0 { 3 } else { next_class() };
+        wide_class_iteration(&rt, class, n);
+        rt.step().unwrap();
+    }
+    let p = plan_stats(&rt);
+    let hits = p["hits"].as_u64().unwrap() - before["hits"].as_u64().unwrap();
+    assert_eq!(hits, 30 * n, "{p}");
+    assert_eq!(p["conflicts"], 0, "{p}");
+    rt.free(weights).unwrap();
+}
+
 /// Plan mode on `plan` reports the refusal (its reason mentions `why`) and trains online.
 fn serves_online_refusing(plan: &std::path::Path, why: &str) {
     let (rt, _devs) = runtime_with_plan("plan", plan.to_str().unwrap(), "", 1, 64);

@@ -18,8 +18,8 @@ use stweaver_core::trace::{EventKind, Trace};
 use stweaver_core::trace_file::write_trace_file;
 use stweaver_core::units::{AllocId, Bytes, DeviceId};
 use stweaver_planner::auto::{
-    CLASS_ITERATIONS, auto_plan_options, needs_classes, plan_class_recording, plan_recording,
-    plans_at_step,
+    CLASS_ITERATIONS, RELEARN_ITERATIONS, auto_plan_options, needs_classes, plan_class_recording,
+    plan_recording, plan_relearned, plans_at_step, relearns, unknown_iteration,
 };
 use stweaver_planner::offload::{OffloadOptions, plan_with_budget};
 use stweaver_planner::planning::PlanOptions as PlannerOptions;
@@ -131,6 +131,25 @@ struct PlanJob {
     handle: std::thread::JoinHandle<PlanResult>,
 }
 
+/// A round of learning's plan: the merged plan, `None` when nothing was new, or why
+/// none was made.
+type RelearnResult = std::result::Result<Option<Plan>, String>;
+
+/// Auto mode learning after its switch to a plan per class
+/// (`stweaver_planner::auto`, module docs): per device the plan per class served and
+/// its plan counts at the last step; the round's recording and planning.
+#[derive(Default)]
+struct Relearn {
+    /// Per device: the plan per class served, and (hits, misses) at the last step.
+    served: Vec<(i32, Plan, (u64, u64))>,
+    /// The step the round's recording started at.
+    from: Option<u64>,
+    /// The round's planners, per device.
+    jobs: Vec<(i32, std::thread::JoinHandle<RelearnResult>)>,
+    /// Rounds started.
+    rounds: u32,
+}
+
 pub(super) struct PlanControl {
     stage: PlanStage,
     /// Plan mode: the plan read at install (verified on read).
@@ -157,6 +176,8 @@ pub(super) struct PlanControl {
     /// [`stweaver_planner::offload::DEFAULT_LINK_GBPS`] and the trace's host clock
     /// ([`Core::set_offload_timing`]).
     timing: (Option<f64>, Option<f64>),
+    /// Auto: learning the classes first seen after the switch.
+    relearn: Relearn,
 }
 
 impl PlanControl {
@@ -174,6 +195,7 @@ impl PlanControl {
             record_from: 0,
             classes: false,
             timing: (None, None),
+            relearn: Relearn::default(),
         };
         match settings.mode {
             Mode::Auto => control.stage = PlanStage::Recording,
@@ -513,9 +535,139 @@ impl Core {
                     self.switch_to_plans(&mut pc, plans, errors)?;
                 }
             }
+            PlanStage::Serving(_) if !pc.relearn.served.is_empty() => {
+                self.relearn_step(&mut pc, n)?;
+            }
             _ => {}
         }
         Ok(())
+    }
+
+    /// Auto mode serving a plan per class, at step `n`: learns the classes first seen
+    /// after the switch (`stweaver_planner::auto`, module docs, learning after the
+    /// switch). Switches to a finished round's merged plans; else ends a round's
+    /// recording and plans it in the background; else starts a round when the last
+    /// iteration was of a class the plan does not know.
+    fn relearn_step(&self, pc: &mut PlanControl, n: u64) -> Result<()> {
+        let opts = self.plan_options();
+        if !pc.relearn.jobs.is_empty() {
+            if !pc.relearn.jobs.iter().all(|(_, h)| h.is_finished()) {
+                return Ok(());
+            }
+            for (d, handle) in std::mem::take(&mut pc.relearn.jobs) {
+                let note = match handle.join() {
+                    Ok(Ok(Some(merged))) => self.switch_to_merged(pc, d, merged, opts)?,
+                    Ok(Ok(None)) => format!(
+                        "cuda:{d}: no iteration class the plan lacks in the {RELEARN_ITERATIONS} iterations recorded: the plan stays"
+                    ),
+                    Ok(Err(e)) => {
+                        format!("cuda:{d}: learning iteration classes failed, the plan stays: {e}")
+                    }
+                    Err(_) => format!("cuda:{d}: the planner panicked, the plan stays"),
+                };
+                lock(&self.notes).push(note);
+            }
+            return Ok(());
+        }
+        if let Some(from) = pc.relearn.from {
+            if !plans_at_step(n.saturating_sub(from), RELEARN_ITERATIONS) {
+                return Ok(());
+            }
+            pc.relearn.from = None;
+            pc.relearn.rounds += 1;
+            let share_streams = self.settings.share_streams;
+            let (plan_threads, plan_nice) = (self.settings.plan_threads, self.settings.plan_nice);
+            for (d, served, _) in &pc.relearn.served {
+                let Some(e) = self.slot(*d)?.default.get() else {
+                    continue;
+                };
+                let Some(trace) = e.take_trace()? else {
+                    continue;
+                };
+                let served = served.clone();
+                let handle = std::thread::Builder::new()
+                    .name(format!("stweaver-relearn-cuda{d}"))
+                    .spawn(move || {
+                        lower_thread_priority(plan_nice);
+                        let mut opts = auto_plan_options(share_streams);
+                        opts.solve.threads = plan_threads;
+                        plan_relearned(&served, &trace, &opts)
+                    })
+                    .map_err(|e| BridgeError::Settings(format!("cannot start the planner: {e}")))?;
+                pc.relearn.jobs.push((*d, handle));
+            }
+            return Ok(());
+        }
+        let rounds = pc.relearn.rounds;
+        let mut unknown = false;
+        for (d, served, last) in pc.relearn.served.iter_mut() {
+            let Some(e) = self.slot(*d)?.default.get() else {
+                continue;
+            };
+            if e.plan_abandoned()?.is_some() {
+                continue;
+            }
+            let st = e.plan_stats()?.unwrap_or_default();
+            let counts = (st.hits, st.unplanned + st.conflicts);
+            let (dh, dm) = (
+                counts.0.saturating_sub(last.0),
+                counts.1.saturating_sub(last.1),
+            );
+            *last = counts;
+            unknown |= unknown_iteration(dh, dm) && relearns(served.class_count(), rounds);
+        }
+        if unknown {
+            for (d, _, _) in &pc.relearn.served {
+                if let Some(e) = self.slot(*d)?.default.get() {
+                    e.start_trace()?;
+                }
+            }
+            pc.relearn.from = Some(n);
+            lock(&self.notes).push(format!(
+                "step {n}: an iteration of a class the plan does not know: recording {RELEARN_ITERATIONS} iterations to learn it"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Device `d`'s engine gives its plan per class up and serves `merged` (the classes
+    /// learned added) from this boundary; should the engine refuse it, the plan it
+    /// served before. The note for the user.
+    fn switch_to_merged(
+        &self,
+        pc: &mut PlanControl,
+        d: i32,
+        merged: Plan,
+        opts: EnginePlanOptions,
+    ) -> Result<String> {
+        let Some(e) = self.slot(d)?.default.get() else {
+            return Ok(format!("cuda:{d}: no engine to serve the learned classes"));
+        };
+        let Some(entry) = pc.relearn.served.iter_mut().find(|(x, _, _)| *x == d) else {
+            return Ok(format!("cuda:{d}: no plan per class served"));
+        };
+        let before = entry.1.class_count();
+        e.unload_plan()?;
+        let note = match e.switch_to_plan(&merged, opts) {
+            Ok(()) => {
+                let note = format!(
+                    "cuda:{d}: learned {} iteration class(es) first seen after the switch: serving a plan of {} classes",
+                    merged.class_count() - before,
+                    merged.class_count()
+                );
+                entry.1 = merged;
+                note
+            }
+            Err(err) => {
+                e.switch_to_plan(&entry.1, opts)?;
+                format!(
+                    "cuda:{d}: the plan with the learned classes was refused ({err}): the plan stays"
+                )
+            }
+        };
+        entry.2 = (0, 0);
+        pc.settle.push(d);
+        Ok(note)
     }
 
     /// Auto mode's switch, at an iteration boundary: each device's default engine
@@ -540,6 +692,10 @@ impl Core {
                     *lock(&self.slot(d)?.offload) = plan.offload.clone();
                     serving.push(d);
                     pc.settle.push(d);
+                    if pc.classes {
+                        // A plan per class keeps learning (relearn_step).
+                        pc.relearn.served.push((d, plan, (0, 0)));
+                    }
                 }
                 Err(err) => errors.push(format!("cuda:{d}: {err}")),
             }
