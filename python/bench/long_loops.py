@@ -6,6 +6,8 @@ token ids, seeded) so that a whole run's trace stays small enough to live in the
 - ``len5``: GPT-2 (1024 hidden, 8 layers), batch 8, the sequence length drawn per iteration
   from 5 buckets (256, 512, 768, 1024, 1536);
 - ``len50``: the same model, the length drawn from 50 distinct values (128, 160, ..., 1696);
+- ``len5new``: len5, and from iteration 60 on every fifth iteration of a length never seen
+  before (320, 640 or 1920, drawn): classes first seen after auto's switch (issue #18 item 2);
 - ``eval10``: Llama (1024 hidden, 8 layers), 8 x 1024 training steps, and after every 10th
   step an eval pass (``torch.no_grad``, 16 x 1024, 2 micro-batches);
 - ``ckpt20``: the same training, and after every 20th step a checkpoint save: the model's and
@@ -79,6 +81,9 @@ LOOPS = {
                  lengths=[256, 512, 768, 1024, 1536], max_seq=1536),
     "len50": dict(family="gpt2", hidden=1024, layers=8, heads=16, inter=4096, batch=8,
                   lengths=[128 + 32 * i for i in range(50)], max_seq=1696),
+    "len5new": dict(family="gpt2", hidden=1024, layers=8, heads=16, inter=4096, batch=8,
+                    lengths=[256, 512, 768, 1024, 1536], max_seq=1920,
+                    late_lengths=[320, 640, 1920], late_from=60, late_every=5),
     "eval10": dict(family="llama", hidden=1024, layers=8, heads=16, inter=2816, batch=8, seq=1024,
                    eval_every=10, eval_batch=16, eval_micro=2),
     "ckpt20": dict(family="llama", hidden=1024, layers=8, heads=16, inter=2816, batch=8, seq=1024,
@@ -110,7 +115,9 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
         c.update(DRY)
         if "lengths" in c:
             c["lengths"] = [8 * (1 + i % 5) for i in range(len(c["lengths"]))]
-            c["max_seq"] = 40
+            c["max_seq"] = 48
+            if "late_lengths" in c:
+                c["late_lengths"] = [12, 20, 48]
         else:
             c["seq"] = 16
         c["vocab"] = 1000
@@ -148,7 +155,11 @@ def child(loop: str, alloc: str, iters: int, out: str, dry: bool) -> dict:
     t_prev = time.perf_counter()
     try:
         for i in range(iters):
-            if "lengths" in c:
+            if "late_lengths" in c and i >= c["late_from"] and i % c["late_every"] == 0:
+                # A length the run has not had before (issue #18 item 2).
+                late = c["late_lengths"]
+                L = late[int(torch.randint(0, len(late), (1,), generator=gen))]
+            elif "lengths" in c:
                 L = c["lengths"][int(torch.randint(0, len(c["lengths"]), (1,), generator=gen))]
             else:
                 L = c["seq"]

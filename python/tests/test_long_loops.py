@@ -31,8 +31,12 @@ def test_table_names_a_failed_run_and_a_short_one():
 
 
 def test_every_loop_is_defined_and_unknown_names_are_refused(tmp_path):
-    assert set(ll.LOOPS) == {"len5", "len50", "eval10", "ckpt20", "moe"}
+    assert set(ll.LOOPS) == {"len5", "len50", "len5new", "eval10", "ckpt20", "moe"}
     assert len(set(ll.LOOPS["len50"]["lengths"])) == 50 and len(ll.LOOPS["len5"]["lengths"]) == 5
+    # len5new: len5's lengths, then lengths never seen before from iteration 60 (#18 item 2).
+    new = ll.LOOPS["len5new"]
+    assert new["lengths"] == ll.LOOPS["len5"]["lengths"]
+    assert not set(new["late_lengths"]) & set(new["lengths"]) and max(new["late_lengths"]) == new["max_seq"]
     try:
         ll.main(["--out", str(tmp_path), "--loops", "nope", "--allocs", "native"])
     except SystemExit as e:
