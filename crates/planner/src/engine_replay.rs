@@ -248,6 +248,11 @@ pub struct EngineReplayOptions {
     /// freed at the completion. Events then pass only at those completions and at
     /// iteration boundaries (and with `event_lag`).
     pub deferred_frees: bool,
+    /// Auto mode on the runtime's schedule: boundaries the background planner takes
+    /// before the switch (`None`: [`SWITCH_DELAY_STEPS`], the earliest the runtime can
+    /// switch). On the H100 the plan per class of len5's 40 recorded iterations came 6
+    /// steps after planning started (BENCHMARKS.md, session 16).
+    pub planner_steps: Option<usize>,
 }
 
 /// The side stream [`EngineReplayOptions::deferred_frees`] records its events on (no
@@ -266,6 +271,7 @@ impl Default for EngineReplayOptions {
             release_churn_iterations: 0,
             log_iterations: false,
             deferred_frees: false,
+            planner_steps: None,
         }
     }
 }
@@ -921,6 +927,13 @@ pub fn replay_engine(
         }
     }
     let bounds = iteration_boundaries(trace);
+    let switch_delay = match mode {
+        ServeMode::Auto { schedule, .. } if schedule.settles() => {
+            opts.planner_steps.unwrap_or(schedule.switch_delay())
+        }
+        ServeMode::Auto { schedule, .. } => schedule.switch_delay(),
+        _ => 0,
+    };
     let mut next_bound = 0;
     let mut marked = 0;
     let mut switched_at = None;
@@ -997,7 +1010,7 @@ pub fn replay_engine(
                         .take_trace()
                         .map_err(Replayer::err(i, "hand over its trace"))?
                         .unwrap_or_default();
-                    planned = Some((planner(&recorded), marked + schedule.switch_delay()));
+                    planned = Some((planner(&recorded), marked + switch_delay));
                 }
                 if let (Some(at), Some(cp)) = (class_round, class_planner)
                     && at == marked
@@ -1009,7 +1022,7 @@ pub fn replay_engine(
                         .take_trace()
                         .map_err(Replayer::err(i, "hand over its trace"))?
                         .unwrap_or_default();
-                    planned = Some((cp(&recorded), marked + schedule.switch_delay()));
+                    planned = Some((cp(&recorded), marked + switch_delay));
                 }
                 if let Some((result, at)) = planned.take_if(|(_, at)| *at == marked) {
                     debug_assert_eq!(at, marked);
@@ -1120,10 +1133,8 @@ pub fn replay_engine(
                                 .take_trace()
                                 .map_err(Replayer::err(i, "hand over its trace"))?
                                 .unwrap_or_default();
-                            relearn_planned = Some((
-                                relearn(served, &recorded),
-                                marked + schedule.switch_delay(),
-                            ));
+                            relearn_planned =
+                                Some((relearn(served, &recorded), marked + switch_delay));
                             relearn_from = None;
                             relearn_rounds += 1;
                         }

@@ -5,7 +5,8 @@
 //!
 //! The arena carves the blocks to map out as `Mapping` (owned by the calling thread);
 //! they are mapped with the lock released as the arena's mapped *units* (one device
-//! `map` call each: a granule online, a whole first-touched range in the plan pool;
+//! `map` call each: a granule online, a 64 MiB-aligned chunk of a first-touched range in the
+//! plan pool (`arena::pool_units`);
 //! only whole units are ever unmapped), then finished under the lock: free memory
 //! counted in `reserved_bytes` and `num_device_alloc`, or unmapped again where the
 //! device refused. One device call per unit.
@@ -14,7 +15,7 @@ use std::sync::MutexGuard;
 
 use crate::units::{Bytes, StreamId};
 
-use super::arena::{ArenaId, GrowthFailure, Idx};
+use super::arena::{ArenaId, GrowthFailure, Idx, pool_units};
 use super::{DeviceError, DeviceMemory, DevicePtr, Engine, EngineError, PoolKind, State, stats};
 
 /// One block's device result in [`Engine::map_blocks`].
@@ -108,16 +109,27 @@ impl<D: DeviceMemory> Engine<D> {
     /// granule (the units `Arenas::finish_mapping` records for the block), all or nothing.
     fn map_units(&self, addr: u64, size: u64, whole: bool) -> Result<(), DeviceError> {
         let g = self.granularity().get();
-        if whole || size <= g {
+        if size <= g {
             return self.dev.map(DevicePtr(addr), Bytes(size));
         }
-        for at in (addr..addr + size).step_by(g as usize) {
-            if let Err(e) = self.dev.map(DevicePtr(at), Bytes(g)) {
-                for done in (addr..at).step_by(g as usize) {
-                    let _ = self.dev.unmap(DevicePtr(done), Bytes(g));
+        let mut done: Vec<(u64, u64)> = Vec::new();
+        let units: Box<dyn Iterator<Item = (u64, u64)>> = if whole {
+            Box::new(pool_units(addr, size))
+        } else {
+            Box::new(
+                (addr..addr + size)
+                    .step_by(g as usize)
+                    .map(move |u| (u, u + g)),
+            )
+        };
+        for (lo, hi) in units {
+            if let Err(e) = self.dev.map(DevicePtr(lo), Bytes(hi - lo)) {
+                for &(l, h) in &done {
+                    let _ = self.dev.unmap(DevicePtr(l), Bytes(h - l));
                 }
                 return Err(e);
             }
+            done.push((lo, hi));
         }
         Ok(())
     }

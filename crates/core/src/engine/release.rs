@@ -31,7 +31,9 @@
 //! when the pool *grows* (a large unplanned request without a hole: an iteration of a
 //! class never recorded, longer than every planned one), its free whole units anywhere
 //! go back first (largest first, never the range about to be mapped,
-//! `Arenas::carve_pool_holes`), then the online arenas' holes; when a planned range is
+//! `Arenas::carve_pool_holes`; the pool's units are 64 MiB pieces of its ranges,
+//! `arena::POOL_UNIT`, so a large range a small unplanned tensor shares still gives
+//! most of itself back), then the online arenas' holes; when a planned range is
 //! mapped again while the pool is still grown past its planned length, the grown part's
 //! free units go first. A plan's own first pass maps a new peak at every range it
 //! touches first, by design: then nothing is released. Measured on len5 (an H100 trace

@@ -35,7 +35,8 @@
 //! 5. Block addresses and sizes are multiples of the 512-B alignment.
 //! 6. The arena's mapped *units* tile its mapped memory exactly. A unit is the range of
 //!    one device `map` call, which is only ever unmapped whole (on CUDA, one physical
-//!    allocation): a whole mapped block in a placement arena (the plan pool), one
+//!    allocation): a 64 MiB-aligned chunk of a mapped block in a placement arena (the
+//!    plan pool; the block's ragged ends one unit each: `growth::pool_units`), one
 //!    granule in an online arena (`Arenas::whole_unit_mapping`).
 //!
 //! # Algorithms and costs (n = free blocks in the arena), one module each
@@ -74,6 +75,7 @@ mod release;
 mod slab;
 mod treap;
 
+pub(crate) use self::growth::pool_units;
 pub(crate) use self::pause::{Group as UnitGroup, PausedGroup};
 
 use crate::engine::stats::PoolKind;
@@ -258,8 +260,8 @@ impl Arenas {
 
     /// Under a memory limit the plan pool maps granule by granule as online arenas do
     /// (`fine`), so that once its plan is given up every wholly free granule can go
-    /// back; without one it maps whole first-touched ranges (fewer device calls, one
-    /// physical allocation per range). Applies to mappings made from now on.
+    /// back; without one it maps 64 MiB pieces of first-touched ranges (fewer device
+    /// calls, one physical allocation per piece). Applies to mappings made from now on.
     pub fn set_fine_units(&mut self, fine: bool) {
         self.fine_units = fine;
     }

@@ -477,3 +477,33 @@ proptest! {
         prop_assert!(h.arena_is_empty(a));
     }
 }
+
+#[test]
+fn pool_units_are_aligned_64_mib_chunks_with_ragged_ends() {
+    use super::growth::{POOL_UNIT, pool_units};
+    const M: u64 = 1 << 20;
+    // Inside one chunk: one unit.
+    assert_eq!(
+        pool_units(2 * M, 4 * M).collect::<Vec<_>>(),
+        vec![(2 * M, 6 * M)]
+    );
+    // Across chunks: the ragged head, the whole chunks, the ragged tail.
+    let u: Vec<_> = pool_units(60 * M, 200 * M).collect();
+    assert_eq!(
+        u,
+        vec![
+            (60 * M, 64 * M),
+            (64 * M, 128 * M),
+            (128 * M, 192 * M),
+            (192 * M, 256 * M),
+            (256 * M, 260 * M)
+        ]
+    );
+    assert!(u.windows(2).all(|w| w[0].1 == w[1].0));
+    assert!(u.iter().all(|&(a, b)| b - a <= POOL_UNIT));
+    // Exactly one chunk.
+    assert_eq!(
+        pool_units(POOL_UNIT, POOL_UNIT).collect::<Vec<_>>(),
+        vec![(POOL_UNIT, 2 * POOL_UNIT)]
+    );
+}
