@@ -469,11 +469,18 @@ def planning_window(runs: dict) -> List[str]:
     being made in the background (mode ``auto (planning)`` at the end of the previous
     iteration), against the same iterations of an online run (the mode auto falls back to),
     and the A/A control (a second online run against the first). Ratios of the medians and
-    of the minima; only loops with step times of an auto and an online run."""
+    of the minima; only loops with step times of an auto and an online run, of one device call
+    (a row's ``call``, where rows from several calls were merged)."""
     lines = []
     for lp in dict.fromkeys(k[0] for k in runs):
         auto, onl, aa = runs.get((lp, "auto")), runs.get((lp, "online")), runs.get((lp, "online_aa"))
         if not (auto and onl and auto.get("ok") and onl.get("ok") and auto.get("step_s") and onl.get("step_s")):
+            continue
+        if auto.get("call") != onl.get("call"):
+            # Step times of different device calls (other machines, other neighbours) do
+            # not compare: rows merged from several calls say which one they came from.
+            lines.append(f"| {lp} | auto and online ran in different device calls "
+                         f"({auto.get('call') or '-'}, {onl.get('call') or '-'}): not compared | | | | |")
             continue
         modes, a, o = auto.get("modes") or [], auto["step_s"], onl["step_s"]
         win = [i for i in range(1, min(len(a), len(o), len(modes) + 1)) if "planning" in (modes[i - 1] or "")]

@@ -26,7 +26,7 @@ use stweaver_planner::engine_replay::{
     EngineReplayReport, EngineReplayRow, EngineRowMode, iteration_boundaries,
 };
 
-const LOOPS: [&str; 5] = ["len5", "len50", "eval10", "ckpt20", "moe"];
+const LOOPS: [&str; 6] = ["len5", "len50", "len5new", "eval10", "ckpt20", "moe"];
 
 fn load(name: &str) -> Trace {
     common::trace_file(&format!("data/traces/long/trace_{name}.stwt.gz"))
