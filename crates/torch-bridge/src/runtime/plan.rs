@@ -658,12 +658,16 @@ impl Core {
                 entry.1 = merged;
                 note
             }
-            Err(err) => {
-                e.switch_to_plan(&entry.1, opts)?;
-                format!(
+            // The plan served before, again; should that be refused too (the memory limit),
+            // the run goes on online (invariant 3: a plan never stops training).
+            Err(err) => match e.switch_to_plan(&entry.1, opts) {
+                Ok(()) => format!(
                     "cuda:{d}: the plan with the learned classes was refused ({err}): the plan stays"
-                )
-            }
+                ),
+                Err(again) => format!(
+                    "cuda:{d}: the plan with the learned classes was refused ({err}), and the plan served before too ({again}): serving online"
+                ),
+            },
         };
         entry.2 = (0, 0);
         pc.settle.push(d);
