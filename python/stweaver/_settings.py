@@ -19,6 +19,10 @@ with no arguments):
                            iterations repeat and each give holes back before a new peak
                            (to map them again in the next) stops giving them back after
                            this many in a row, until it needs more live memory
+``STWEAVER_POOL_UNIT_MIB`` MiB (default 64; ``0``: whole ranges): the largest piece of a
+                           first-touched range the plan pool maps as one physical
+                           allocation (smaller pieces give back more of what an iteration
+                           the plan did not foresee leaves free; larger ones copy faster)
 ``STWEAVER_PLAN_WAIT``     ``1``/``0``: a planned range held only by frees pending on
                            other streams makes the request's stream wait for them on the
                            device instead of a conflict (default on)
@@ -241,7 +245,7 @@ def resolve(
         if raw is not None:
             parse_bool(raw, var)  # read by the Rust side (the watermark: by install())
     for var, hi in (("STWEAVER_PLAN_THREADS", 4096), ("STWEAVER_PLAN_NICE", 19),
-                    ("STWEAVER_RELEASE_CHURN", 1_000_000)):
+                    ("STWEAVER_RELEASE_CHURN", 1_000_000), ("STWEAVER_POOL_UNIT_MIB", 1 << 20)):
         raw = env.get(var)  # read by the Rust side
         if raw is not None and raw.strip() and not (raw.strip().isdigit() and int(raw) <= hi):
             raise SettingsError(f"{var}={raw!r} is not an integer from 0 to {hi}")

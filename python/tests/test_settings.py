@@ -72,6 +72,8 @@ def test_path_like_arguments(tmp_path):
         ({}, {"STWEAVER_PLAN_NICE": "20"}, "STWEAVER_PLAN_NICE"),
         ({}, {"STWEAVER_RELEASE_CHURN": "-3"}, "STWEAVER_RELEASE_CHURN"),
         ({}, {"STWEAVER_RELEASE_CHURN": "often"}, "STWEAVER_RELEASE_CHURN"),
+        ({}, {"STWEAVER_POOL_UNIT_MIB": "-64"}, "STWEAVER_POOL_UNIT_MIB"),
+        ({}, {"STWEAVER_POOL_UNIT_MIB": "big"}, "STWEAVER_POOL_UNIT_MIB"),
         ({"mode": "trace", "trace": "/nonexistent/dir/t.stwt"}, {}, "does not exist"),
     ],
 )

@@ -253,6 +253,8 @@ pub struct EngineReplayOptions {
     /// switch). On the H100 the plan per class of len5's 40 recorded iterations came 6
     /// steps after planning started (BENCHMARKS.md, session 16).
     pub planner_steps: Option<usize>,
+    /// [`EngineConfig::pool_unit`] (the runtime's default, 64 MiB, unless set).
+    pub pool_unit: Bytes,
 }
 
 /// The side stream [`EngineReplayOptions::deferred_frees`] records its events on (no
@@ -272,6 +274,7 @@ impl Default for EngineReplayOptions {
             log_iterations: false,
             deferred_frees: false,
             planner_steps: None,
+            pool_unit: Bytes(stweaver_core::engine::POOL_UNIT),
         }
     }
 }
@@ -875,6 +878,7 @@ pub fn replay_engine(
         record_trace: matches!(mode, ServeMode::Auto { .. }),
         release_before_new_peak: opts.release_before_new_peak,
         release_churn_iterations: opts.release_churn_iterations,
+        pool_unit: opts.pool_unit,
         ..EngineConfig::default()
     };
     let engine = Engine::new(dev.clone(), config).map_err(Replayer::err(0, "start"))?;

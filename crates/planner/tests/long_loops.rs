@@ -428,3 +428,23 @@ fn len5new_learns_the_lengths_first_seen_after_the_switch() {
         assert!(r.plan_abandoned.is_none());
     }
 }
+
+/// Why the plan pool maps 64 MiB pieces (`EngineConfig::pool_unit`): on len5new with the
+/// 8-step planner delay, one unit per first-touched range leaves the pool unable to give
+/// back what the new lengths' small unplanned tensors share of its large ranges (1.088 x
+/// the lower bound), 64 MiB pieces can (1.0063 x).
+#[test]
+fn len5new_needs_the_pool_in_pieces() {
+    let t = load("len5new");
+    let mut ratios = Vec::new();
+    for unit in [Bytes::ZERO, Bytes(stweaver_core::engine::POOL_UNIT)] {
+        let mut row = EngineReplayRow::new(EngineRowMode::Auto);
+        row.replay.planner_steps = Some(8);
+        row.replay.pool_unit = unit;
+        let (r, _) = row.replay(&t).unwrap();
+        eprintln!("pool unit {unit}: {:.4} x LB", r.reserved_over_lb());
+        ratios.push(r.reserved_over_lb());
+    }
+    assert!(ratios[0] > 1.05, "{ratios:?}");
+    assert!(ratios[1] <= 1.01, "{ratios:?}");
+}

@@ -4,6 +4,7 @@
 //! pending frees), with their defaults.
 
 use super::EngineError;
+use super::arena::POOL_UNIT;
 use crate::units::{Bytes, DeviceId};
 
 #[cfg(doc)]
@@ -48,6 +49,13 @@ pub struct EngineConfig {
     /// replays later at those addresses (PyTorch releases a graph pool's cache only once
     /// no graph uses the pool). Off by default.
     pub keep_cache: bool,
+    /// The largest unit the plan pool maps at once (one device `map` call, one physical
+    /// allocation on CUDA): a first-touched range is mapped as its `pool_unit`-aligned
+    /// pieces, so that a release can give back a piece a small unplanned tensor does not
+    /// share (module `engine::release`, the plan pool); rounded up to whole granules;
+    /// `Bytes::ZERO`: each first-touched range as one unit. [`POOL_UNIT`] (64 MiB) by
+    /// default. Under a memory limit the pool maps granule by granule anyway.
+    pub pool_unit: Bytes,
 }
 
 impl Default for EngineConfig {
@@ -60,6 +68,7 @@ impl Default for EngineConfig {
             release_before_new_peak: false,
             release_churn_iterations: 0,
             keep_cache: false,
+            pool_unit: Bytes(POOL_UNIT),
         }
     }
 }

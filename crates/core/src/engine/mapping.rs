@@ -114,7 +114,7 @@ impl<D: DeviceMemory> Engine<D> {
         }
         let mut done: Vec<(u64, u64)> = Vec::new();
         let units: Box<dyn Iterator<Item = (u64, u64)>> = if whole {
-            Box::new(pool_units(addr, size))
+            Box::new(pool_units(addr, size, self.pool_unit))
         } else {
             Box::new(
                 (addr..addr + size)

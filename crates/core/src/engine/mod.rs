@@ -102,8 +102,8 @@ use rustc_hash::FxHashMap;
 
 use crate::units::{Bytes, DeviceId, StreamId};
 
-pub use self::arena::BlockState;
 use self::arena::{ALIGNMENT, ArenaId, Arenas, Idx};
+pub use self::arena::{BlockState, POOL_UNIT};
 pub use self::checkpoint::{Checkpoint, CheckpointBlock, Restored};
 use self::config::limit_bytes;
 pub use self::config::{EngineConfig, GIVE_UP_ITERATIONS, MemoryLimit, PlanOptions};
@@ -165,6 +165,8 @@ pub struct Engine<D: DeviceMemory> {
     release_at_peak: bool,
     /// [`EngineConfig::keep_cache`].
     keep_cache: bool,
+    /// [`EngineConfig::pool_unit`], in whole granules (0: whole ranges).
+    pool_unit: u64,
     state: Mutex<State>,
 }
 
@@ -233,6 +235,12 @@ impl<D: DeviceMemory> Engine<D> {
             churn: release::Churn::new(config.release_churn_iterations),
         };
         state.arenas.set_fine_units(limit < total);
+        let pool_unit = config
+            .pool_unit
+            .get()
+            .div_ceil(granule)
+            .saturating_mul(granule);
+        state.arenas.set_pool_unit(pool_unit);
         Ok(Engine {
             dev,
             device: config.device,
@@ -241,6 +249,7 @@ impl<D: DeviceMemory> Engine<D> {
             arena_size,
             release_at_peak: config.release_before_new_peak && !config.keep_cache,
             keep_cache: config.keep_cache,
+            pool_unit,
             state: Mutex::new(state),
         })
     }

@@ -269,6 +269,7 @@ impl Core {
             // given back only by empty_cache once no graph uses the pool (keep_cache also
             // turns release before a new peak off).
             keep_cache: !is_default(pool),
+            pool_unit: Bytes(self.settings.pool_unit_mib << 20),
         };
         let engine = Engine::new(
             Tracked::new(

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use stweaver_core::engine::POOL_UNIT;
 use stweaver_planner::auto::{RELEASE_AT_PEAK, RELEASE_CHURN};
 
 use crate::budget::Budget;
@@ -60,6 +61,10 @@ pub struct Settings {
     /// ran 1.29x the native step with ~5 synchronisations per iteration, and native's
     /// step with 3; [`RELEASE_CHURN`] says why not in auto mode).
     pub release_churn: u32,
+    /// `STWEAVER_POOL_UNIT_MIB` (default 64; `0`: whole ranges):
+    /// [`EngineConfig::pool_unit`], the largest piece of a first-touched range the plan
+    /// pool maps as one physical allocation.
+    pub pool_unit_mib: u64,
     /// `STWEAVER_PLAN_WAIT` (default on; `0` turns it off):
     /// [`EnginePlanOptions::wait_for_pending_frees`]. A planned request whose range only
     /// frees pending on other streams hold makes its stream wait for their events
@@ -144,6 +149,11 @@ impl Settings {
             i64::from(RELEASE_CHURN),
             0..=1_000_000,
         )? as u32;
+        let pool_unit_mib = env_int(
+            "STWEAVER_POOL_UNIT_MIB",
+            (POOL_UNIT >> 20) as i64,
+            0..=1 << 20,
+        )? as u64;
         let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
         let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
         let plan_threads = env_int(
@@ -167,6 +177,7 @@ impl Settings {
             rank,
             release_at_peak,
             release_churn,
+            pool_unit_mib,
             plan_wait,
             share_streams,
             budget,
@@ -299,6 +310,9 @@ mod tests {
             assert_eq!(s.plan_nice, DEFAULT_PLAN_NICE);
         }
         assert_eq!((DEFAULT_PLAN_THREADS, DEFAULT_PLAN_NICE), (1, 10));
+        if std::env::var_os("STWEAVER_POOL_UNIT_MIB").is_none() {
+            assert_eq!(s.pool_unit_mib << 20, POOL_UNIT, "64 MiB pieces by default");
+        }
     }
 
     #[test]

@@ -265,10 +265,10 @@ impl Arenas {
                 let b = &self.blocks[i as usize];
                 (b.arena, b.addr, b.size)
             };
-            let g = self.granule;
+            let (g, unit) = (self.granule, self.pool_unit);
             let units = &mut self.arena_mut(a).units;
             if whole {
-                units.extend(pool_units(addr, size));
+                units.extend(pool_units(addr, size, unit));
             } else {
                 for u in (addr..addr + size).step_by(g as usize) {
                     units.insert(u, u + g);
@@ -297,26 +297,30 @@ impl Arenas {
     }
 }
 
-/// The largest unit the plan pool maps ([`pool_units`]): 64 MiB. Streaming copies over
-/// handles of 64 MiB run within 0.4 % of `cudaMalloc` memory (1.17 x over 2 MiB handles;
-/// BENCHMARKS.md, "Mapping granularity, swept"), and a release can give back a 64 MiB
-/// piece of a large first-touched range that a small unplanned tensor shares: with one
-/// unit per range, len5 with lengths never recorded reached 1.088 x the lower bound
-/// in its replay, against 1.001 x.
-pub(crate) const POOL_UNIT: u64 = 64 << 20;
+/// The largest unit the plan pool maps by default ([`pool_units`],
+/// `EngineConfig::pool_unit`): 64 MiB. Streaming copies over handles of 64 MiB run within
+/// 0.4 % of `cudaMalloc` memory (1.17 x over 2 MiB handles; BENCHMARKS.md, "Mapping
+/// granularity, swept"), and a release can give back a 64 MiB piece of a large
+/// first-touched range that a small unplanned tensor shares: with one unit per range,
+/// len5new (lengths first seen after auto's switch) reached 1.088 x the lower bound in
+/// its replay, against 1.006 x (BENCHMARKS.md, session 16).
+pub const POOL_UNIT: u64 = 64 << 20;
 
 /// The units a large-unit mapping of `[addr, addr + size)` makes (`addr` and `size`
-/// whole granules): the whole [`POOL_UNIT`]-aligned chunks it covers, and the ragged
-/// pieces at its ends as one unit each. `(start, end)` pairs in address order.
-pub(crate) fn pool_units(addr: u64, size: u64) -> impl Iterator<Item = (u64, u64)> {
+/// whole granules): the whole `unit`-aligned chunks it covers, and the ragged pieces at
+/// its ends as one unit each; `unit` 0: the whole range as one unit. `(start, end)` pairs
+/// in address order.
+pub(crate) fn pool_units(addr: u64, size: u64, unit: u64) -> impl Iterator<Item = (u64, u64)> {
     let end = addr + size;
     let mut at = addr;
     std::iter::from_fn(move || {
         (at < end).then(|| {
-            let next = ((at / POOL_UNIT) + 1).saturating_mul(POOL_UNIT).min(end);
-            let unit = (at, next);
+            let next = at
+                .checked_div(unit)
+                .map_or(end, |k| (k + 1).saturating_mul(unit).min(end));
+            let piece = (at, next);
             at = next;
-            unit
+            piece
         })
     })
 }

@@ -75,6 +75,7 @@ mod release;
 mod slab;
 mod treap;
 
+pub use self::growth::POOL_UNIT;
 pub(crate) use self::growth::pool_units;
 pub(crate) use self::pause::{Group as UnitGroup, PausedGroup};
 
@@ -232,6 +233,8 @@ pub(crate) struct Arenas {
     inactive_changed: bool,
     /// Placement arenas map granule by granule too (`Arenas::set_fine_units`).
     fine_units: bool,
+    /// The largest unit the plan pool maps (`growth::pool_units`; 0: whole ranges).
+    pool_unit: u64,
 }
 
 #[inline]
@@ -255,6 +258,7 @@ impl Arenas {
             inactive_count: [0; 2],
             inactive_changed: false,
             fine_units: false,
+            pool_unit: POOL_UNIT,
         }
     }
 
@@ -264,6 +268,12 @@ impl Arenas {
     /// calls, one physical allocation per piece). Applies to mappings made from now on.
     pub fn set_fine_units(&mut self, fine: bool) {
         self.fine_units = fine;
+    }
+
+    /// The largest unit the plan pool maps (`growth::pool_units`; 0: whole first-touched
+    /// ranges). Applies to mappings made from now on.
+    pub fn set_pool_unit(&mut self, unit: u64) {
+        self.pool_unit = unit;
     }
 
     #[inline]

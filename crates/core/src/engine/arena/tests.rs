@@ -484,11 +484,11 @@ fn pool_units_are_aligned_64_mib_chunks_with_ragged_ends() {
     const M: u64 = 1 << 20;
     // Inside one chunk: one unit.
     assert_eq!(
-        pool_units(2 * M, 4 * M).collect::<Vec<_>>(),
+        pool_units(2 * M, 4 * M, POOL_UNIT).collect::<Vec<_>>(),
         vec![(2 * M, 6 * M)]
     );
     // Across chunks: the ragged head, the whole chunks, the ragged tail.
-    let u: Vec<_> = pool_units(60 * M, 200 * M).collect();
+    let u: Vec<_> = pool_units(60 * M, 200 * M, POOL_UNIT).collect();
     assert_eq!(
         u,
         vec![
@@ -503,7 +503,12 @@ fn pool_units_are_aligned_64_mib_chunks_with_ragged_ends() {
     assert!(u.iter().all(|&(a, b)| b - a <= POOL_UNIT));
     // Exactly one chunk.
     assert_eq!(
-        pool_units(POOL_UNIT, POOL_UNIT).collect::<Vec<_>>(),
+        pool_units(POOL_UNIT, POOL_UNIT, POOL_UNIT).collect::<Vec<_>>(),
         vec![(POOL_UNIT, 2 * POOL_UNIT)]
+    );
+    // Unit 0: the whole range.
+    assert_eq!(
+        pool_units(60 * M, 200 * M, 0).collect::<Vec<_>>(),
+        vec![(60 * M, 260 * M)]
     );
 }
