@@ -706,21 +706,21 @@ fn class_iteration(rt: &Runtime, k: u64) {
     }
 }
 
-#[test]
-fn auto_mode_plans_a_loop_of_several_iteration_classes_per_class() {
-    use stweaver_planner::auto::CLASS_ITERATIONS;
-    let (rt, _devs) = runtime("auto", "", 1, 256);
-    let iters = Settings::parse("auto", "", "").unwrap().auto_iterations;
-    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
-    // Three classes in an order with no period (a linear congruential sequence).
+/// Three classes in an order with no period (a linear congruential sequence).
+fn class_sequence() -> impl FnMut() -> u64 {
     let mut x = 7u64;
-    let mut next_class = || {
+    move || {
         x = (x * 1103515245 + 12345) % (1 << 31);
         (x >> 16) % 3
-    };
+    }
+}
+
+/// Runs `iteration` and a step until auto mode serves its plan (never falling back
+/// online, within 500 steps); the steps taken.
+fn until_served(rt: &Runtime, mut iteration: impl FnMut()) -> u64 {
     let mut steps = 0;
     while !rt.mode().unwrap().starts_with("auto (plan)") {
-        class_iteration(&rt, next_class());
+        iteration();
         rt.step().unwrap();
         steps += 1;
         let m = rt.mode().unwrap();
@@ -730,6 +730,17 @@ fn auto_mode_plans_a_loop_of_several_iteration_classes_per_class() {
         }
         assert!(steps < 500, "never switched to the plan: {m}");
     }
+    steps
+}
+
+#[test]
+fn auto_mode_plans_a_loop_of_several_iteration_classes_per_class() {
+    use stweaver_planner::auto::CLASS_ITERATIONS;
+    let (rt, _devs) = runtime("auto", "", 1, 256);
+    let iters = Settings::parse("auto", "", "").unwrap().auto_iterations;
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    let mut next_class = class_sequence();
+    let steps = until_served(&rt, || class_iteration(&rt, next_class()));
     // The first recording had no single repeating iteration: a second one of
     // CLASS_ITERATIONS iterations was planned per class.
     assert!(
@@ -774,25 +785,8 @@ fn auto_mode_learns_an_iteration_class_first_seen_after_its_switch() {
     let (rt, _devs) = runtime("auto", "", 1, 256);
     let n = UNKNOWN_MIN_REQUESTS + 6;
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
-    let mut x = 7u64;
-    let mut next_class = || {
-        x = (x * 1103515245 + 12345) % (1 << 31);
-        (x >> 16) % 3
-    };
-    let mut steps = 0;
-    while !rt.mode().unwrap().starts_with("auto (plan)") {
-        wide_class_iteration(&rt, next_class(), n);
-        rt.step().unwrap();
-        steps += 1;
-        if rt.mode().unwrap() == "auto (planning)" {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        assert!(
-            steps < 500,
-            "never switched to the plan: {}",
-            rt.mode().unwrap()
-        );
-    }
+    let mut next_class = class_sequence();
+    until_served(&rt, || wide_class_iteration(&rt, next_class(), n));
     let notes = |rt: &Runtime| -> Vec<String> {
         let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
         serde_json::from_value(info["notes"].clone()).unwrap()
