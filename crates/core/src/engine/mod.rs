@@ -151,6 +151,9 @@ struct State {
     pauses: pause::Pauses,
     /// Whether releasing holes before a new peak churns (module `release`).
     churn: release::Churn,
+    /// The key of the iteration in progress (`Engine::mark_iteration_keyed`,
+    /// `Engine::set_iteration_key`), for a plan loaded mid-iteration.
+    iteration_key: Option<u64>,
 }
 
 /// The online engine. See the module documentation.
@@ -231,6 +234,7 @@ impl<D: DeviceMemory> Engine<D> {
             keep_arenas: false,
             pauses: pause::Pauses::default(),
             churn: release::Churn::new(config.release_churn_iterations),
+            iteration_key: None,
         };
         state.arenas.set_fine_units(limit < total);
         Ok(Engine {
