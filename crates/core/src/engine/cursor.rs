@@ -108,40 +108,45 @@
 //! batch shape: the same forward; two length buckets sharing the embedding's buffers)
 //! cannot be told apart by those requests: the class just served wins the tie and,
 //! when the iteration is of the other class, its shared requests go to the wrong
-//! class's places (conflicts later in the iteration, or, past [`CONFIRM`] · 4 shared
+//! class's places (conflicts later in the iteration, or, past `4 · CONFIRM` shared
 //! requests, the beam closed on the wrong class). The program often knows the class:
 //! `stweaver.step(key)` labels the iteration that begins at the boundary (an eval, a
 //! length bucket). No key is in the plan file: the key → class map is *learned* at run
-//! time. At the end of an iteration with a key, if at least half of its class's
-//! requests got their planned offset (hits; the class is the best hypothesis's), the
-//! key's class is that class. At the start of an iteration whose key is known, the
-//! beam branches as before but with the key's class first and every other class at
-//! cost [`HINT`] (2): the key's class serves the shared requests, and keeps the lead
-//! unless its requests clearly do not match, i.e. until it pays `HINT` more than
-//! another class (about `HINT` − 1 requests served unplanned, then the right class
-//! takes over, as an unkeyed branch would have at the first request that differs).
-//! In an iteration with a key (known or not) a hypothesis of another class within the
-//! head start (0 for an unknown key: a tie) is a rival and the beam does not close
-//! while one remains, not even after `4 · CONFIRM` matches: the classes stay open over
-//! a shared prefix of any length, at O(classes) per request while they all match,
-//! instead of the fast path. The class learned at the end is the best hypothesis's
-//! with the head start taken off (so a wrong key whose iteration ends right after its
-//! requests differed is corrected all the same), and a conflict counts as matched (the
-//! class was right, the range busy). The beam is never restricted to one class: a
-//! wrong key (a key whose iterations change class) is a wrong guess like the unkeyed
-//! one, a request placed at another class's offset, which is a conflict when the range
-//! is occupied, never an alias (the engine checks every planned range), plus one
-//! request unplanned while the key's class keeps its head start; the key is learned
-//! anew from that iteration. An unknown key, a plan of one class, or no plan: the key
-//! changes nothing but keeping the beam open. A key given after the boundary
-//! (`stweaver.iteration_key`, when the boundaries come from the optimizer hook;
-//! [`Cursor::set_key`]) seeds the beam the same way while the cursor still stands at
-//! the iteration's start with nothing matched, and is only learned from after that. A
-//! second marker at the same start, with no request since and no key, keeps the first
-//! one's. Measured (`crates/core/tests/engine_plan_classes.rs`): two classes beginning
-//! alike, alternating, 40 iterations: 39 conflicts unkeyed, 1 keyed; keys that always
-//! name the wrong class: 20 unplanned instead of 19 conflicts. Cost: at a boundary
-//! O([`MAX_KEYS`]) (64 keys in a fixed array, the least recently used replaced).
+//! time.
+//!
+//! - **Learning.** At the end of an iteration with a key, if at least half of its
+//!   class's requests matched (hits, and conflicts: the class was right, the range
+//!   busy), that class is the key's: the best hypothesis's, with the head start below
+//!   taken off (a wrong key whose iteration ended right after its requests differed,
+//!   while the key's class still led, is corrected all the same).
+//! - **Hint.** At the start of an iteration whose key is known, the beam branches as
+//!   before, but with the key's class first and every other class at cost [`HINT`] (2):
+//!   the key's class serves the shared requests and keeps the lead unless its requests
+//!   clearly do not match, i.e. until it pays `HINT` more than another class (one
+//!   request served unplanned, then the right class takes over, as an unkeyed branch
+//!   would have at the first request that differs).
+//! - **An open beam.** In an iteration with a key (known or not), a hypothesis of
+//!   another class within the head start (0 for an unknown key: a tie) is a rival, and
+//!   the beam does not close while one remains, not even after `4 · CONFIRM` matches:
+//!   the classes stay open over a shared prefix of any length, at O(classes) per
+//!   request while they all match, instead of the fast path.
+//! - **A wrong key** (one whose iterations change class) is a wrong guess like the
+//!   unkeyed one, a request placed at another class's offset, which is a conflict when
+//!   the range is occupied, never an alias (the engine checks every planned range),
+//!   plus one request unplanned while the key's class keeps its head start; the key is
+//!   learned anew from that iteration. The beam is never restricted to one class.
+//! - An unknown key, a plan of one class, or no plan: the key changes nothing (but for
+//!   the open beam). A key given after the boundary (`stweaver.iteration_key`, when the
+//!   boundaries come from the optimizer hook; [`Cursor::set_key`]) seeds the beam the
+//!   same way while the cursor still stands at the iteration's start with nothing
+//!   matched, and is only learned from after that. A second marker at the same start,
+//!   with no request since and no key, keeps the first one's.
+//!
+//! Measured (`crates/core/tests/engine_plan_classes.rs`): two classes beginning alike,
+//! alternating, 40 iterations: 39 conflicts unkeyed, 1 keyed; keys that always name the
+//! wrong class: 20 unplanned instead of 19 conflicts. Cost: O([`MAX_KEYS`]) at a
+//! boundary (64 keys in a fixed array, the least recently used replaced), nothing per
+//! request but the open beam.
 //!
 //! The virtual clock ([`Cursor::vtick`]) counts on across classes of different lengths:
 //! at each marker positions are rebased to `P` and the tick where the new iteration
