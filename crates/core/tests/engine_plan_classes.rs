@@ -379,3 +379,39 @@ proptest! {
         );
     }
 }
+
+#[test]
+fn learned_keys_survive_a_plan_replaced_at_a_boundary() {
+    // Auto mode replaces its plan by one with more classes (unload, then a switch at a
+    // boundary): the keys learned on the old plan are kept, so the next keyed iteration
+    // is guessed right at once.
+    let (classes, p) = alike();
+    let mut e = SentinelEngine::new(2 * MIB, 64 * MIB);
+    e.engine.load_plan(&p, PlanOptions::default()).unwrap();
+    let iteration = |e: &mut SentinelEngine, c: usize, key: u64| {
+        e.engine.mark_iteration_keyed(Some(key)).unwrap();
+        let ptrs: Vec<DevicePtr> = classes[c].iter().map(|&s| e.alloc(s, S)).collect();
+        for q in ptrs.into_iter().rev() {
+            e.free(q);
+        }
+    };
+    for i in 0..4 {
+        iteration(&mut e, i % 2, 10 + i as u64 % 2);
+    }
+    // The replacement, at a boundary whose iteration is of class 1 (the class just
+    // served is 1 too: the next one, class 0, is the test).
+    e.engine.unload_plan().unwrap();
+    e.engine.mark_iteration_keyed(Some(11)).unwrap();
+    e.engine.switch_to_plan(&p, PlanOptions::default()).unwrap();
+    let ptrs: Vec<DevicePtr> = classes[1].iter().map(|&s| e.alloc(s, S)).collect();
+    for q in ptrs.into_iter().rev() {
+        e.free(q);
+    }
+    for i in 0..10 {
+        iteration(&mut e, i % 2, 10 + i as u64 % 2);
+    }
+    let st = e.engine.plan_stats().unwrap().unwrap();
+    assert_eq!((st.conflicts, st.unplanned), (0, 0), "{st:?}");
+    assert_eq!(st.hinted, 11, "{st:?}");
+    e.settle_idle();
+}

@@ -141,6 +141,10 @@
 //!   same way while the cursor still stands at the iteration's start with nothing
 //!   matched, and is only learned from after that. A second marker at the same start,
 //!   with no request since and no key, keeps the first one's.
+//! - **A plan replaced** (auto mode's plan with the classes it learned after its
+//!   switch: `Engine::unload_plan`, then a new plan) keeps what was learned: the engine
+//!   keeps the old cursor's [`LearnedKeys`] and the new cursor adopts each key for its
+//!   class of the same request signature ([`Cursor::adopt_keys`]).
 //!
 //! Measured (`crates/core/tests/engine_plan_classes.rs`): two classes beginning alike,
 //! alternating, 40 iterations: 39 conflicts unkeyed, 1 keyed; keys that always name the
@@ -308,6 +312,26 @@ impl KeyClasses {
             *s = slot;
         }
     }
+}
+
+/// What a cursor learned about keys, kept over a plan's replacement (auto mode's plan
+/// with classes learned after its switch: `Engine::unload_plan`, then a new plan
+/// loaded): each class named by its request signature, so that a key follows its class
+/// to wherever the new plan has it.
+#[derive(Debug, Clone)]
+pub(crate) struct LearnedKeys {
+    keys: KeyClasses,
+    classes: Vec<u64>,
+}
+
+/// A class's request signature: its requests' sizes and streams (FNV-1a).
+fn signature(section: &[Expected]) -> u64 {
+    section
+        .iter()
+        .flat_map(|e| [e.size, e.stream.0])
+        .fold(0xcbf2_9ce4_8422_2325, |h, x| {
+            (h ^ x).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -502,6 +526,33 @@ impl Cursor {
             }
             self.branch(h, true);
             self.streak = 0;
+        }
+    }
+
+    /// What the cursor learned about keys, if anything (for a plan that replaces this
+    /// one: [`Cursor::adopt_keys`]).
+    pub fn learned_keys(&self) -> Option<LearnedKeys> {
+        (self.keys.n > 0).then(|| LearnedKeys {
+            keys: self.keys.clone(),
+            classes: self.classes.iter().map(|c| signature(c)).collect(),
+        })
+    }
+
+    /// Takes over what another plan's cursor learned about keys: each key's class, where
+    /// this plan has a class of the same request signature (others are dropped).
+    pub fn adopt_keys(&mut self, learned: &LearnedKeys) {
+        if self.classes.len() < 2 {
+            return;
+        }
+        let now: Vec<u64> = self.classes.iter().map(|c| signature(c)).collect();
+        let mut slots = learned.keys.slots[..learned.keys.n].to_vec();
+        // Oldest first, so that the least recently used stays so.
+        slots.sort_unstable_by_key(|s| s.used);
+        for s in slots {
+            let class = learned.classes.get(s.class as usize);
+            if let Some(c) = class.and_then(|f| now.iter().position(|g| g == f)) {
+                self.keys.learn(s.key, c as u32);
+            }
         }
     }
 
@@ -1280,6 +1331,36 @@ mod tests {
         }
         assert_eq!(plain.stats, keyed.stats);
         assert_eq!(keyed.stats.hinted, 0);
+    }
+
+    #[test]
+    fn keys_follow_their_classes_into_a_plan_that_replaces_this_one() {
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let mut c = two_classes(&a, &b);
+        for (k, seq) in [(0, &a[..]), (1, &b[..])] {
+            c.mark_iteration(Some(k));
+            let _ = run(&mut c, seq);
+        }
+        c.mark_iteration(None);
+        let learned = c.learned_keys().expect("two keys learned");
+        // The same classes in the other order, and a third: key 1 is class 0 now.
+        let mut p = plan(&[], &b);
+        p.extra_classes = [&a[..], &[70, 71][..]]
+            .iter()
+            .map(|s| crate::plan::ClassSection {
+                requests: (0..).zip(*s).map(|(i, &x)| req(x, J0 + i)).collect(),
+                len: 2 * s.len() as u64,
+            })
+            .collect();
+        let mut d = Cursor::new(&p, 4, &[]);
+        d.adopt_keys(&learned);
+        d.set_key(0);
+        assert_eq!(d.stats.hinted, 1);
+        assert_eq!(run(&mut d, &a), js(0..4));
+        d.mark_iteration(Some(1));
+        assert_eq!(run(&mut d, &b), its(0..5));
+        assert_eq!(d.stats.hinted, 2);
+        assert!(cursor(&[], &a, 4).learned_keys().is_none());
     }
 
     #[test]

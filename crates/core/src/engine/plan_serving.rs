@@ -481,6 +481,8 @@ impl State {
         self.arenas.unpin(p.arena);
         self.drain = 0;
         self.drain_pending = false;
+        // Kept for the next plan (auto mode replaces its plan by one with more classes).
+        self.learned_keys = p.cursor.learned_keys();
         if let Some(why) = why {
             self.abandoned = Some(match p.first_conflict {
                 Some(c) => format!("{why}; first conflict: {c}"),
@@ -568,8 +570,12 @@ impl<D: DeviceMemory> Engine<D> {
         };
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
         let mut cursor = Cursor::new(plan, options.window, &cross);
-        // Loaded at an iteration boundary (a switch): the iteration in progress may have a
-        // key already.
+        // What the last plan learned about keys, for the classes this one has too; and,
+        // loaded at an iteration boundary (a switch), the iteration in progress may have
+        // a key already.
+        if let Some(l) = st.learned_keys.take() {
+            cursor.adopt_keys(&l);
+        }
         if let Some(k) = st.iteration_key {
             cursor.set_key(k);
         }
