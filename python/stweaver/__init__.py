@@ -6,7 +6,7 @@
     for batch in data:
         loss = model(batch).sum(); loss.backward(); opt.step()
         stweaver.step()           # or install(hook_optimizer=True)
-                                  # stweaver.step(key): the next iteration's kind (below)
+                                  # step(key): names the iteration that begins (see step)
 
 or, with no code change, ``python -m stweaver run train.py``. Every ``torch.cuda`` memory API
 keeps working: stweaver is a full ``CUDAAllocator`` (the logic is Rust behind a C++ shim).
