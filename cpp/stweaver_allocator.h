@@ -15,6 +15,7 @@
 //   stweaver::install("auto", "", "");   // first thing: before any CUDA work
 //   ... train with libtorch ...
 //   stweaver::installed()->runtime().step();   // once per iteration (auto / trace / plan)
+//   // or step_key(k): the iteration that begins is of key k (an eval, a length bucket)
 //
 // - stweaver::install(mode, plan, trace): makes stweaver THE CUDA allocator of the
 //   process. Settings:
@@ -39,9 +40,14 @@
 //   iterations, and per device allocated/reserved bytes and their peaks, as JSON) and
 //   installed()->failed_frees().
 // - installed()->runtime(): the Rust runtime (crates/torch-bridge/src/ffi.rs, cxx):
-//   step() marks an iteration boundary, mark(label, begin) opens/closes a named phase,
-//   mode() is the serving mode now, flush_trace() writes the trace (trace mode). Its
-//   errors are rust::Error exceptions.
+//   step() marks an iteration boundary, step_key(k) marks one where an iteration of key k
+//   (any uint64_t label: an eval pass, a sequence-length bucket) begins, iteration_key(k)
+//   labels the iteration in progress without a boundary (before its first allocation);
+//   with a plan of several iteration classes the runtime learns each key's class and
+//   guesses it first for the key's next iteration (a wrong key costs a few requests
+//   served beside the plan, never an overlap; without such a plan keys change nothing).
+//   mark(label, begin) opens/closes a named phase, mode() is the serving mode now,
+//   flush_trace() writes the trace (trace mode). Its errors are rust::Error exceptions.
 //
 // Building and linking: README.md ("Native C++") and cmake/stweaverConfig.cmake; the
 // example examples/cpp/train.cpp.
@@ -167,8 +173,8 @@ class StweaverAllocator final : public CCA::CUDAAllocator {
   // The DataPtr deleter's target. Never throws (it runs in destructors); a failed free is
   // reported on stderr and counted.
   void free_noexcept(void* ptr) noexcept;
-  // The Rust runtime behind this allocator: step(), mark(), mode(), info_json(),
-  // flush_trace() (see the API notes at the top of this file).
+  // The Rust runtime behind this allocator: step(), step_key(), iteration_key(), mark(),
+  // mode(), info_json(), flush_trace() (see the API notes at the top of this file).
   ffi::Runtime& runtime() { return *runtime_; }
   // Frees that failed (unknown pointer, double free): reported on stderr and counted.
   int64_t failed_frees() const { return failed_frees_.load(); }

@@ -77,6 +77,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Mark an iteration boundary.");
 
   m.def(
+      "step_key",
+      [](uint64_t key) {
+        auto& a = need_installed("step");
+        call("step", [&] { a.runtime().step_key(key); });
+      },
+      py::arg("key"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Mark an iteration boundary where an iteration of key `key` (a 64-bit hash) begins.");
+
+  m.def(
+      "iteration_key",
+      [](uint64_t key) {
+        auto& a = need_installed("iteration_key");
+        call("iteration_key", [&] { a.runtime().iteration_key(key); });
+      },
+      py::arg("key"),
+      py::call_guard<py::gil_scoped_release>(),
+      "The iteration in progress has key `key` (a 64-bit hash); no boundary.");
+
+  m.def(
       "mark",
       [](const std::string& label, bool begin) {
         auto& a = need_installed("mark");

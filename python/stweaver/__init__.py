@@ -6,6 +6,7 @@
     for batch in data:
         loss = model(batch).sum(); loss.backward(); opt.step()
         stweaver.step()           # or install(hook_optimizer=True)
+                                  # step(key): names the iteration that begins (see step)
 
 or, with no code change, ``python -m stweaver run train.py``. Every ``torch.cuda`` memory API
 keeps working: stweaver is a full ``CUDAAllocator`` (the logic is Rust behind a C++ shim).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -42,6 +44,7 @@ __all__ = [
     "flush_trace",
     "install",
     "is_installed",
+    "iteration_key",
     "mark",
     "mode",
     "offload",
@@ -141,13 +144,80 @@ def _require():
     return _extension()
 
 
-def step() -> None:
-    """Marks an iteration boundary (call once per training step, e.g. after ``opt.step()``)."""
-    _require().step()
+_KEY_MASK = (1 << 64) - 1
+
+
+def _stable(key) -> bool:
+    """Whether ``key``'s ``repr`` names its value the same in every process."""
+    if isinstance(key, (str, bytes, int, float)) or key is None:
+        return True
+    return isinstance(key, tuple) and all(_stable(k) for k in key)
+
+
+def _key_hash(key) -> int:
+    """The 64-bit label the runtime keys an iteration by: an int as itself (mod 2**64);
+    a str, bytes, float or a tuple of those by a digest of its type and ``repr`` (the same
+    in every process); any other hashable by ``hash()`` (consistent with ``==`` in this
+    process)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            f"an iteration key must be hashable (a str, an int, a tuple...), got {type(key).__name__}"
+        ) from None
+    if isinstance(key, int):
+        return int(key) & _KEY_MASK
+    if not _stable(key):
+        return hash(key) & _KEY_MASK
+    data = f"{type(key).__name__}:{key!r}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def step(key=None) -> None:
+    """Marks an iteration boundary (call once per training step, e.g. after ``opt.step()``).
+
+    ``key`` (optional, any hashable: ``"eval"``, a sequence-length bucket, an int) names the
+    kind of the iteration that *begins* here. With a plan made per iteration class (a loop
+    of a few sequence lengths, eval passes; issue #18) the runtime learns which class each
+    key's iterations are (the class the plan served the key's last iteration as) and, at
+    the next boundary with that key, guesses that class first instead of the class just
+    served: iterations whose first requests are alike (an eval forward and a training
+    forward of one batch shape) then take their own class's places from their first
+    request. The key is only a hint: the iteration's requests still choose, and a wrong
+    key costs a request or two served beside the plan, never an overlap. Without a plan,
+    or with a plan of one class, the key is accepted and changes nothing. ``step()`` with
+    no key is the plain boundary. When the boundaries come from the optimizer hook
+    (``python -m stweaver run``, ``install(hook_optimizer=True)``, auto mode's default), do
+    not call ``step`` as well (that would mark two boundaries per iteration): label the
+    iteration with :func:`iteration_key` instead."""
+    hashed = None if key is None else _key_hash(key)
+    ext = _require()
+    if hashed is None:
+        ext.step()
+    else:
+        ext.step_key(hashed)
     from . import _offload
 
     # After the runtime's boundary: a plan switched to here brings its offload schedule.
     _offload.iteration_end()
+
+
+def iteration_key(key) -> None:
+    """Names the kind of the iteration in progress (the one the last boundary began)
+    without marking a boundary: ``step(key)``'s key for loops whose boundaries come from
+    the optimizer hook (``python -m stweaver run``, ``install(hook_optimizer=True)``)::
+
+        for batch in data:
+            stweaver.iteration_key(len(batch))   # first thing: before the batch goes to CUDA
+            loss = model(batch.cuda()).sum(); loss.backward(); opt.step()   # the hook: step()
+
+    Given before the iteration's first CUDA allocation, the plan's class guess for this
+    iteration begins from the key's class; given later, the key is only learned from (at
+    the iteration's end). ``None`` does nothing. See :func:`step`."""
+    if key is None:
+        return
+    hashed = _key_hash(key)
+    _require().iteration_key(hashed)
 
 
 def _offload_setting(settings: Settings) -> Optional[str]:

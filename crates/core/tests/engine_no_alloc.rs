@@ -200,3 +200,43 @@ fn plans_per_class_and_their_misses_do_not_allocate() {
     assert_eq!((st.hits, st.conflicts, st.unplanned), (400, 0, 200));
     assert_eq!(n, 0, "heap allocations serving a plan per class");
 }
+
+#[test]
+fn keyed_iterations_do_not_allocate() {
+    let e = engine();
+    // Two classes beginning alike; every boundary keyed (200 keys: more than the 64
+    // remembered, so keys are replaced too), and a key given after the boundary.
+    let plan = Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(4 << 20),
+        iteration: vec![req(4096, 0, 0, 3), req(1 << 20, 1 << 20, 1, 2)],
+        iteration_len: 4,
+        extra_classes: vec![stweaver_core::ClassSection {
+            requests: vec![req(4096, 3 << 20, 0, 3), req(2 << 20, 0, 1, 2)],
+            len: 4,
+        }],
+        ..Plan::default()
+    };
+    e.load_plan(&plan, PlanOptions::default()).unwrap();
+    let iterations = || {
+        for k in 0..400u64 {
+            let class = k % 3 == 0;
+            e.mark_iteration_keyed(Some(k % 200 + u64::from(class)))
+                .unwrap();
+            if k % 5 == 0 {
+                e.set_iteration_key(u64::from(class)).unwrap();
+            }
+            let a = e.malloc(Bytes(4096), StreamId(0)).unwrap();
+            let b = e
+                .malloc(Bytes(if class { 2 << 20 } else { 1 << 20 }), StreamId(0))
+                .unwrap();
+            e.free(b).unwrap();
+            e.free(a).unwrap();
+        }
+    };
+    iterations();
+    let n = counted(iterations);
+    let st = e.plan_stats().unwrap().unwrap();
+    assert!(st.hinted > 0, "{st:?}");
+    assert_eq!(n, 0, "heap allocations at keyed boundaries");
+}

@@ -1284,6 +1284,7 @@ fn add_stats(a: PlanStats, b: PlanStats) -> PlanStats {
         grown: a.grown + b.grown,
         skipped: a.skipped + b.skipped,
         iterations: a.iterations + b.iterations,
+        hinted: a.hinted + b.hinted,
     }
 }
 

@@ -291,6 +291,14 @@ pub mod bridge {
 
         /// An iteration boundary (`stweaver.step()`).
         fn step(self: &Runtime) -> Result<()>;
+        /// An iteration boundary where an iteration of key `key` begins
+        /// (`stweaver.step(key)`: the key hashed to 64 bits): with a plan of several
+        /// iteration classes, the class of a key's iterations is learned and guessed
+        /// first; otherwise the key changes nothing.
+        fn step_key(self: &Runtime, key: u64) -> Result<()>;
+        /// The iteration in progress has key `key`, without a boundary
+        /// (`stweaver.iteration_key(key)`, when the optimizer hook marks the boundaries).
+        fn iteration_key(self: &Runtime, key: u64) -> Result<()>;
         /// A named phase marker: `begin` true opens the phase `label`, false closes it.
         fn mark(self: &Runtime, label: &str, begin: bool) -> Result<()>;
         /// The serving mode now ("online", "trace", "plan"; "auto" reports its stage).
@@ -575,6 +583,14 @@ impl Runtime {
 
     pub fn step(&self) -> Result<(), BridgeError> {
         guard("step", || self.core.step())
+    }
+
+    pub fn step_key(&self, key: u64) -> Result<(), BridgeError> {
+        guard("step_key", || self.core.step_keyed(Some(key)))
+    }
+
+    pub fn iteration_key(&self, key: u64) -> Result<(), BridgeError> {
+        guard("iteration_key", || self.core.iteration_key(key))
     }
 
     pub fn mark(&self, label: &str, begin: bool) -> Result<(), BridgeError> {

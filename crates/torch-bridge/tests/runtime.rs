@@ -832,6 +832,99 @@ fn auto_mode_learns_an_iteration_class_first_seen_after_its_switch() {
     rt.free(weights).unwrap();
 }
 
+#[test]
+fn keyed_steps_tell_apart_classes_that_begin_alike() {
+    // A plan of two classes that begin with the same two requests (class 1's third
+    // planned where class 0's first lies), served in plan mode over alternating
+    // iterations: unkeyed, each iteration's shared requests go to the class just served
+    // and its third request finds its range busy; keyed (`step_key`, or `iteration_key`
+    // after a plain `step`, as with the optimizer hook), only the first iteration of each
+    // key guesses.
+    use stweaver_core::plan::{ClassSection, Plan, PlannedRequest};
+    use stweaver_core::units::Offset;
+    let req = |size: u64, offset: u64, i: u64| PlannedRequest {
+        size: Bytes(size),
+        stream: StreamId(S0 as u64),
+        offset: Offset(offset),
+        start: i,
+        end: 6 - i,
+    };
+    let plan = Plan {
+        alignment: Bytes(512),
+        pool_size: Bytes(5 * MIB),
+        iteration: vec![req(MIB, 0, 0), req(MIB, MIB, 1), req(2 * MIB, 2 * MIB, 2)],
+        iteration_len: 6,
+        extra_classes: vec![ClassSection {
+            requests: vec![
+                req(MIB, 3 * MIB, 0),
+                req(MIB, 4 * MIB, 1),
+                req(3 * MIB, 0, 2),
+            ],
+            len: 6,
+        }],
+        ..Plan::default()
+    };
+    let dir = std::env::temp_dir().join(format!("stweaver-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("two_classes.stwp");
+    stweaver_core::plan_file::write_plan_file(&path, &plan).unwrap();
+    let classes = [[MIB, MIB, 2 * MIB], [MIB, MIB, 3 * MIB]];
+    let serve = |how: u32| {
+        let (rt, _devs) = runtime_with_plan("plan", path.to_str().unwrap(), "", 1, 64);
+        // The device opens (its engine and the plan with it) at its first allocation,
+        // before the first step, as in a program (the weights; on another stream, which
+        // the plan does not serve).
+        let weights = rt.malloc(0, 8 * MIB as usize, S1, DEFAULT).unwrap();
+        for i in 0..40usize {
+            let c = i % 2;
+            match how {
+                0 => rt.step().unwrap(),
+                1 => rt.step_key(100 + c as u64).unwrap(),
+                _ => {
+                    rt.step().unwrap();
+                    rt.iteration_key(100 + c as u64).unwrap();
+                }
+            }
+            let ptrs: Vec<usize> = classes[c]
+                .iter()
+                .map(|&s| rt.malloc(0, s as usize, S0, DEFAULT).unwrap())
+                .collect();
+            for p in ptrs.into_iter().rev() {
+                rt.free(p).unwrap();
+            }
+        }
+        rt.free(weights).unwrap();
+        plan_stats(&rt)
+    };
+    let (plain, keyed, late) = (serve(0), serve(1), serve(2));
+    eprintln!(
+        "unkeyed {plain}
+step_key {keyed}
+iteration_key {late}"
+    );
+    assert_eq!(plain["conflicts"], 39, "{plain}");
+    assert_eq!(plain["hinted"], 0, "{plain}");
+    for p in [&keyed, &late] {
+        assert_eq!(p["conflicts"], 1, "{p}");
+        assert_eq!(p["hits"], 119, "{p}");
+        assert_eq!(p["hinted"], 38, "{p}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn keys_without_a_plan_are_accepted_and_change_nothing() {
+    let (rt, _devs) = runtime("online", "", 1, 64);
+    for k in 0..10u64 {
+        rt.step_key(k).unwrap();
+        rt.iteration_key(k * 7).unwrap();
+        iteration(&rt);
+    }
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    assert_eq!(info["iterations"], 10);
+    assert!(info["devices"][0]["plan"].is_null());
+}
+
 /// Plan mode on `plan` reports the refusal (its reason mentions `why`) and trains online.
 fn serves_online_refusing(plan: &std::path::Path, why: &str) {
     let (rt, _devs) = runtime_with_plan("plan", plan.to_str().unwrap(), "", 1, 64);

@@ -102,6 +102,57 @@
 //! served from a hole (module `crate::engine`), never an alias. Runs without markers
 //! stay in the class they are in.
 //!
+//! # Keyed iterations
+//!
+//! Classes whose first requests are the same (an eval pass and a training step of one
+//! batch shape: the same forward; two length buckets sharing the embedding's buffers)
+//! cannot be told apart by those requests: the class just served wins the tie and,
+//! when the iteration is of the other class, its shared requests go to the wrong
+//! class's places (conflicts later in the iteration, or, past `4 · CONFIRM` shared
+//! requests, the beam closed on the wrong class). The program often knows the class:
+//! `stweaver.step(key)` labels the iteration that begins at the boundary (an eval, a
+//! length bucket). No key is in the plan file: the key → class map is *learned* at run
+//! time.
+//!
+//! - **Learning.** At the end of an iteration with a key, if at least half of its
+//!   class's requests matched (hits, and conflicts: the class was right, the range
+//!   busy), that class is the key's: the best hypothesis's, with the head start below
+//!   taken off (a wrong key whose iteration ended right after its requests differed,
+//!   while the key's class still led, is corrected all the same).
+//! - **Hint.** At the start of an iteration whose key is known, the beam branches as
+//!   before, but with the key's class first and every other class at cost [`HINT`] (2):
+//!   the key's class serves the shared requests and keeps the lead unless its requests
+//!   clearly do not match, i.e. until it pays `HINT` more than another class (one
+//!   request served unplanned, then the right class takes over, as an unkeyed branch
+//!   would have at the first request that differs).
+//! - **An open beam.** In an iteration with a key (known or not), a hypothesis of
+//!   another class within the head start (0 for an unknown key: a tie) is a rival, and
+//!   the beam does not close while one remains, not even after `4 · CONFIRM` matches:
+//!   the classes stay open over a shared prefix of any length, at O(classes) per
+//!   request while they all match, instead of the fast path.
+//! - **A wrong key** (one whose iterations change class) is a wrong guess like the
+//!   unkeyed one, a request placed at another class's offset, which is a conflict when
+//!   the range is occupied, never an alias (the engine checks every planned range),
+//!   plus one request unplanned while the key's class keeps its head start; the key is
+//!   learned anew from that iteration. The beam is never restricted to one class.
+//! - An unknown key, a plan of one class, or no plan: the key changes nothing (but for
+//!   the open beam). A key given after the boundary (`stweaver.iteration_key`, when the
+//!   boundaries come from the optimizer hook; [`Cursor::set_key`]) seeds the beam the
+//!   same way while the cursor still stands at the iteration's start with nothing
+//!   matched, and is only learned from after that. A second marker at the same start,
+//!   with no request since and no key, keeps the first one's.
+//! - **A plan replaced** (auto mode's plan with the classes it learned after its
+//!   switch: `Engine::unload_plan`, then a new plan) keeps what was learned: the engine
+//!   keeps the old cursor's [`LearnedKeys`] and the new cursor adopts each key for its
+//!   class of the same request signature ([`Cursor::adopt_keys`]).
+//!
+//! Measured (`crates/core/tests/engine_plan_classes.rs`): two classes beginning alike,
+//! alternating, 40 iterations: 39 conflicts unkeyed, 1 keyed; keys that always name the
+//! wrong class (the unkeyed guess right half the time): one request unplanned per
+//! iteration, 38 instead of 19 conflicts, none an overlap. Cost: O([`MAX_KEYS`]) at a
+//! boundary (64 keys in a fixed array, the least recently used replaced), nothing per
+//! request but the open beam.
+//!
 //! The virtual clock ([`Cursor::vtick`]) counts on across classes of different lengths:
 //! at each marker positions are rebased to `P` and the tick where the new iteration
 //! starts is kept (`base_tick`), so planned ends handed out earlier stay comparable.
@@ -114,8 +165,9 @@
 //!
 //! O(1) per request on the fast path; O(BEAM · window) worst case while the beam is
 //! open (after a departure from the plan, or at an iteration start of a plan with
-//! several classes until its first requests chose one). No heap allocation after construction (the
-//! beam is a fixed array).
+//! several classes until its first requests chose one). O([`MAX_KEYS`]) per iteration
+//! boundary for the keys. No heap allocation after construction (the beam and the
+//! keys are fixed arrays).
 
 use crate::plan::{Plan, PlannedRequest};
 use crate::units::{Offset, StreamId};
@@ -134,6 +186,13 @@ pub const CONFIRM: u32 = 3;
 const INSERT: u32 = 1;
 /// Cost of going back to the start of the current iteration.
 const RESTART: u32 = 4;
+/// Keys remembered at most (module docs, keyed iterations); the least recently used one
+/// goes first.
+pub const MAX_KEYS: usize = 64;
+/// The head start of a key's class at an iteration start: the other classes' hypotheses
+/// begin at this cost (module docs, keyed iterations). Below [`MARGIN`], so they stay in
+/// the beam.
+pub const HINT: u32 = 2;
 
 /// What plan serving has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -161,6 +220,9 @@ pub struct PlanStats {
     pub skipped: u64,
     /// Iterations started (the prologue counts as none).
     pub iterations: u64,
+    /// Iterations whose class guess began from the class their key was last served as
+    /// (module docs of `cursor`, keyed iterations).
+    pub hinted: u64,
 }
 
 /// Which section the cursor is in.
@@ -197,6 +259,82 @@ struct Hyp {
     class: u32,
 }
 
+/// One remembered key (module docs, keyed iterations).
+#[derive(Debug, Clone, Copy, Default)]
+struct KeySlot {
+    key: u64,
+    class: u32,
+    /// [`KeyClasses::clock`] at its last use.
+    used: u64,
+}
+
+/// What the cursor learned about iteration keys: for each key (at most [`MAX_KEYS`], the
+/// least recently used one replaced), the class its last well-served iteration was. A
+/// fixed array, looked up at iteration boundaries only: O(`MAX_KEYS`), no heap.
+#[derive(Debug, Clone)]
+struct KeyClasses {
+    slots: [KeySlot; MAX_KEYS],
+    n: usize,
+    clock: u64,
+}
+
+impl KeyClasses {
+    fn new() -> KeyClasses {
+        KeyClasses {
+            slots: [KeySlot::default(); MAX_KEYS],
+            n: 0,
+            clock: 0,
+        }
+    }
+
+    /// The class `key` was last served as, if it is known (a use: it stays longer).
+    fn get(&mut self, key: u64) -> Option<u32> {
+        self.clock += 1;
+        let clock = self.clock;
+        let s = self.slots[..self.n].iter_mut().find(|s| s.key == key)?;
+        s.used = clock;
+        Some(s.class)
+    }
+
+    /// Remembers that `key`'s iteration was served as `class`.
+    fn learn(&mut self, key: u64, class: u32) {
+        self.clock += 1;
+        let slot = KeySlot {
+            key,
+            class,
+            used: self.clock,
+        };
+        if let Some(s) = self.slots[..self.n].iter_mut().find(|s| s.key == key) {
+            *s = slot;
+        } else if self.n < MAX_KEYS {
+            self.slots[self.n] = slot;
+            self.n += 1;
+        } else if let Some(s) = self.slots.iter_mut().min_by_key(|s| s.used) {
+            *s = slot;
+        }
+    }
+}
+
+/// What a cursor learned about keys, kept over a plan's replacement (auto mode's plan
+/// with classes learned after its switch: `Engine::unload_plan`, then a new plan
+/// loaded): each class named by its request signature, so that a key follows its class
+/// to wherever the new plan has it.
+#[derive(Debug, Clone)]
+pub(crate) struct LearnedKeys {
+    keys: KeyClasses,
+    classes: Vec<u64>,
+}
+
+/// A class's request signature: its requests' sizes and streams (FNV-1a).
+fn signature(section: &[Expected]) -> u64 {
+    section
+        .iter()
+        .flat_map(|e| [e.size, e.stream.0])
+        .fold(0xcbf2_9ce4_8422_2325, |h, x| {
+            (h ^ x).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Cand {
     pos: u64,
@@ -230,6 +368,19 @@ pub(crate) struct Cursor {
     seen: u64,
     /// The last operation was a resynchronisation to an iteration start.
     at_start: bool,
+    /// The key of the iteration in progress, if it has one (module docs, keyed
+    /// iterations).
+    key: Option<u64>,
+    /// Each key's class, as learned.
+    keys: KeyClasses,
+    /// Requests matched (hits and conflicts) and `seen` when the iteration in progress
+    /// began.
+    matched_at_start: u64,
+    seen_at_start: u64,
+    /// A key's class (`lead`) leads the beam by this head start: until the beam closes,
+    /// a hypothesis of another class within it of the best is a rival (0: no hint).
+    handicap: u32,
+    lead: u32,
     pub stats: PlanStats,
 }
 
@@ -241,6 +392,8 @@ pub(crate) struct Bookmark {
     streak: u32,
     at_start: bool,
     base_tick: u64,
+    handicap: u32,
+    lead: u32,
 }
 
 fn skip_cost(k: u64) -> u32 {
@@ -284,21 +437,29 @@ impl Cursor {
             window: window.max(1) as u64,
             seen: 0,
             at_start: starts_in_iteration,
+            key: None,
+            keys: KeyClasses::new(),
+            matched_at_start: 0,
+            seen_at_start: 0,
+            handicap: 0,
+            lead: 0,
             stats: PlanStats {
                 iterations: u64::from(starts_in_iteration),
                 ..PlanStats::default()
             },
         };
         if starts_in_iteration {
-            c.branch(0);
+            c.branch(0, false);
         }
         c
     }
 
-    /// The beam at the start of an iteration (position `P`), one hypothesis per class at
-    /// cost 0, class `first` first (the preferred one on a tie): the iteration's first
-    /// requests tell the classes apart (module docs, iteration classes).
-    fn branch(&mut self, first: u32) {
+    /// The beam at the start of an iteration (position `P`), one hypothesis per class,
+    /// class `first` first (the preferred one on a tie): the iteration's first requests
+    /// tell the classes apart (module docs, iteration classes). All at cost 0, or, when
+    /// `hinted` (`first` is the class of the iteration's key), the others at [`HINT`]
+    /// (module docs, keyed iterations).
+    fn branch(&mut self, first: u32, hinted: bool) {
         let k = self.classes.len();
         self.n = k.max(1);
         let p = self.p();
@@ -306,9 +467,93 @@ impl Cursor {
         for (slot, class) in self.beam.iter_mut().zip(order) {
             *slot = Hyp {
                 pos: p,
-                cost: 0,
+                cost: if hinted && class != first { HINT } else { 0 },
                 class,
             };
+        }
+        self.handicap = if hinted && k > 1 { HINT } else { 0 };
+        self.lead = first;
+    }
+
+    /// Requests matched so far: hits and conflicts.
+    fn matched_count(&self) -> u64 {
+        self.stats.hits + self.stats.conflicts
+    }
+
+    /// The class the iteration in progress was, for its key: the best hypothesis's,
+    /// the key's head start taken off if it still holds (the key's class may lead
+    /// only thanks to it: a wrong key whose iteration ended soon after its requests
+    /// showed it).
+    fn served_class(&self) -> u32 {
+        if self.handicap == 0 {
+            return self.class();
+        }
+        let (lead, head) = (self.lead, self.handicap);
+        self.beam[..self.n]
+            .iter()
+            .min_by_key(|h| {
+                let own = h.class == lead;
+                (
+                    i64::from(h.cost) - i64::from(if own { 0 } else { head }),
+                    !own,
+                )
+            })
+            .map_or(self.class(), |h| h.class)
+    }
+
+    /// The class `key` was last served as, if the plan has several classes and the key
+    /// is known.
+    fn hint(&mut self, key: Option<u64>) -> Option<u32> {
+        let k = self.classes.len();
+        if k < 2 {
+            return None;
+        }
+        key.and_then(|key| self.keys.get(key))
+            .filter(|&c| (c as usize) < k)
+    }
+
+    /// The iteration in progress has key `key` (`stweaver.iteration_key`, or a plan
+    /// loaded mid-iteration): learned from at its end, and, if the cursor still stands
+    /// at the iteration's start with nothing matched, its class guess begins from the
+    /// key's class (module docs, keyed iterations). Later, the key is only learned from.
+    pub fn set_key(&mut self, key: u64) {
+        self.key = Some(key);
+        if !self.at_start || self.best() != self.p() {
+            return;
+        }
+        if let Some(h) = self.hint(Some(key)) {
+            if self.handicap == 0 {
+                self.stats.hinted += 1;
+            }
+            self.branch(h, true);
+            self.streak = 0;
+        }
+    }
+
+    /// What the cursor learned about keys, if anything (for a plan that replaces this
+    /// one: [`Cursor::adopt_keys`]).
+    pub fn learned_keys(&self) -> Option<LearnedKeys> {
+        (self.keys.n > 0).then(|| LearnedKeys {
+            keys: self.keys.clone(),
+            classes: self.classes.iter().map(|c| signature(c)).collect(),
+        })
+    }
+
+    /// Takes over what another plan's cursor learned about keys: each key's class, where
+    /// this plan has a class of the same request signature (others are dropped).
+    pub fn adopt_keys(&mut self, learned: &LearnedKeys) {
+        if self.classes.len() < 2 {
+            return;
+        }
+        let now: Vec<u64> = self.classes.iter().map(|c| signature(c)).collect();
+        let mut slots = learned.keys.slots[..learned.keys.n].to_vec();
+        // Oldest first, so that the least recently used stays so.
+        slots.sort_unstable_by_key(|s| s.used);
+        for s in slots {
+            let class = learned.classes.get(s.class as usize);
+            if let Some(c) = class.and_then(|f| now.iter().position(|g| g == f)) {
+                self.keys.learn(s.key, c as u32);
+            }
         }
     }
 
@@ -658,14 +903,25 @@ impl Cursor {
                 class: c.class,
             };
         }
-        let rival = self.beam[1..self.n].iter().any(|h| h.cost == 0);
+        // A rival: another hypothesis at the best cost, or one of another class within a
+        // key's head start. In an iteration with a key the beam does not close while
+        // another class is a rival, however long the requests they share (module docs,
+        // keyed iterations).
+        let handicap = self.handicap;
+        let rivals = &self.beam[1..self.n];
+        let class_rival = rivals
+            .iter()
+            .any(|h| h.class != best.class && h.cost <= handicap);
+        let rival = class_rival || rivals.iter().any(|h| h.cost == 0);
         if best.direct {
             self.streak = self.streak.saturating_add(1);
         } else {
             self.streak = 0;
         }
-        if self.streak >= CONFIRM && !rival || self.streak >= 4 * CONFIRM {
+        let forced = self.streak >= 4 * CONFIRM && !(class_rival && self.key.is_some());
+        if self.streak >= CONFIRM && !rival || forced {
             self.n = 1;
+            self.handicap = 0;
         }
         self.stats.skipped += best.skipped;
         match best.matched {
@@ -714,6 +970,8 @@ impl Cursor {
             streak: self.streak,
             at_start: self.at_start,
             base_tick: self.base_tick,
+            handicap: self.handicap,
+            lead: self.lead,
         }
     }
 
@@ -725,12 +983,17 @@ impl Cursor {
         self.streak = b.streak;
         self.at_start = b.at_start;
         self.base_tick = b.base_tick;
+        self.handicap = b.handicap;
+        self.lead = b.lead;
     }
 
-    /// An iteration boundary (module docs: snap to the nearest iteration start).
-    pub fn mark_iteration(&mut self) {
+    /// An iteration boundary (module docs: snap to the nearest iteration start); `key`:
+    /// the key of the iteration that begins here, if it has one (module docs, keyed
+    /// iterations).
+    pub fn mark_iteration(&mut self, key: Option<u64>) {
         let (p, l) = (self.p(), self.l());
         if l == 0 {
+            self.key = key;
             return;
         }
         let v = self.best();
@@ -738,6 +1001,8 @@ impl Cursor {
             let near_end = p - v <= l / 2;
             let run_long_enough = self.seen + l / 2 >= p;
             if !(near_end || run_long_enough) {
+                // A boundary the prologue spans: whatever follows is still the prologue.
+                self.key = key;
                 return;
             }
             self.stats.skipped += p - v;
@@ -751,16 +1016,42 @@ impl Cursor {
                 p + (k + 1) * l
             }
         };
-        // A new iteration starts here, unless a marker (or the load) already put the
-        // cursor at this very start.
-        if !(self.at_start && target == v) {
+        // A marker (or the load) already put the cursor at this very start: no new
+        // iteration; with no request since, a marker without a key keeps the key the
+        // first one gave.
+        let repeat = self.at_start && target == v;
+        let again = repeat && self.seen == self.seen_at_start;
+        let key = if again { key.or(self.key) } else { key };
+        // The iteration that ends here had a key: if at least half of its class's
+        // requests matched (a hit, or a conflict: the range was busy, the class right),
+        // the class it was served as is the key's.
+        let c = self.class();
+        if let Some(k) = self.key
+            && !repeat
+            && v >= p
+            && self.classes.len() > 1
+        {
+            let served = self.served_class();
+            let matched = self.matched_count().saturating_sub(self.matched_at_start);
+            if 2 * matched >= self.l_of(served) {
+                self.keys.learn(k, served);
+            }
+        }
+        if !repeat {
             self.stats.iterations += 1;
         }
         // Positions start again at `P`, the clock where the target iteration starts
-        // (module docs, iteration classes); then one hypothesis per class.
-        let c = self.class();
+        // (module docs, iteration classes); then one hypothesis per class, the key's
+        // class first if it is known, else the class just served.
         self.base_tick = self.vtick_in(c, target, 0);
-        self.branch(c);
+        self.key = key;
+        self.matched_at_start = self.matched_count();
+        self.seen_at_start = self.seen;
+        let hint = self.hint(key);
+        if hint.is_some() && !(again && self.handicap > 0) {
+            self.stats.hinted += 1;
+        }
+        self.branch(hint.unwrap_or(c), hint.is_some());
         self.streak = 0;
         self.at_start = true;
     }
@@ -842,12 +1133,12 @@ mod tests {
         assert_eq!(run(&mut c, &b), js(0..3));
         assert_eq!(c.class(), 1);
         for _ in 0..3 {
-            c.mark_iteration();
+            c.mark_iteration(None);
             assert_eq!(run(&mut c, &a), its(0..4));
             assert_eq!(c.class(), 0);
-            c.mark_iteration();
+            c.mark_iteration(None);
             assert_eq!(run(&mut c, &b), js(0..3));
-            c.mark_iteration();
+            c.mark_iteration(None);
             assert_eq!(run(&mut c, &b), js(0..3));
         }
         assert_eq!(c.stats.hits, 3 + 3 * 10);
@@ -861,7 +1152,7 @@ mod tests {
         let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
         let mut c = two_classes(&a, &b);
         assert_eq!(run(&mut c, &a), its(0..4));
-        c.mark_iteration();
+        c.mark_iteration(None);
         let got = run(&mut c, &b);
         // The shared prefix went to class 0's places (the wrong guess: at worst a
         // conflict for the engine), the rest to class 1's.
@@ -870,6 +1161,225 @@ mod tests {
         assert_eq!(c.class(), 1);
         // Two iterations (the load's and the marker's): the change of class adds none.
         assert_eq!(c.stats.iterations, 2);
+    }
+
+    /// Runs `iters` (class 0 = `a`, 1 = `b`; each with its key when `keyed`) after a
+    /// marker each; returns how many requests went to their own class's planned place.
+    fn served_right(c: &mut Cursor, a: &[u64], b: &[u64], iters: &[u32], keyed: bool) -> usize {
+        let mut right = 0;
+        for &k in iters {
+            c.mark_iteration(keyed.then_some(100 + u64::from(k)));
+            let (seq, want) = if k == 0 {
+                (a, its(0..a.len() as u64))
+            } else {
+                (b, js(0..b.len() as u64))
+            };
+            let got = run(c, seq);
+            right += got.iter().zip(&want).filter(|(g, w)| g == w).count();
+        }
+        right
+    }
+
+    #[test]
+    fn a_key_tells_apart_classes_that_share_their_first_requests() {
+        // Alternating classes that begin alike: unkeyed, the class just served takes the
+        // shared prefix of every iteration (the wrong one); keyed, once each key was seen,
+        // the key's class does.
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let iters: Vec<u32> = (0..20).map(|i| i % 2).collect();
+        let mut plain = two_classes(&a, &b);
+        let unkeyed = served_right(&mut plain, &a, &b, &iters, false);
+        let mut keyed = two_classes(&a, &b);
+        let with_keys = served_right(&mut keyed, &a, &b, &iters, true);
+        let all = 10 * (a.len() + b.len());
+        // Unkeyed: the prefix of every iteration but the first wrong (2 × 19).
+        assert_eq!(unkeyed, all - 2 * 19);
+        // Keyed: wrong only where a key was new (the second iteration).
+        assert_eq!(with_keys, all - 2);
+        assert_eq!(keyed.stats.hinted, 18);
+        assert_eq!((plain.stats.hinted, plain.stats.unplanned), (0, 0));
+        assert_eq!(keyed.stats.unplanned, 0);
+    }
+
+    #[test]
+    fn a_key_keeps_the_beam_open_past_a_long_shared_prefix() {
+        // 15 shared requests: unkeyed, the beam closes on the class just served after
+        // 4 · CONFIRM matches, and the other class's last requests match nothing.
+        let shared: Vec<u64> = (1..=15).collect();
+        let a: Vec<u64> = shared.iter().copied().chain([100]).collect();
+        let b: Vec<u64> = shared.iter().copied().chain([200, 201]).collect();
+        let iters = [0, 1, 0, 1, 0, 1];
+        let mut plain = two_classes(&a, &b);
+        let unkeyed = served_right(&mut plain, &a, &b, &iters, false);
+        let mut keyed = two_classes(&a, &b);
+        let with_keys = served_right(&mut keyed, &a, &b, &iters, true);
+        let all = 3 * (a.len() + b.len());
+        assert!(unkeyed < all / 2, "{unkeyed} of {all}");
+        // Keyed: the beam stays open over the shared prefix while another class ties;
+        // only the second iteration's prefix (key 101 still new) is wrong.
+        assert_eq!(with_keys, all - 15, "{:?}", keyed.stats);
+    }
+
+    #[test]
+    fn a_wrong_key_costs_one_unplanned_request_then_the_right_class_serves() {
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let mut c = two_classes(&a, &b);
+        // Key 7 is learned as class 0.
+        c.mark_iteration(Some(7));
+        assert_eq!(run(&mut c, &a), its(0..4));
+        // Then an iteration of class 1 with key 7: the shared prefix at class 0's places
+        // (as an unkeyed guess would), one request unplanned while class 0 keeps its
+        // head start, then class 1's places.
+        c.mark_iteration(Some(7));
+        assert_eq!(c.stats.hinted, 1);
+        let got = run(&mut c, &b);
+        assert_eq!(
+            got,
+            vec![Some(I0), Some(I0 + 1), None, Some(J0 + 3), Some(J0 + 4)]
+        );
+        assert_eq!(c.class(), 1);
+        assert_eq!(c.stats.unplanned, 1);
+        // Key 7's iteration was served as class 1 (3 of 5 hits): the key now says 1.
+        c.mark_iteration(Some(7));
+        assert_eq!(run(&mut c, &b), js(0..5));
+    }
+
+    #[test]
+    fn a_wrong_key_is_corrected_even_when_the_classes_differ_only_in_the_last_request() {
+        // Key 7 is first class 0's, then always class 1's, which differs from class 0
+        // only in its last request: the iteration ends while class 0 still leads by its
+        // head start, but without it class 1 would: key 7 is learned as class 1.
+        let (a, b) = ([5, 6, 7], [5, 6, 9]);
+        let mut c = two_classes(&a, &b);
+        c.mark_iteration(Some(7));
+        assert_eq!(run(&mut c, &a), its(0..3));
+        c.mark_iteration(Some(7));
+        assert_eq!(run(&mut c, &b), vec![Some(I0), Some(I0 + 1), None]);
+        c.mark_iteration(Some(7));
+        assert_eq!(run(&mut c, &b), js(0..3));
+        assert_eq!(c.stats.hinted, 2);
+    }
+
+    #[test]
+    fn a_key_is_learned_only_from_a_well_served_iteration() {
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let mut c = two_classes(&a, &b);
+        assert_eq!(run(&mut c, &a), its(0..4));
+        // Key 9's iteration matches nothing: nothing learned.
+        c.mark_iteration(Some(9));
+        assert_eq!(run(&mut c, &[70, 71, 72, 73]), vec![None; 4]);
+        c.mark_iteration(None);
+        // An unkeyed iteration teaches nothing either.
+        assert_eq!(
+            run(&mut c, &b),
+            js(0..5)
+                .into_iter()
+                .enumerate()
+                .map(|(i, j)| if i < 2 { Some(I0 + i as u64) } else { j })
+                .collect::<Vec<_>>()
+        );
+        c.mark_iteration(Some(9));
+        assert_eq!(c.stats.hinted, 0);
+    }
+
+    #[test]
+    fn a_key_given_at_the_iteration_start_seeds_the_guess_later_only_teaches() {
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let mut c = two_classes(&a, &b);
+        // Key 1 still unknown: the class just served (0) takes the shared prefix.
+        c.mark_iteration(None);
+        c.set_key(1);
+        let got = run(&mut c, &b);
+        assert_eq!(got[..2], its(0..2)[..]);
+        assert_eq!(got[2..], js(2..5)[..]);
+        c.mark_iteration(None);
+        c.set_key(0);
+        let got = run(&mut c, &a);
+        assert_eq!(got[..2], js(0..2)[..]);
+        assert_eq!(got[2..], its(2..4)[..]);
+        assert_eq!(c.stats.hinted, 0);
+        // Both keys known: given at the start, the key's class serves the shared prefix.
+        c.mark_iteration(None);
+        c.set_key(1);
+        assert_eq!(run(&mut c, &b), js(0..5));
+        assert_eq!(c.stats.hinted, 1);
+        // A repeated unkeyed marker at the same start keeps the key.
+        c.mark_iteration(Some(0));
+        c.mark_iteration(None);
+        assert_eq!(run(&mut c, &a), its(0..4));
+        assert_eq!(c.stats.hinted, 2);
+        // Given after the first request, a key changes nothing for this iteration.
+        c.mark_iteration(None);
+        assert_eq!(at(&mut c, 5), Some(I0));
+        c.set_key(1);
+        assert_eq!(c.stats.hinted, 2);
+        assert_eq!(run(&mut c, &[6, 7, 8]), its(1..4));
+    }
+
+    #[test]
+    fn keys_change_nothing_in_a_plan_of_one_class() {
+        let it = [5, 6, 7, 8];
+        let mut plain = cursor(&[1], &it, 4);
+        let mut keyed = cursor(&[1], &it, 4);
+        let seq = [1, 5, 6, 7, 8, 5, 6, 99, 8, 5, 7, 8];
+        for (k, &s) in seq.iter().enumerate() {
+            if k % 4 == 1 {
+                plain.mark_iteration(None);
+                keyed.mark_iteration(Some(k as u64 % 3));
+                keyed.set_key(7);
+            }
+            assert_eq!(at(&mut plain, s), at(&mut keyed, s));
+        }
+        assert_eq!(plain.stats, keyed.stats);
+        assert_eq!(keyed.stats.hinted, 0);
+    }
+
+    #[test]
+    fn keys_follow_their_classes_into_a_plan_that_replaces_this_one() {
+        let (a, b) = ([5, 6, 7, 8], [5, 6, 9, 10, 11]);
+        let mut c = two_classes(&a, &b);
+        for (k, seq) in [(0, &a[..]), (1, &b[..])] {
+            c.mark_iteration(Some(k));
+            let _ = run(&mut c, seq);
+        }
+        c.mark_iteration(None);
+        let learned = c.learned_keys().expect("two keys learned");
+        // The same classes in the other order, and a third: key 1 is class 0 now.
+        let mut p = plan(&[], &b);
+        p.extra_classes = [&a[..], &[70, 71][..]]
+            .iter()
+            .map(|s| crate::plan::ClassSection {
+                requests: (0..).zip(*s).map(|(i, &x)| req(x, J0 + i)).collect(),
+                len: 2 * s.len() as u64,
+            })
+            .collect();
+        let mut d = Cursor::new(&p, 4, &[]);
+        d.adopt_keys(&learned);
+        d.set_key(0);
+        assert_eq!(d.stats.hinted, 1);
+        assert_eq!(run(&mut d, &a), js(0..4));
+        d.mark_iteration(Some(1));
+        assert_eq!(run(&mut d, &b), its(0..5));
+        assert_eq!(d.stats.hinted, 2);
+        assert!(cursor(&[], &a, 4).learned_keys().is_none());
+    }
+
+    #[test]
+    fn the_key_map_keeps_the_most_recently_used_keys() {
+        let mut m = KeyClasses::new();
+        for k in 0..MAX_KEYS as u64 {
+            m.learn(k, (k % 3) as u32);
+        }
+        assert_eq!(m.get(0), Some(0)); // used: key 1 is now the oldest
+        m.learn(1000, 2);
+        assert_eq!(m.get(1), None);
+        assert_eq!(
+            (m.get(0), m.get(2), m.get(1000)),
+            (Some(0), Some(2), Some(2))
+        );
+        m.learn(2, 1);
+        assert_eq!(m.get(2), Some(1));
+        assert_eq!(m.n, MAX_KEYS);
     }
 
     #[test]
@@ -886,7 +1396,7 @@ mod tests {
                 .collect();
             assert!(v.iter().all(|&e| e == v[0]), "{v:?}");
             ends.push(v[0]);
-            c.mark_iteration();
+            c.mark_iteration(None);
         }
         assert_eq!(ends, [1, 9, 15, 21, 29]);
     }
@@ -898,7 +1408,7 @@ mod tests {
         let fwd = [10, 11, 12, 13];
         let it: Vec<u64> = fwd.iter().copied().chain(20..28).collect();
         let mut c = cursor(&[], &it, 4);
-        c.mark_iteration();
+        c.mark_iteration(None);
         let _ = run(&mut c, &fwd);
         let _ = run(&mut c, &fwd);
         // Served as extra until the restart's cost is paid back (3 requests), then at
@@ -908,7 +1418,7 @@ mod tests {
         assert_eq!(got[3..], its(3..12)[..]);
         // A restart is not taken from the iteration's second half (checkpointing's
         // recomputed forwards in backward look like a forward too).
-        c.mark_iteration();
+        c.mark_iteration(None);
         let _ = run(&mut c, &it[..8]);
         assert_eq!(run(&mut c, &[10]), vec![None]);
     }
@@ -1007,20 +1517,20 @@ mod tests {
         let it: Vec<u64> = (10..20).collect();
         let mut c = cursor(&[1, 2], &it, 4);
         assert_eq!(run(&mut c, &[1, 2]), [P0, P0 + 1].map(Some));
-        c.mark_iteration(); // prologue done: steady state starts
+        c.mark_iteration(None); // prologue done: steady state starts
         assert_eq!(c.position(), (Section::Iteration, 0));
         assert_eq!(c.stats.iterations, 1);
-        c.mark_iteration(); // twice at the same start: nothing new
+        c.mark_iteration(None); // twice at the same start: nothing new
         assert_eq!(c.stats.iterations, 1);
         assert_eq!(run(&mut c, &it[..7]), its(0..7));
-        c.mark_iteration(); // cut short at 7 of 10: forward
+        c.mark_iteration(None); // cut short at 7 of 10: forward
         assert_eq!(c.position(), (Section::Iteration, 0));
         assert_eq!(c.stats.skipped, 3);
         assert_eq!(run(&mut c, &it), its(0..10));
         assert_eq!(c.position(), (Section::Iteration, 10));
         // Ran ahead: the start of the next iteration was matched before its marker.
         assert_eq!(run(&mut c, &[10, 11]), its(0..2));
-        c.mark_iteration();
+        c.mark_iteration(None);
         assert_eq!(c.position(), (Section::Iteration, 0));
         assert_eq!(run(&mut c, &[10]), its(0..1));
         assert_eq!(c.stats.iterations, 4);
@@ -1035,13 +1545,13 @@ mod tests {
         let mut c = cursor(&pro, &it, 4);
         // A marker early in the prologue is one the prologue spans.
         assert_eq!(run(&mut c, &pro[..5]).iter().flatten().count(), 5);
-        c.mark_iteration();
+        c.mark_iteration(None);
         assert_eq!(c.position(), (Section::Prologue, 5));
         // The run does its own setup (other sizes), then starts iterating.
         for k in 0..40 {
             assert_eq!(at(&mut c, 5000 + k), None);
         }
-        c.mark_iteration();
+        c.mark_iteration(None);
         assert_eq!(c.position(), (Section::Iteration, 0));
         assert_eq!(run(&mut c, &it), its(0..10));
     }
@@ -1051,7 +1561,7 @@ mod tests {
         let mut c = cursor(&[1], &[], 4);
         assert_eq!(at(&mut c, 1), Some(P0));
         assert_eq!(at(&mut c, 1), None);
-        c.mark_iteration();
+        c.mark_iteration(None);
         assert_eq!(at(&mut c, 1), None);
         assert_eq!(c.upcoming(4).count(), 0);
     }

@@ -151,6 +151,11 @@ struct State {
     pauses: pause::Pauses,
     /// Whether releasing holes before a new peak churns (module `release`).
     churn: release::Churn,
+    /// The key of the iteration in progress (`Engine::mark_iteration_keyed`,
+    /// `Engine::set_iteration_key`), for a plan loaded mid-iteration.
+    iteration_key: Option<u64>,
+    /// What the last plan's cursor learned about keys, for the next plan loaded.
+    learned_keys: Option<cursor::LearnedKeys>,
 }
 
 /// The online engine. See the module documentation.
@@ -233,6 +238,8 @@ impl<D: DeviceMemory> Engine<D> {
             keep_arenas: false,
             pauses: pause::Pauses::default(),
             churn: release::Churn::new(config.release_churn_iterations),
+            iteration_key: None,
+            learned_keys: None,
         };
         state.arenas.set_fine_units(limit < total);
         let pool_unit = config

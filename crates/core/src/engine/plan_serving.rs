@@ -481,6 +481,8 @@ impl State {
         self.arenas.unpin(p.arena);
         self.drain = 0;
         self.drain_pending = false;
+        // Kept for the next plan (auto mode replaces its plan by one with more classes).
+        self.learned_keys = p.cursor.learned_keys();
         if let Some(why) = why {
             self.abandoned = Some(match p.first_conflict {
                 Some(c) => format!("{why}; first conflict: {c}"),
@@ -567,7 +569,16 @@ impl<D: DeviceMemory> Engine<D> {
             }
         };
         stats::increase(&mut st.stats.segment, PoolKind::Large, 1);
-        let cursor = Cursor::new(plan, options.window, &cross);
+        let mut cursor = Cursor::new(plan, options.window, &cross);
+        // What the last plan learned about keys, for the classes this one has too; and,
+        // loaded at an iteration boundary (a switch), the iteration in progress may have
+        // a key already.
+        if let Some(l) = st.learned_keys.take() {
+            cursor.adopt_keys(&l);
+        }
+        if let Some(k) = st.iteration_key {
+            cursor.set_key(k);
+        }
         let stream_ranges: usize = streams.iter().map(|(_, u)| u.len()).sum();
         // With several classes a hole also keeps clear of the other classes' requests
         // (module `plan_holes`): room for all of them, so that a miss never allocates.
@@ -649,9 +660,37 @@ impl<D: DeviceMemory> Engine<D> {
 
     /// An iteration boundary: recorded as an `IterationBegin` marker in the trace, and
     /// the plan's cursor (if a plan is served) resynchronises to the start of the
-    /// iteration section.
+    /// iteration section. [`Engine::mark_iteration_keyed`] with no key.
     pub fn mark_iteration(&self) -> Result<(), EngineError> {
+        self.mark_iteration_keyed(None)
+    }
+
+    /// The key of the iteration in progress is `key` (`stweaver.iteration_key`: the
+    /// boundary came from elsewhere, the optimizer hook), as if the last boundary had
+    /// been marked with it ([`Engine::mark_iteration_keyed`]): learned from at the
+    /// iteration's end; given before the iteration's first planned request, its class
+    /// guess begins from the key's class too. Without a plan of several classes the key
+    /// is kept (a plan loaded later starts with it) and changes nothing else.
+    pub fn set_iteration_key(&self, key: u64) -> Result<(), EngineError> {
         let mut st = self.lock()?;
+        st.iteration_key = Some(key);
+        if let Some(p) = st.plan.as_mut() {
+            p.cursor.set_key(key);
+        }
+        Ok(())
+    }
+
+    /// An iteration boundary ([`Engine::mark_iteration`]) where an iteration of key `key`
+    /// begins (`stweaver.step(key)`: an eval pass, a sequence-length bucket). With a plan
+    /// of several iteration classes the cursor learns, per key, the class the key's last
+    /// well-served iteration was, and begins the class guess of a known key's iteration
+    /// from that class (module docs of `cursor`, keyed iterations); a wrong key costs a
+    /// few unplanned requests, never an overlap. Without a plan, or with a plan of one
+    /// class, the key changes nothing. O(keys) (at most 64, a fixed array), no heap
+    /// allocation.
+    pub fn mark_iteration_keyed(&self, key: Option<u64>) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        st.iteration_key = key;
         let (recording, live_peak) = (
             st.recorder.is_some(),
             st.stats.requested_bytes[0].peak as u64,
@@ -662,7 +701,7 @@ impl<D: DeviceMemory> Engine<D> {
             // A boundary inside a phase ends it: the run is back in its iterations.
             p.phase_depth = 0;
             p.phase_mark = None;
-            p.cursor.mark_iteration();
+            p.cursor.mark_iteration(key);
             let sticky = p.implicit.sticky;
             p.implicit = ImplicitPhase::after_boundary(p.cursor.at_iteration_start(), sticky);
             let (h, c) = (p.cursor.stats.hits, p.cursor.stats.conflicts);

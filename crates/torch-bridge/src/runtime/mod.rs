@@ -650,11 +650,29 @@ impl Core {
     }
 
     pub fn step(&self) -> Result<()> {
+        self.step_keyed(None)
+    }
+
+    /// An iteration boundary where an iteration of key `key` begins (`stweaver.step(key)`):
+    /// each default engine's plan learns which class each key's iterations are and
+    /// begins a known key's class guess from it (module docs of `stweaver_core`'s
+    /// `cursor`, keyed iterations). Without a plan of several classes the key changes
+    /// nothing.
+    pub fn step_keyed(&self, key: Option<u64>) -> Result<()> {
         let n = self.iterations.fetch_add(1, Ordering::AcqRel) + 1;
         for e in self.opened_engines() {
-            e.mark_iteration()?;
+            e.mark_iteration_keyed(key)?;
         }
         self.plan_step(n)
+    }
+
+    /// The iteration in progress has key `key`, without a boundary
+    /// (`stweaver.iteration_key`: the boundaries come from the optimizer hook).
+    pub fn iteration_key(&self, key: u64) -> Result<()> {
+        for e in self.opened_engines() {
+            e.set_iteration_key(key)?;
+        }
+        Ok(())
     }
 
     pub fn mark(&self, label: &str, begin: bool) -> Result<()> {

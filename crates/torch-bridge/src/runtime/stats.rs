@@ -293,9 +293,13 @@ impl Core {
                     None => false,
                 };
                 let plan = match slot.default.get() {
-                    Some(e) => e
-                        .plan_stats()?
-                        .map(|p| stweaver_planner::engine_replay::plan_stats_json(&p)),
+                    Some(e) => e.plan_stats()?.map(|p| {
+                        let mut v = stweaver_planner::engine_replay::plan_stats_json(&p);
+                        // Iterations whose class guess began from their key's class
+                        // (`stweaver.step(key)`).
+                        v["hinted"] = p.hinted.into();
+                        v
+                    }),
                     None => None,
                 };
                 let abandoned = match slot.default.get() {
