@@ -18,6 +18,7 @@
 #    native vs stweaver peak reserved;
 # 5. prints the summary table last (with `wheel install:` and `GPU pytest from:` lines).
 # Logs and artefacts go to $OUT (or /tmp/stweaver-gpu-out); the wheel's in $OUT/wheel.
+# GPU_PYTEST_K: a pytest -k expression (e.g. "not learns_a_class", to fit one device call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh "${1:-.carry}" || exit 1
@@ -45,7 +46,7 @@ if gpu_env_wheel; then
   PYTEST_FROM="installed wheel ($WHEEL_VENV)"
   echo "== GPU pytest (from the installed wheel: $WHEEL_PY, in $WHEEL_OUTSIDE, python/ not on sys.path)"
   (cd "$WHEEL_OUTSIDE" && _wheel_env env STWEAVER_TEST_INSTALLED=1 "$WHEEL_PY" -m pytest \
-    "$REPO/python/tests/gpu" --rootdir "$REPO" -v -p no:cacheprovider) \
+    "$REPO/python/tests/gpu" --rootdir "$REPO" -v -p no:cacheprovider ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"}) \
     2>&1 | tee "$OUT/pytest.log" | grep -vE '^\s*$' | tail -n 150
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
@@ -55,7 +56,7 @@ else
   gpu_env_build || status=1
   ls -la python/stweaver/_C*.so 2>/dev/null || { echo "extension not built"; status=1; }
   echo "== GPU pytest (FALLBACK: from the checkout, PYTHONPATH=python)"
-  "$PY" -m pytest python/tests/gpu -v -p no:cacheprovider \
+  "$PY" -m pytest python/tests/gpu -v -p no:cacheprovider ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} \
     2>&1 | tee "$OUT/pytest.log" | grep -vE '^\s*$' | tail -n 150
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

@@ -206,3 +206,31 @@ def test_a_plan_waits_for_a_free_pending_on_another_stream(metric):
     assert p_wait["waits"] > 0, p_wait
     assert any(x["reused"] for x in served["wait"]), "z never got x's planned range"
     assert p_none["waits"] == 0 and not any(x["reused"] for x in served["no_wait"]), p_none
+
+
+def test_auto_mode_learns_a_class_first_seen_after_its_switch_with_keys(metric):
+    """Issue #18 on the GPU: three sequence lengths in random order (no single repeating
+    iteration: auto records 40 more iterations and serves a plan per class), then from
+    iteration 70 a fourth length every fourth iteration (a class first seen after the
+    switch: auto records, plans and merges it), each iteration named by its length
+    (`stweaver.iteration_key`). Losses bitwise native's."""
+    script = os.path.join(SCRIPTS, "train_classes.py")
+    native = last_json(run([script, "native"]))
+    ours = last_json(run([script, "stweaver"], {"KEYS": "1"}))
+    info = ours["stweaver"]
+    notes = info["notes"]
+    p = info["devices"][0]["plan"]
+    metric("classes_mode", info["mode"])
+    metric("classes_notes", " | ".join(notes))
+    metric("classes_hits", p["hits"])
+    metric("classes_hinted", p.get("hinted"))
+    metric("classes_unplanned", p["unplanned"])
+    metric("classes_conflicts", p["conflicts"])
+    metric("classes_max_reserved_MiB", ours["max_reserved"] / 2**20)
+    metric("native_classes_max_reserved_MiB", native["max_reserved"] / 2**20)
+    assert info["mode"] == "auto (plan)", info["mode"]
+    assert any("plan per iteration class" in n for n in notes), notes
+    assert any("learned" in n and "first seen after the switch" in n for n in notes), notes
+    assert p["hits"] > 0 and p.get("hinted", 0) > 0, p
+    assert ours["losses"] == native["losses"], "the classes run changed the losses"
+    assert ours["max_reserved"] <= native["max_reserved"], (ours["max_reserved"], native["max_reserved"])
