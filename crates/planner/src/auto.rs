@@ -48,8 +48,12 @@
 //! first switch. At most [`MAX_RELEARNS`] rounds per run, and none once the plan has
 //! [`stweaver_core::engine::MAX_PLAN_CLASSES`] classes (the cursor follows no more); a
 //! round that finds nothing new, or whose planning fails, leaves the served plan as it
-//! is. Only plans per class learn (a single-iteration plan's loop repeated when it was
-//! recorded; its strays are phases).
+//! is. A plan of one repeating iteration learns too: its first recording's few iterations
+//! may have been alike by chance (three lengths drawn at random, the first ones equal; on
+//! the H100 a small loop served such a plan with more requests unplanned than planned).
+//! Its iteration, planned across the boundary, is no class to merge with: the round's
+//! plan per class replaces it. Loops whose strays are phases (an eval, a checkpoint) do
+//! not start rounds: their iterations stay mostly planned (the long loops' replays).
 //!
 //! From the switch on the engine may still give the plan up (its ranges stay busy, or
 //! its pool hits the memory limit): serving is online from there.
@@ -101,8 +105,10 @@ pub fn relearns(classes: usize, rounds: u32) -> bool {
 
 /// The plan auto mode switches to after a round of learning (module docs): `trace` (the
 /// round's recording) planned per class with `opts`'s solver and stream settings and no
-/// coverage floor, its classes that `served` lacks added to it. `Ok(None)`: nothing new.
-/// The error is the text the runtime reports.
+/// coverage floor, its classes that `served` lacks added to it; when `served` cannot take
+/// classes (a single iteration planned across its boundary) and the recording has
+/// several, the recording's plan per class alone. `Ok(None)`: nothing new. The error is
+/// the text the runtime reports.
 pub fn plan_relearned(
     served: &Plan,
     trace: &Trace,
@@ -114,7 +120,13 @@ pub fn plan_relearned(
         ..ClassPlanOptions::default()
     };
     let new = plan_classes(trace, &o).map_err(|e| format!("no plan per iteration class: {e}"))?;
-    Ok(merge_class_plans(served, &new.plan, o.max_classes)?.map(|m| m.plan))
+    match merge_class_plans(served, &new.plan, o.max_classes) {
+        Ok(merged) => Ok(merged.map(|m| m.plan)),
+        // A single iteration planned across its boundary (a first recording whose few
+        // iterations looked periodic) is no class: the recording's classes replace it.
+        Err(_) if new.plan.class_count() > 1 => Ok(Some(new.plan)),
+        Err(e) => Err(e),
+    }
 }
 
 /// Steps between the one that starts the planner and the earliest one that can switch to

@@ -36,8 +36,8 @@
 //!   [`AutoSchedule::At`] plans and switches at the same boundary (a planner that takes
 //!   no time). A first plan without an iteration section, with a class planner given,
 //!   starts a second recording of [`crate::auto::CLASS_ITERATIONS`] iterations, planned
-//!   per iteration class and switched to on the same schedule. Serving a plan per
-//!   class, an iteration the plan does not know starts a round of learning, as the
+//!   per iteration class and switched to on the same schedule. Serving a plan, an
+//!   iteration the plan does not know starts a round of learning, as the
 //!   runtime does ([`crate::auto`], learning after the switch: [`AutoRelearner`]);
 //!   [`EngineReplayReport::relearned`] lists the boundaries where the merged plans
 //!   were switched to. The report's [`AutoOutcome`] says whether and where the switch came,
@@ -954,7 +954,7 @@ pub fn replay_engine(
     // plan counts at the last boundary (hits, misses), the boundary the round's
     // recording started at, its planner's result and the boundary to switch at, the
     // rounds so far, and the plan statistics of the plans given up for a merged one.
-    let mut served_classes: Option<Plan> = None;
+    let mut served_plan: Option<Plan> = None;
     let mut last_counts = (0u64, 0u64);
     let mut relearn_from: Option<usize> = None;
     let mut relearn_planned: Option<(Result<Option<Plan>, String>, usize)> = None;
@@ -1076,9 +1076,7 @@ pub fn replay_engine(
                                     if schedule.settles() {
                                         settle_at = Some(marked + 1);
                                     }
-                                    if class_round.is_some() {
-                                        served_classes = Some(plan);
-                                    }
+                                    served_plan = Some(plan);
                                 }
                                 Err(e) => {
                                     auto = Some(AutoOutcome::Online(format!(
@@ -1089,7 +1087,7 @@ pub fn replay_engine(
                             }
                         }
                     }
-                } else if let (Some(served), Some(relearn)) = (&served_classes, relearner) {
+                } else if let (Some(served), Some(relearn)) = (&served_plan, relearner) {
                     // Learning after the switch (module docs of `crate::auto`), as the
                     // runtime does it at each step.
                     let st = r
@@ -1110,7 +1108,7 @@ pub fn replay_engine(
                             match r.engine.switch_to_plan(&merged, opts.serve) {
                                 Ok(()) => {
                                     relearned.push(marked);
-                                    served_classes = Some(merged);
+                                    served_plan = Some(merged);
                                     last_counts = (0, 0);
                                     r.plan_base = r.pool()?;
                                     if schedule.settles() {

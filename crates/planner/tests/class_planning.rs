@@ -329,3 +329,50 @@ fn auto_mode_learns_a_class_first_seen_after_its_switch_in_the_replay() {
         online.peak_reserved
     );
 }
+
+#[test]
+fn a_first_plan_of_one_iteration_that_the_loop_does_not_keep_is_replaced_by_classes() {
+    // The first recorded iterations happen to be all of one class (a loop of three
+    // lengths drawn at random, the first eight alike), so auto's first plan is a single
+    // repeating iteration; the run then mixes the three. Iterations of the other two are
+    // unknown to that plan: a round of learning records 40 iterations and, the served
+    // plan being no plan per class (its iteration planned across the boundary), serves
+    // the recording's plan per class instead (stweaver_planner::auto::plan_relearned).
+    use stweaver_planner::engine_replay::{EngineReplayRow, EngineRowMode};
+    let wide = |c: u64| Class {
+        acts: (0..70).map(|i| (c + 1) * ((64 << 10) + 512 * i)).collect(),
+        grads: vec![(c + 1) << 16],
+    };
+    let classes = vec![wide(0), wide(1), wide(2)];
+    let mut x = 5u64;
+    let mut next = |m: u64| {
+        x = (x * 1103515245 + 12345) % (1 << 31);
+        ((x >> 16) % m) as usize
+    };
+    let order: Vec<usize> = (0..150).map(|j| if j < 8 { 0 } else { next(3) }).collect();
+    let t = build(&classes, &order, true);
+    let (r, outcome) = EngineReplayRow::new(EngineRowMode::Auto)
+        .replay(&t)
+        .unwrap();
+    eprintln!(
+        "{outcome}; relearned at {:?}; {:?}",
+        r.relearned, r.plan_stats
+    );
+    assert!(
+        matches!(r.auto, Some(AutoOutcome::Switched { boundary, gave_up: None, .. }) if boundary < 10),
+        "{outcome}"
+    );
+    assert_eq!(r.relearned.len(), 1, "{:?}", r.relearned);
+    let st = r.plan_stats.unwrap();
+    let (online, _) = EngineReplayRow::new(EngineRowMode::Online)
+        .replay(&t)
+        .unwrap();
+    assert!(
+        r.peak_reserved.get() <= online.peak_reserved.get() + (2 << 20),
+        "auto {} online {}",
+        r.peak_reserved,
+        online.peak_reserved
+    );
+    // After the round every class is planned: most requests of the run at their offsets.
+    assert!(st.hits > 3 * st.unplanned, "{st:?}");
+}

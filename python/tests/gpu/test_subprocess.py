@@ -229,7 +229,9 @@ def test_auto_mode_learns_a_class_first_seen_after_its_switch_with_keys(metric):
     metric("classes_max_reserved_MiB", ours["max_reserved"] / 2**20)
     metric("native_classes_max_reserved_MiB", native["max_reserved"] / 2**20)
     assert info["mode"] == "auto (plan)", info["mode"]
-    assert any("plan per iteration class" in n for n in notes), notes
+    # Either the first plan had no iteration section (a plan per class followed) or its few
+    # iterations looked alike by chance (a single-iteration plan, replaced by classes):
+    # either way a round of learning follows.
     assert any("learned" in n and "first seen after the switch" in n for n in notes), notes
     assert p["hits"] > 0 and p.get("hinted", 0) > 0, p
     assert ours["losses"] == native["losses"], "the classes run changed the losses"

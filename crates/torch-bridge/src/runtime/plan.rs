@@ -696,10 +696,8 @@ impl Core {
                     *lock(&self.slot(d)?.offload) = plan.offload.clone();
                     serving.push(d);
                     pc.settle.push(d);
-                    if pc.classes {
-                        // A plan per class keeps learning (relearn_step).
-                        pc.relearn.served.push((d, plan, (0, 0)));
-                    }
+                    // The plan keeps learning (relearn_step).
+                    pc.relearn.served.push((d, plan, (0, 0)));
                 }
                 Err(err) => errors.push(format!("cuda:{d}: {err}")),
             }
