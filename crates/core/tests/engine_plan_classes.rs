@@ -161,10 +161,26 @@ fn run_over_a_plan_per_class(
     assert!(stweaver_core::verify::verify_plan(&p).is_ok());
     let mut e = engine(release);
     e.engine.load_plan(&p, PlanOptions::default()).unwrap();
+    run_iterations(
+        &mut e,
+        run.iter().map(|&(pick, keep)| {
+            let sizes = classes.get(pick).map_or(strangers, Vec::as_slice);
+            (sizes, None, keep)
+        }),
+    );
+}
+
+/// Serves `iterations` on `e`: each one (its request sizes, its key or none, whether one
+/// of its tensors lives into the next) marked, allocated in order and freed in reverse,
+/// the kept tensor of the one before freed once it has allocated; then everything freed
+/// and the engine checked idle (nothing allocated, stats exact).
+fn run_iterations<'a>(
+    e: &mut SentinelEngine,
+    iterations: impl IntoIterator<Item = (&'a [u64], Option<u64>, bool)>,
+) {
     let mut kept: Option<DevicePtr> = None;
-    for &(pick, keep) in run {
-        let sizes = classes.get(pick).map_or(strangers, Vec::as_slice);
-        e.engine.mark_iteration().unwrap();
+    for (sizes, key, keep) in iterations {
+        e.engine.mark_iteration_keyed(key).unwrap();
         let ptrs: Vec<DevicePtr> = sizes.iter().map(|&s| e.alloc(s, S)).collect();
         // The last iteration's kept tensor goes once this one has allocated.
         if let Some(k) = kept.take() {
@@ -232,25 +248,11 @@ fn serve(
 ) -> stweaver_core::engine::PlanStats {
     let mut e = SentinelEngine::new(2 * MIB, 64 * MIB);
     e.engine.load_plan(plan, PlanOptions::default()).unwrap();
-    let mut kept: Option<DevicePtr> = None;
-    for &(c, key) in run {
-        e.engine.mark_iteration_keyed(key).unwrap();
-        let ptrs: Vec<DevicePtr> = classes[c].iter().map(|&s| e.alloc(s, S)).collect();
-        if let Some(k) = kept.take() {
-            e.free(k);
-        }
-        let mut ptrs = ptrs.into_iter().rev();
-        if keep {
-            kept = ptrs.next();
-        }
-        for q in ptrs {
-            e.free(q);
-        }
-    }
-    if let Some(k) = kept {
-        e.free(k);
-    }
-    e.settle_idle();
+    run_iterations(
+        &mut e,
+        run.iter()
+            .map(|&(c, key)| (classes[c].as_slice(), key, keep)),
+    );
     e.engine.plan_stats().unwrap().unwrap()
 }
 

@@ -251,6 +251,25 @@ proptest! {
     }
 }
 
+/// Three wide classes (70 requests each: an iteration the plan does not know counts from
+/// `stweaver_planner::auto::UNKNOWN_MIN_REQUESTS`, 64), class `c`'s activations `c + 1`
+/// times class 0's.
+fn wide_classes() -> Vec<Class> {
+    let wide = |c: u64| Class {
+        acts: (0..70).map(|i| (c + 1) * ((64 << 10) + 512 * i)).collect(),
+        grads: vec![(c + 1) << 16],
+    };
+    vec![wide(0), wide(1), wide(2)]
+}
+
+/// Draws in `0..m` from a linear congruential sequence seeded with `seed`.
+fn draws(mut x: u64) -> impl FnMut(u64) -> usize {
+    move |m| {
+        x = (x * 1103515245 + 12345) % (1 << 31);
+        ((x >> 16) % m) as usize
+    }
+}
+
 #[test]
 fn auto_mode_learns_a_class_first_seen_after_its_switch_in_the_replay() {
     // Issue #18 item 2 as the runtime runs it (the replay's auto row): two wide classes
@@ -261,16 +280,8 @@ fn auto_mode_learns_a_class_first_seen_after_its_switch_in_the_replay() {
     // then on it is served at its planned offsets. No overlap anywhere (the replay
     // checks every block).
     use stweaver_planner::engine_replay::{EngineReplayRow, EngineRowMode};
-    let wide = |c: u64| Class {
-        acts: (0..70).map(|i| (c + 1) * ((64 << 10) + 512 * i)).collect(),
-        grads: vec![(c + 1) << 16],
-    };
-    let classes = vec![wide(0), wide(1), wide(2)];
-    let mut x = 11u64;
-    let mut next = |m: u64| {
-        x = (x * 1103515245 + 12345) % (1 << 31);
-        ((x >> 16) % m) as usize
-    };
+    let classes = wide_classes();
+    let mut next = draws(11u64);
     let order: Vec<usize> = (0..200)
         .map(|j| if j >= 70 && j % 3 == 0 { 2 } else { next(2) })
         .collect();
@@ -339,16 +350,8 @@ fn a_first_plan_of_one_iteration_that_the_loop_does_not_keep_is_replaced_by_clas
     // plan being no plan per class (its iteration planned across the boundary), serves
     // the recording's plan per class instead (stweaver_planner::auto::plan_relearned).
     use stweaver_planner::engine_replay::{EngineReplayRow, EngineRowMode};
-    let wide = |c: u64| Class {
-        acts: (0..70).map(|i| (c + 1) * ((64 << 10) + 512 * i)).collect(),
-        grads: vec![(c + 1) << 16],
-    };
-    let classes = vec![wide(0), wide(1), wide(2)];
-    let mut x = 5u64;
-    let mut next = |m: u64| {
-        x = (x * 1103515245 + 12345) % (1 << 31);
-        ((x >> 16) % m) as usize
-    };
+    let classes = wide_classes();
+    let mut next = draws(5u64);
     let order: Vec<usize> = (0..150).map(|j| if j < 8 { 0 } else { next(3) }).collect();
     let t = build(&classes, &order, true);
     let (r, outcome) = EngineReplayRow::new(EngineRowMode::Auto)
