@@ -281,7 +281,7 @@ impl Arenas {
         }
     }
 
-    /// Whether a `Mapping` block of arena `a` is mapped in large units ([`pool_units`]:
+    /// Whether a `Mapping` block of arena `a` is mapped in large units (`pool_units`:
     /// one device `map` call each, one physical allocation on CUDA, faster for the
     /// kernels that use it) rather than one unit per granule. Placement arenas (the plan
     /// pool) map large units: they are pinned, so only what their plan did not foresee
@@ -297,7 +297,7 @@ impl Arenas {
     }
 }
 
-/// The largest unit the plan pool maps by default ([`pool_units`],
+/// The largest unit the plan pool maps by default (`pool_units`,
 /// `EngineConfig::pool_unit`): 64 MiB. Streaming copies over handles of 64 MiB run within
 /// 0.4 % of `cudaMalloc` memory (1.17 x over 2 MiB handles; BENCHMARKS.md, "Mapping
 /// granularity, swept"), and a release can give back a 64 MiB piece of a large
