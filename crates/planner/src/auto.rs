@@ -120,13 +120,9 @@ pub fn plan_relearned(
         ..ClassPlanOptions::default()
     };
     let new = plan_classes(trace, &o).map_err(|e| format!("no plan per iteration class: {e}"))?;
-    match merge_class_plans(served, &new.plan, o.max_classes) {
-        Ok(merged) => Ok(merged.map(|m| m.plan)),
-        // A single iteration planned across its boundary (a first recording whose few
-        // iterations looked periodic) is no class: the recording's classes replace it.
-        Err(_) if new.plan.class_count() > 1 => Ok(Some(new.plan)),
-        Err(e) => Err(e),
-    }
+    // A single iteration planned across its boundary (a first recording whose few
+    // iterations looked periodic) takes no classes: merge_class_plans replaces it.
+    Ok(merge_class_plans(served, &new.plan, o.max_classes)?.map(|m| m.plan))
 }
 
 /// Steps between the one that starts the planner and the earliest one that can switch to

@@ -341,8 +341,11 @@ fn section_key(reqs: &[PlannedRequest]) -> Vec<(Bytes, StreamId)> {
 /// classes keep their places (what is live in the pool at the switch is unplanned
 /// anyway); a class of `new` is the same as a served one when its request sequence
 /// (sizes and streams) is. New classes are taken in `new`'s order, the most frequent
-/// first. `Ok(None)`: nothing new to add. The merged plan is verified
-/// ([`verify_plan`]). O(requests) plus the verifier.
+/// first. A served plan that cannot take classes (a single iteration planned across its
+/// boundary, as a plan of one repeating iteration may be, or one carrying offload: see
+/// [`takes_classes`]) is replaced by `new` whole when `new` has several classes. `Ok(None)`:
+/// nothing new to add. The merged plan is verified ([`verify_plan`]). O(requests) plus the
+/// verifier.
 pub fn merge_class_plans(
     served: &Plan,
     new: &Plan,
@@ -351,6 +354,19 @@ pub fn merge_class_plans(
     use stweaver_core::engine::steady_slice;
     let old = steady_slice(served)?;
     let new = steady_slice(new)?;
+    if !takes_classes(&old) {
+        let k = new.class_count();
+        if k < 2 {
+            return Err(format!(
+                "the served plan takes no other class (its iteration crosses its boundary, or it offloads), and the recording has {k} class(es)"
+            ));
+        }
+        return Ok(Some(MergedClasses {
+            plan: new,
+            new_classes: k,
+            added: k,
+        }));
+    }
     let known: Vec<Vec<(Bytes, StreamId)>> = (0..old.class_count())
         .map(|c| section_key(old.class(c).0))
         .collect();
@@ -381,6 +397,17 @@ pub fn merge_class_plans(
         new_classes: fresh.len(),
         added,
     }))
+}
+
+/// Whether `plan` may stand beside other classes in one plan (the rules of
+/// `stweaver_core::verify`, iteration classes): no offload, and no request of its
+/// classes crosses its class's end. O(requests).
+pub fn takes_classes(plan: &Plan) -> bool {
+    plan.offload.is_empty()
+        && (0..plan.class_count()).all(|c| {
+            let (reqs, len) = plan.class(c);
+            reqs.iter().all(|r| r.end == NEVER_FREED || r.end <= len)
+        })
 }
 
 /// Places one class's requests (module docs, step 4); returns the class's pool.

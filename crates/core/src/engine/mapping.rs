@@ -77,12 +77,12 @@ impl<D: DeviceMemory> Engine<D> {
         mut st: MutexGuard<'a, State>,
         blocks: &[Idx],
     ) -> Result<(Vec<MapResult>, MutexGuard<'a, State>), EngineError> {
-        let ranges: Vec<(u64, u64, bool, PoolKind)> = blocks
+        let ranges: Vec<(u64, u64, u64, PoolKind)> = blocks
             .iter()
             .map(|&i| {
                 let b = st.arenas.block(i);
                 let kind = st.arenas.arena(b.arena).map_or(PoolKind::Large, |x| x.kind);
-                (b.addr, b.size, st.arenas.whole_unit_mapping(b.arena), kind)
+                (b.addr, b.size, st.arenas.mapping_unit(b.arena), kind)
             })
             .collect();
         let total: u64 = ranges.iter().map(|r| r.1).sum();
@@ -90,12 +90,12 @@ impl<D: DeviceMemory> Engine<D> {
         drop(st);
         let results: Vec<Result<(), DeviceError>> = ranges
             .iter()
-            .map(|&(addr, size, whole, _)| self.map_units(addr, size, whole))
+            .map(|&(addr, size, unit, _)| self.map_units(addr, size, unit))
             .collect();
         let mut st = self.lock()?;
         st.mapping -= total;
-        for ((&i, &(_, size, whole, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
-            st.arenas.finish_mapping_as(i, r.is_ok(), whole);
+        for ((&i, &(_, size, unit, kind)), r) in blocks.iter().zip(&ranges).zip(&results) {
+            st.arenas.finish_mapping_as(i, r.is_ok(), unit);
             if r.is_ok() {
                 stats::increase(&mut st.stats.reserved_bytes, kind, size);
                 st.stats.num_device_alloc += 1;
@@ -105,31 +105,17 @@ impl<D: DeviceMemory> Engine<D> {
         Ok((results, st))
     }
 
-    /// Maps `[addr, addr + size)` as one device `map` call (`whole`), or granule by
-    /// granule (the units `Arenas::finish_mapping` records for the block), all or nothing.
-    fn map_units(&self, addr: u64, size: u64, whole: bool) -> Result<(), DeviceError> {
-        let g = self.granularity().get();
-        if size <= g {
-            return self.dev.map(DevicePtr(addr), Bytes(size));
-        }
-        let mut done: Vec<(u64, u64)> = Vec::new();
-        let units: Box<dyn Iterator<Item = (u64, u64)>> = if whole {
-            Box::new(pool_units(addr, size, self.pool_unit))
-        } else {
-            Box::new(
-                (addr..addr + size)
-                    .step_by(g as usize)
-                    .map(move |u| (u, u + g)),
-            )
-        };
-        for (lo, hi) in units {
+    /// Maps `[addr, addr + size)` in units of `unit` bytes (`arena::pool_units`: one
+    /// device `map` call per unit, the units `Arenas::finish_mapping_as` records for the
+    /// block), all or nothing: on a failure the units already mapped are unmapped again.
+    fn map_units(&self, addr: u64, size: u64, unit: u64) -> Result<(), DeviceError> {
+        for (lo, hi) in pool_units(addr, size, unit) {
             if let Err(e) = self.dev.map(DevicePtr(lo), Bytes(hi - lo)) {
-                for &(l, h) in &done {
+                for (l, h) in pool_units(addr, lo - addr, unit) {
                     let _ = self.dev.unmap(DevicePtr(l), Bytes(h - l));
                 }
                 return Err(e);
             }
-            done.push((lo, hi));
         }
         Ok(())
     }

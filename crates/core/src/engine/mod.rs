@@ -170,8 +170,6 @@ pub struct Engine<D: DeviceMemory> {
     release_at_peak: bool,
     /// [`EngineConfig::keep_cache`].
     keep_cache: bool,
-    /// [`EngineConfig::pool_unit`], in whole granules (0: whole ranges).
-    pool_unit: u64,
     state: Mutex<State>,
 }
 
@@ -256,7 +254,6 @@ impl<D: DeviceMemory> Engine<D> {
             arena_size,
             release_at_peak: config.release_before_new_peak && !config.keep_cache,
             keep_cache: config.keep_cache,
-            pool_unit,
             state: Mutex::new(state),
         })
     }

@@ -39,8 +39,9 @@
 //! touches first, by design: then nothing is released. Measured on len5 (an H100 trace
 //! of five sequence lengths, planned per class) with every fifth iteration from 60 at
 //! 5/4 of its sizes: 1.16 x the lower bound when the pool kept its free units, 1.0032 x
-//! with them given back (online serving: 1.0007 x), at 3 more synchronisations in 200
-//! iterations (`crates/planner/tests/long_loops.rs`).
+//! with them given back (online serving: 1.0007 x); device synchronisations in 200
+//! iterations 20 -> 23 (at 6f17c94; 26 with the rounds of learning after the switch,
+//! which `crates/planner/tests/long_loops.rs` prints).
 //!
 //! **Churn** ([`EngineConfig::release_churn_iterations`], the bridge's
 //! `STWEAVER_RELEASE_CHURN`, default 3 in online mode only): a loop whose iterations

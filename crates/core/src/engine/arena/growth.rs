@@ -252,28 +252,20 @@ impl Arenas {
     /// Ends the mapping of `Mapping` block `i`: on success it becomes free memory
     /// (coalesced, in the fit tree), on failure unmapped again.
     pub fn finish_mapping(&mut self, i: Idx, mapped: bool) {
-        let whole = self.whole_unit_mapping(self.blocks[i as usize].arena);
-        self.finish_mapping_as(i, mapped, whole);
+        let unit = self.mapping_unit(self.blocks[i as usize].arena);
+        self.finish_mapping_as(i, mapped, unit);
     }
 
-    /// [`Arenas::finish_mapping`] for a block mapped as one unit (`whole`) or granule by
-    /// granule, as the caller decided when it started the mapping.
-    pub fn finish_mapping_as(&mut self, i: Idx, mapped: bool, whole: bool) {
+    /// [`Arenas::finish_mapping`] for a block mapped in units of `unit` bytes
+    /// (`pool_units`; [`Arenas::mapping_unit`] when the caller started the mapping).
+    pub fn finish_mapping_as(&mut self, i: Idx, mapped: bool, unit: u64) {
         debug_assert_eq!(self.blocks[i as usize].state, BlockState::Mapping);
         if mapped {
             let (a, addr, size) = {
                 let b = &self.blocks[i as usize];
                 (b.arena, b.addr, b.size)
             };
-            let (g, unit) = (self.granule, self.pool_unit);
-            let units = &mut self.arena_mut(a).units;
-            if whole {
-                units.extend(pool_units(addr, size, unit));
-            } else {
-                for u in (addr..addr + size).step_by(g as usize) {
-                    units.insert(u, u + g);
-                }
-            }
+            self.arena_mut(a).units.extend(pool_units(addr, size, unit));
             self.blocks[i as usize].state = BlockState::Free;
             self.settle_free(i);
         } else {
@@ -295,6 +287,17 @@ impl Arenas {
                 .arena(a)
                 .is_some_and(|x| x.free_by_addr.is_some() && x.pinned)
     }
+
+    /// The unit a `Mapping` block of arena `a` is mapped in (`pool_units`): the pool's
+    /// piece size ([`Arenas::set_pool_unit`]) where [`Arenas::whole_unit_mapping`], else a
+    /// granule.
+    pub fn mapping_unit(&self, a: ArenaId) -> u64 {
+        if self.whole_unit_mapping(a) {
+            self.pool_unit
+        } else {
+            self.granule
+        }
+    }
 }
 
 /// The largest unit the plan pool maps by default (`pool_units`,
@@ -306,10 +309,10 @@ impl Arenas {
 /// its replay, against 1.006 x (BENCHMARKS.md, session 16).
 pub const POOL_UNIT: u64 = 64 << 20;
 
-/// The units a large-unit mapping of `[addr, addr + size)` makes (`addr` and `size`
-/// whole granules): the whole `unit`-aligned chunks it covers, and the ragged pieces at
-/// its ends as one unit each; `unit` 0: the whole range as one unit. `(start, end)` pairs
-/// in address order.
+/// The units a mapping of `[addr, addr + size)` in units of `unit` bytes makes (`addr`
+/// and `size` whole granules): the whole `unit`-aligned chunks it covers, and the ragged
+/// pieces at its ends as one unit each (with `unit` a granule: every granule); `unit` 0:
+/// the whole range as one unit. `(start, end)` pairs in address order; no allocation.
 pub(crate) fn pool_units(addr: u64, size: u64, unit: u64) -> impl Iterator<Item = (u64, u64)> {
     let end = addr + size;
     let mut at = addr;

@@ -92,6 +92,17 @@ impl Arenas {
                 }
             }
         }
+        self.carve_largest(cands, want)
+    }
+
+    /// Carves candidates `(len, lo, hi, block, arena)` (one per free block) out as
+    /// `Unmapping` blocks, largest first (fewest blocks cut), until `want` bytes are
+    /// carved. O(c log c).
+    fn carve_largest(
+        &mut self,
+        mut cands: Vec<(u64, u64, u64, Idx, ArenaId)>,
+        want: u64,
+    ) -> Result<Vec<Idx>, SlabFull> {
         cands.sort_unstable_by(|x, y| y.cmp(x));
         let (mut out, mut got) = (Vec::new(), 0);
         for (_, lo, hi, b, a) in cands {
@@ -118,7 +129,7 @@ impl Arenas {
         keep: (u64, u64),
     ) -> Result<Vec<Idx>, SlabFull> {
         let g = self.granule;
-        let mut cands: Vec<(u64, u64, u64, Idx)> = Vec::new();
+        let mut cands: Vec<(u64, u64, u64, Idx, ArenaId)> = Vec::new();
         for (b, blk) in self.arena_blocks(a) {
             if blk.state != BlockState::Free {
                 continue;
@@ -129,19 +140,10 @@ impl Arenas {
             }
             let (lo, hi) = self.whole_units_in(a, blk.addr.max(from).div_ceil(g) * g, end / g * g);
             if hi > lo {
-                cands.push((hi - lo, lo, hi, b));
+                cands.push((hi - lo, lo, hi, b, a));
             }
         }
-        cands.sort_unstable_by(|x, y| y.cmp(x));
-        let (mut out, mut got) = (Vec::new(), 0);
-        for (_, lo, hi, b) in cands {
-            if got >= want {
-                break;
-            }
-            got += hi - lo;
-            out.push(self.carve_unmapping(a, b, lo, hi)?);
-        }
-        Ok(out)
+        self.carve_largest(cands, want)
     }
 
     /// The end of arena `a`'s highest mapped unit (its base when nothing is mapped).
