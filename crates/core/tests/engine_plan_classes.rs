@@ -82,6 +82,24 @@ fn a_wrong_class_guess_is_a_conflict_served_beside_the_plan() {
     e.settle_idle();
 }
 
+/// Each class's requests stacked from offset 0 (512-B aligned), so the classes overlap in
+/// the pool.
+fn stacked(classes: &[Vec<u64>]) -> Vec<Vec<u64>> {
+    classes
+        .iter()
+        .map(|c| {
+            let mut o = 0;
+            c.iter()
+                .map(|&s| {
+                    let at = o;
+                    o += s.div_ceil(512) * 512;
+                    at
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// An engine over 2 MiB granules and 64 MiB online arenas, with the release of holes
 /// before a new peak (`release`: the torch bridge's default) or without.
 fn engine(release: bool) -> SentinelEngine {
@@ -144,19 +162,7 @@ fn run_over_a_plan_per_class(
     strangers: &[u64],
     release: bool,
 ) {
-    let offsets: Vec<Vec<u64>> = classes
-        .iter()
-        .map(|c| {
-            let mut o = 0;
-            c.iter()
-                .map(|&s| {
-                    let at = o;
-                    o += s.div_ceil(512) * 512;
-                    at
-                })
-                .collect()
-        })
-        .collect();
+    let offsets = stacked(classes);
     let p = plan(classes, &offsets);
     assert!(stweaver_core::verify::verify_plan(&p).is_ok());
     let mut e = engine(release);
@@ -355,19 +361,7 @@ proptest! {
             .iter()
             .map(|t| shared.iter().chain(t).copied().collect())
             .collect();
-        let offsets: Vec<Vec<u64>> = classes
-            .iter()
-            .map(|c| {
-                let mut o = 0;
-                c.iter()
-                    .map(|&s| {
-                        let at = o;
-                        o += s.div_ceil(512) * 512;
-                        at
-                    })
-                    .collect()
-            })
-            .collect();
+        let offsets = stacked(&classes);
         let p = plan(&classes, &offsets);
         prop_assert!(stweaver_core::verify::verify_plan(&p).is_ok());
         let k = classes.len();

@@ -262,6 +262,20 @@ fn wide_classes() -> Vec<Class> {
     vec![wide(0), wide(1), wide(2)]
 }
 
+/// `trace` replayed in auto mode as the runtime runs it (the `stweaver compare` row),
+/// with its outcome; both printed.
+fn replay_auto(trace: &Trace) -> (stweaver_planner::engine_replay::EngineReplayReport, String) {
+    use stweaver_planner::engine_replay::{EngineReplayRow, EngineRowMode};
+    let (r, outcome) = EngineReplayRow::new(EngineRowMode::Auto)
+        .replay(trace)
+        .unwrap();
+    eprintln!(
+        "{outcome}; relearned at {:?}; {:?}",
+        r.relearned, r.plan_stats
+    );
+    (r, outcome)
+}
+
 /// Draws in `0..m` from a linear congruential sequence seeded with `seed`.
 fn draws(mut x: u64) -> impl FnMut(u64) -> usize {
     move |m| {
@@ -286,13 +300,7 @@ fn auto_mode_learns_a_class_first_seen_after_its_switch_in_the_replay() {
         .map(|j| if j >= 70 && j % 3 == 0 { 2 } else { next(2) })
         .collect();
     let t = build(&classes, &order, true);
-    let (r, outcome) = EngineReplayRow::new(EngineRowMode::Auto)
-        .replay(&t)
-        .unwrap();
-    eprintln!(
-        "{outcome}; relearned at {:?}; {:?}",
-        r.relearned, r.plan_stats
-    );
+    let (r, outcome) = replay_auto(&t);
     assert!(
         matches!(r.auto, Some(AutoOutcome::Switched { gave_up: None, .. })),
         "{outcome}"
@@ -354,13 +362,7 @@ fn a_first_plan_of_one_iteration_that_the_loop_does_not_keep_is_replaced_by_clas
     let mut next = draws(5u64);
     let order: Vec<usize> = (0..150).map(|j| if j < 8 { 0 } else { next(3) }).collect();
     let t = build(&classes, &order, true);
-    let (r, outcome) = EngineReplayRow::new(EngineRowMode::Auto)
-        .replay(&t)
-        .unwrap();
-    eprintln!(
-        "{outcome}; relearned at {:?}; {:?}",
-        r.relearned, r.plan_stats
-    );
+    let (r, outcome) = replay_auto(&t);
     assert!(
         matches!(r.auto, Some(AutoOutcome::Switched { boundary, gave_up: None, .. }) if boundary < 10),
         "{outcome}"

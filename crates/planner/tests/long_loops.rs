@@ -270,6 +270,10 @@ fn len5_with_classes_the_recording_never_saw_never_overlaps() {
             r.reserved_over_lb()
         );
         let st = r.plan_stats.expect("served a plan");
+        eprintln!(
+            "  {num}/{den}: {st:?}; relearned at {:?}; {:?}",
+            r.relearned, r.device_counters
+        );
         assert!(st.hits > 95_000, "{num}/{den}: {st:?}");
         assert!(st.unplanned < 12_000, "{num}/{den}: {st:?}");
         assert_eq!(r.relearned.len(), 1, "{num}/{den}: {:?}", r.relearned);
@@ -437,7 +441,11 @@ fn len5new_learns_the_lengths_first_seen_after_the_switch() {
 fn len5new_needs_the_pool_in_pieces() {
     let t = load("len5new");
     let mut ratios = Vec::new();
-    for unit in [Bytes::ZERO, Bytes(stweaver_core::engine::POOL_UNIT)] {
+    for unit in [
+        Bytes::ZERO,
+        Bytes(stweaver_core::engine::POOL_UNIT),
+        Bytes(2 << 20),
+    ] {
         let mut row = EngineReplayRow::new(EngineRowMode::Auto);
         row.replay.planner_steps = Some(8);
         row.replay.pool_unit = unit;
