@@ -17,7 +17,16 @@
 // recorded only to order one stream after another goes back at once: a stream waits
 // on the record made before `cudaStreamWaitEvent`, whatever is recorded later.
 // Pooled events are never destroyed (the pool outlives CUDA's teardown at exit).
+//
+// Pinned host buffers (`pin_host`): the offloader's pool asks for a few large ones. They
+// come from the Rust side (`stweaver_cuda`'s fast pin: a huge-page mapping faulted in by
+// several threads, then cudaHostRegister'ed; 16 GiB in 0.9 s where cudaHostAlloc, which
+// torch's pin_memory=True uses, took 6.7-8.2 s and blocked launches from other threads
+// meanwhile) and are handed to Python as a uint8 CPU tensor whose deleter gives them back.
 #include "offload_copy.h"
+
+#include "rust/cxx.h"
+#include "stweaver-torch/src/ffi.rs.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -171,8 +180,33 @@ double PooledEvent::elapsed_time(const PooledEvent& end) const {
   return ms;
 }
 
+at::Tensor pin_host(int64_t nbytes, int64_t device) {
+  TORCH_CHECK(nbytes > 0, "stweaver.pin_host: nbytes must be positive, got ", nbytes);
+  stweaver::ffi::PinnedBuffer* raw = nullptr;
+  try {
+    raw = stweaver::ffi::pin_host(static_cast<int32_t>(device), static_cast<size_t>(nbytes)).into_raw();
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "stweaver.pin_host: could not pin ", nbytes, " bytes of host memory: ", e.what());
+  }
+  void* ptr = reinterpret_cast<void*>(raw->ptr());
+  // The storage's deleter owns the buffer from here: the Box is rebuilt and dropped there.
+  return torch::from_blob(
+      ptr,
+      {nbytes},
+      [raw](void*) { (void)rust::Box<stweaver::ffi::PinnedBuffer>::from_raw(raw); },
+      at::TensorOptions().dtype(at::kByte));
+}
+
 void register_offload_copy(pybind11::module& m) {
   namespace py = pybind11;
+  m.def(
+      "pin_host",
+      &pin_host,
+      py::arg("nbytes"),
+      py::arg("device"),
+      py::call_guard<py::gil_scoped_release>(),
+      "nbytes of page-locked host memory as a uint8 CPU tensor (freed with it); made in the device's "
+      "primary context, portable. STWEAVER_PIN_THREADS: threads that fault the pages in (0: cudaHostAlloc).");
   py::class_<PooledEvent, std::shared_ptr<PooledEvent>>(
       m, "PooledEvent", "A CUDA event of the offloader's pool (back to the pool when this object dies).")
       .def("query", &PooledEvent::query, "Whether the work before the record has completed.")

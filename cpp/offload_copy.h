@@ -29,7 +29,10 @@ class PooledEvent {
   cudaEvent_t event_;
 };
 
-// Adds PooledEvent, offload_copy_out, offload_copy_in and offload_wait to the module.
+// nbytes of page-locked host memory (Rust's fast pin) as a uint8 CPU tensor that frees it.
+at::Tensor pin_host(int64_t nbytes, int64_t device);
+
+// Adds pin_host, PooledEvent, offload_copy_out, offload_copy_in and offload_wait to the module.
 void register_offload_copy(pybind11::module& m);
 
 }  // namespace stweaver_offload

@@ -45,6 +45,10 @@ random token ids, deterministic algorithms (as gpu_bench).
    - ``stweaver_auto_pycopy``: the same with ``STWEAVER_OFFLOAD_FAST=0``: the offload copies
      through torch's Python API instead of one extension call each (the A/B control of
      ``cpp/offload_copy.cpp``);
+   - ``stweaver_auto_drvpin``: ``stweaver_auto`` with ``STWEAVER_PIN_THREADS=0``: the offload
+     pool's pinned buffers from the driver's ``cuMemHostAlloc`` (what ``pin_memory=True``
+     does) instead of the fast pin (a huge-page mapping faulted in by several threads, then
+     registered): the A/B control of the first iterations' time;
    - ``stweaver_auto_wm``: ``stweaver_auto`` with ``STWEAVER_OFFLOAD_WATERMARK=1`` (opt-in):
      before the plan a saved tensor of at least 1 MiB is offloaded only when the device
      would otherwise come near the budget; the A/B of the first iterations' time and pinned
@@ -121,8 +125,9 @@ WORKLOADS = [
 # Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
 PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
-AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_wm")
+AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_wm", "stweaver_auto_drvpin")
 ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_wm",
+        "stweaver_auto_drvpin",
         "stweaver_plan_at_pack",
         "stweaver_plan_devtime",
         "stweaver_offload",
@@ -310,6 +315,9 @@ def run_row(spec: dict) -> dict:
     if row == "stweaver_auto_pycopy":
         # The A/B control of the extension's one-call offload copies: torch's Python API.
         os.environ["STWEAVER_OFFLOAD_FAST"] = "0"
+    if row == "stweaver_auto_drvpin":
+        # The A/B control of the fast pin: the driver's cuMemHostAlloc per pool buffer.
+        os.environ["STWEAVER_PIN_THREADS"] = "0"
     if row == "stweaver_auto_wm":
         # The watermark (opt-in): before the plan, a saved tensor >= 1 MiB moves only when
         # the device would otherwise come near the budget.

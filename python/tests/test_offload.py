@@ -316,6 +316,34 @@ def test_pool_exhaustion_is_a_clear_error_and_leaves_the_pool_as_it_was():
     assert pool.alloc(64 * KIB).offset == 0
 
 
+def test_the_offloader_pins_through_the_extension_when_it_can(monkeypatch):
+    # ext.pin_host(nbytes, device) (Rust's fast pin) makes the pool's buffers, exact sizes
+    # (no power-of-two rounding: that was torch's host allocator's), on the current device;
+    # its failure (RuntimeError, as TORCH_CHECK raises) is a PinnedMemoryError.
+    calls = []
+
+    class Ext:
+        def pin_host(self, nbytes, device):
+            calls.append((nbytes, device))
+            if nbytes > 64 << 20:
+                raise RuntimeError("stweaver.pin_host: could not pin: host memory: 9 requested")
+            return torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert off.ext_pin(None) is None and off.ext_pin(object()) is None
+    pool = PinnedPool(pin=off.ext_pin(Ext()), min_grow=64 * KIB)
+    assert not pool.pow2
+    s = pool.alloc(100 * KIB + 1)
+    assert calls == [(off._align(100 * KIB + 1, off.ALIGN), 3)]
+    pool.free(s)
+    with pytest.raises(PinnedMemoryError) as ei:
+        pool.alloc(65 << 20)
+    assert "host memory" in str(ei.value) and pool.buffers == 1
+    offl = Offloader(min_bytes=0, ext=Ext(), backend=FakeBackend())
+    offl.pool.alloc(1000)
+    assert calls[-1] == (64 << 20, 3)
+
+
 # ------------------------------------------------------------------ schedule
 
 

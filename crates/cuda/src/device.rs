@@ -8,8 +8,9 @@
 //!   memory lives exactly as long as the mapping; `cuMemUnmap` on drop returns it).
 //! - [`Event`] — a CUDA event recorded on a raw stream (`cuEventCreate` with timing
 //!   disabled, `cuEventRecord`, `cuEventQuery`, `cuEventDestroy` on drop).
-//! - [`PinnedHost`] — page-locked host memory (`cuMemHostAlloc`, portable to every
-//!   context; `cuMemFreeHost` on drop), which device copies reach at the link's speed.
+//! - [`PinnedHost`] — page-locked host memory (a registered huge-page mapping, or
+//!   `cuMemHostAlloc`; portable to every context; see module `host`), which device copies
+//!   reach at the link's speed.
 //!
 //! Dropping a [`VaRange`] while a [`Mapping`] inside it is alive is a driver error, which
 //! the range's drop ignores; owners drop mappings first.
@@ -237,12 +238,23 @@ impl CudaDevice {
         })
     }
 
-    /// `len` bytes of page-locked host memory (`cuMemHostAlloc`, portable: pinned for
-    /// every context), not zeroed. Holds a reference on this device's primary context
-    /// until dropped, so the memory is freed (`cuMemFreeHost`) in the context it was made
-    /// in, whatever happens to this `CudaDevice` first. A host out of page-lockable memory
-    /// is a driver error (`CUDA_ERROR_OUT_OF_MEMORY`).
+    /// `len` bytes of page-locked host memory, portable (pinned for every context), not
+    /// zeroed as far as the caller may assume. Made fast where it can be (module `host`:
+    /// an anonymous huge-page mapping faulted in by [`crate::pin_threads`] threads, then
+    /// `cuMemHostRegister`), else by `cuMemHostAlloc` (`STWEAVER_PIN_THREADS=0`, or a
+    /// mapping or registration that failed for another reason than memory). Holds a
+    /// reference on this device's primary context until dropped, so the memory is given
+    /// back (`cuMemHostUnregister` + `munmap`, or `cuMemFreeHost`) in the context it was
+    /// made in, whatever happens to this `CudaDevice` first. More than the host can give
+    /// is [`CudaError::Host`] (checked before any page is touched); a host out of
+    /// page-lockable memory is a driver error (`CUDA_ERROR_OUT_OF_MEMORY`).
     pub fn alloc_pinned(&self, len: usize) -> Result<PinnedHost> {
+        self.alloc_pinned_with(len, crate::host::pin_threads()?)
+    }
+
+    /// [`CudaDevice::alloc_pinned`] with `threads` faulting the pages in (`0`:
+    /// `cuMemHostAlloc`), whatever `STWEAVER_PIN_THREADS` says.
+    pub fn alloc_pinned_with(&self, len: usize, threads: usize) -> Result<PinnedHost> {
         if len == 0 {
             return Err(CudaError::invalid(
                 "cuMemHostAlloc",
@@ -261,32 +273,70 @@ impl CudaDevice {
                 sys::cuDevicePrimaryCtxRelease_v2(self.dev)
             });
         };
-        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
-        let res = CtxGuard::push(ctx).and_then(|_g| {
-            // Safety: valid out-pointer; `len` > 0; a context is current (guard).
-            call("cuMemHostAlloc", || unsafe {
-                sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE)
-            })
-        });
-        match res {
-            Ok(()) if !p.is_null() => Ok(PinnedHost {
-                ptr: p.cast(),
+        let made = if threads > 0 {
+            match self.register_pinned(ctx, len, threads) {
+                Ok(map) => Ok((map.as_ptr().cast_mut(), Some(map))),
+                Err(e) if e.is_out_of_memory() => Err(e),
+                // Another failure (no huge-page support is not one: that only slows the
+                // touch): the driver's own allocation may still work.
+                Err(_) => self.driver_pinned(ctx, len).map(|p| (p, None)),
+            }
+        } else {
+            self.driver_pinned(ctx, len).map(|p| (p, None))
+        };
+        match made {
+            Ok((ptr, map)) => Ok(PinnedHost {
+                ptr,
                 len,
                 dev: self.dev,
                 ctx,
+                map,
             }),
-            Ok(()) => {
-                release();
-                Err(CudaError::invalid(
-                    "cuMemHostAlloc",
-                    "the driver returned a null pointer",
-                ))
-            }
             Err(e) => {
                 release();
                 Err(e)
             }
         }
+    }
+
+    /// The fast path of [`CudaDevice::alloc_pinned`]: a faulted huge-page mapping,
+    /// registered with the driver (portable).
+    fn register_pinned(
+        &self,
+        ctx: sys::CUcontext,
+        len: usize,
+        threads: usize,
+    ) -> Result<memmap2::MmapMut> {
+        let mut map = crate::host::faulted_mapping(len, threads)?;
+        let _g = CtxGuard::push(ctx)?;
+        // Safety: `map` is a live mapping of exactly `len` bytes that outlives the
+        // registration (`PinnedHost` unregisters before dropping it); a context is current.
+        call("cuMemHostRegister", || unsafe {
+            sys::cuMemHostRegister_v2(
+                map.as_mut_ptr().cast(),
+                len,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        })?;
+        Ok(map)
+    }
+
+    /// `cuMemHostAlloc` (portable) of `len` bytes in `ctx`.
+    fn driver_pinned(&self, ctx: sys::CUcontext, len: usize) -> Result<*mut u8> {
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        CtxGuard::push(ctx).and_then(|_g| {
+            // Safety: valid out-pointer; `len` > 0; a context is current (guard).
+            call("cuMemHostAlloc", || unsafe {
+                sys::cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE)
+            })
+        })?;
+        if p.is_null() {
+            return Err(CudaError::invalid(
+                "cuMemHostAlloc",
+                "the driver returned a null pointer",
+            ));
+        }
+        Ok(p.cast())
     }
 
     /// Copies `out.len()` bytes from device address `src` (mapped memory of this device)
@@ -445,14 +495,17 @@ impl Drop for Mapping {
 }
 
 /// Page-locked host memory from [`CudaDevice::alloc_pinned`]: `len` bytes the device
-/// copies to and from directly. Freed (`cuMemFreeHost`) on drop, with the primary
-/// context it was allocated in, which it keeps retained until then.
+/// copies to and from directly. Given back on drop (unregistered and unmapped, or
+/// `cuMemFreeHost`), in the primary context it was made in, which it keeps retained
+/// until then.
 #[derive(Debug)]
 pub struct PinnedHost {
     ptr: *mut u8,
     len: usize,
     dev: sys::CUdevice,
     ctx: sys::CUcontext,
+    /// The registered mapping (fast path); None: `ptr` is the driver's `cuMemHostAlloc`.
+    map: Option<memmap2::MmapMut>,
 }
 
 // Safety: the buffer owns its memory exclusively (no other pointer to it is handed out
@@ -474,11 +527,18 @@ impl PinnedHost {
         self.len == 0
     }
 
+    /// Whether it was made by the fast path (a registered mapping) rather than
+    /// `cuMemHostAlloc`.
+    pub fn is_registered(&self) -> bool {
+        self.map.is_some()
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // Safety: `ptr` points to `len` bytes allocated by `cuMemHostAlloc`, live until
-        // drop; host-visible memory the driver gave us, so every byte is initialised (its
-        // value unspecified until written); shared borrows exclude writes.
+        // Safety: `ptr` points to `len` bytes (a registered mapping, every byte written
+        // zero by its touch, or the driver's `cuMemHostAlloc`: host-visible memory, every
+        // byte initialised, its value unspecified until written), live until drop; shared
+        // borrows exclude writes.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
@@ -491,12 +551,26 @@ impl PinnedHost {
 
 impl Drop for PinnedHost {
     fn drop(&mut self) {
-        if let Ok(_g) = CtxGuard::push(self.ctx) {
-            // Safety: `ptr` came from `cuMemHostAlloc` in this context, which our retain
-            // keeps alive; freed once (drop), and no borrow of the bytes outlives `self`.
-            let _ = call("cuMemFreeHost", || unsafe {
-                sys::cuMemFreeHost(self.ptr.cast())
-            });
+        match CtxGuard::push(self.ctx) {
+            Ok(_g) if self.map.is_some() => {
+                // Safety: `ptr` was registered in this context (our retain keeps it
+                // alive) and is unregistered once, before the mapping is unmapped (when
+                // `self.map` drops after this function).
+                let _ = call("cuMemHostUnregister", || unsafe {
+                    sys::cuMemHostUnregister(self.ptr.cast())
+                });
+            }
+            Ok(_g) => {
+                // Safety: `ptr` came from `cuMemHostAlloc` in this context, which our
+                // retain keeps alive; freed once (drop), and no borrow of the bytes
+                // outlives `self`.
+                let _ = call("cuMemFreeHost", || unsafe {
+                    sys::cuMemFreeHost(self.ptr.cast())
+                });
+            }
+            // No context to unregister in: the driver may still hold the pages, so the
+            // mapping is left mapped (leaked) rather than unmapped under it.
+            Err(_) => std::mem::forget(self.map.take()),
         }
         // Safety: balances the retain in `alloc_pinned`.
         let _ = call("cuDevicePrimaryCtxRelease", || unsafe {

@@ -34,6 +34,9 @@ pub enum CudaError {
     /// A caller passed something the driver must never see.
     #[error("invalid argument to {call}: {message}")]
     InvalidArgument { call: &'static str, message: String },
+    /// Host memory for a pinned buffer could not be had before any driver call.
+    #[error(transparent)]
+    Host(#[from] crate::host::HostError),
 }
 
 impl CudaError {
@@ -41,6 +44,10 @@ impl CudaError {
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, CudaError::Driver { code, .. }
             if *code == CUresult::CUDA_ERROR_OUT_OF_MEMORY as u32)
+            || matches!(
+                self,
+                CudaError::Host(crate::host::HostError::OutOfMemory { .. })
+            )
     }
 
     pub(crate) fn invalid(call: &'static str, message: impl Into<String>) -> CudaError {

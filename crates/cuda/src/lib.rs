@@ -7,14 +7,19 @@
 //! - [`CudaDevice`] — one device: primary context, granularity, [`CudaDevice::reserve`]
 //!   ([`VaRange`]), [`CudaDevice::map`] ([`Mapping`]), [`CudaDevice::create_event`] ([`Event`]).
 //!
+//! - [`PinnedHost`] — page-locked host memory, pinned fast (module `host`: a huge-page
+//!   mapping faulted in by several threads, then `cuMemHostRegister`).
+//!
 //! This crate knows nothing about torch; streams are raw `cudaStream_t` values as `usize`.
 
 mod device;
 mod driver;
+mod host;
 mod memory;
 
 pub use device::{CudaDevice, Event, Mapping, PinnedHost, VaRange};
 pub use driver::{CudaError, Driver, Result};
+pub use host::{HostError, MAX_PIN_THREADS, host_available_bytes, pin_threads};
 pub use memory::{CudaCounters, CudaMemory};
 
 #[cfg(test)]
@@ -57,6 +62,20 @@ mod tests {
             .expect("record on the legacy stream");
         ev.synchronize().expect("sync");
         assert!(ev.query().expect("query"));
+        // Pinned host memory both ways: the registered huge-page mapping (threads) and the
+        // driver's allocation (0 threads); a copy through device memory and back.
+        for threads in [4, 0] {
+            let mut host = dev.alloc_pinned_with(3 << 20, threads).expect("pin");
+            assert_eq!(host.is_registered(), threads > 0);
+            host.as_mut_slice()
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, b)| *b = (i % 253) as u8);
+            dev.copy_from_host(m.ptr(), host.as_slice()).expect("h2d");
+            let mut back = dev.alloc_pinned_with(3 << 20, threads).expect("pin");
+            dev.copy_to_host(m.ptr(), back.as_mut_slice()).expect("d2h");
+            assert!(back.as_slice() == host.as_slice(), "threads {threads}");
+        }
         drop(m);
         drop(range);
     }

@@ -110,6 +110,11 @@ fn to_device_error(e: CudaError) -> DeviceError {
             code: -1,
             message: format!("invalid argument: {message}"),
         },
+        CudaError::Host(e) => DeviceError::Driver {
+            call: "pinned host memory",
+            code: -1,
+            message: e.to_string(),
+        },
     }
 }
 

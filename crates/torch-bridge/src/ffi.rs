@@ -339,6 +339,20 @@ pub mod bridge {
         fn resume(self: &Runtime, device: i32, tag: u32) -> Result<PauseReport>;
         /// Bytes of `device` paused now.
         fn paused_bytes(self: &Runtime, device: i32) -> Result<u64>;
+
+        /// Page-locked host memory (the offloader's pool buffers): owned by C++ as a
+        /// `rust::Box`, given back when dropped.
+        type PinnedBuffer;
+
+        /// `bytes` bytes of page-locked host memory, portable, made in `device`'s primary
+        /// context (`stweaver_cuda`'s fast pin: a huge-page mapping faulted in by several
+        /// threads, then registered; `STWEAVER_PIN_THREADS=0`: `cuMemHostAlloc`). More
+        /// than the host can give is an error before any page is touched.
+        fn pin_host(device: i32, bytes: usize) -> Result<Box<PinnedBuffer>>;
+        /// Its first byte's address.
+        fn ptr(self: &PinnedBuffer) -> usize;
+        /// Whether the fast path made it (false: `cuMemHostAlloc`).
+        fn registered(self: &PinnedBuffer) -> bool;
     }
 }
 
@@ -403,6 +417,26 @@ fn to_ffi_block(b: &BlockInfo) -> CheckpointBlock {
         requested_size: b.requested.get(),
         stream: b.stream.0 as usize,
     }
+}
+
+/// Pinned host memory handed to C++ ([`bridge::pin_host`]).
+pub struct PinnedBuffer(stweaver_cuda::PinnedHost);
+
+impl PinnedBuffer {
+    pub fn ptr(&self) -> usize {
+        self.0.as_slice().as_ptr() as usize
+    }
+
+    pub fn registered(&self) -> bool {
+        self.0.is_registered()
+    }
+}
+
+fn pin_host(device: i32, bytes: usize) -> Result<Box<PinnedBuffer>, BridgeError> {
+    guard("pin_host", || {
+        let dev = stweaver_cuda::CudaDevice::open(device)?;
+        Ok(Box::new(PinnedBuffer(dev.alloc_pinned(bytes)?)))
+    })
 }
 
 /// Opens CUDA devices through the driver API.

@@ -290,3 +290,37 @@ def test_plan_mode_without_a_served_plan_offloads_nothing():
     st = o.iteration_end()
     assert st["tensors_out"] == 0 and st["packs"] >= 1
     assert o.mode == "plan"
+
+
+def test_extension_pins_fast_and_refuses_more_than_the_host_has(metric):
+    # ext.pin_host: Rust's fast pin (huge-page mapping, faulted in by threads, registered);
+    # the tensor is pinned, copies through it are exact, it frees with the tensor, and a
+    # request over the host's available memory is a clean error (not the OOM killer).
+    import time
+
+    ext = stweaver._extension()
+    if not hasattr(ext, "pin_host"):
+        pytest.skip("the extension has no pin_host() yet")
+    n = 1 << 30
+    t0 = time.perf_counter()
+    h = ext.pin_host(n, torch.cuda.current_device())
+    secs = time.perf_counter() - t0
+    assert h.is_pinned() and h.numel() == n and h.dtype == torch.uint8
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    h.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(h, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    metric("pin_1GiB_s", secs)
+    del h
+    with open("/proc/meminfo") as f:
+        avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    with pytest.raises(RuntimeError, match="host memory"):
+        ext.pin_host(avail + (8 << 30), torch.cuda.current_device())
+    # The pool uses it; a refusal there is a PinnedMemoryError (offload off, training on).
+    pool = off.PinnedPool(pin=off.ext_pin(ext))
+    s = pool.alloc(64 << 20)
+    assert pool._buffers[s.buffer].data.is_pinned()
+    with pytest.raises(off.PinnedMemoryError, match="host memory"):
+        pool.alloc(avail + (8 << 30))
