@@ -213,6 +213,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The held plan: accept=True serves it now (call at an iteration boundary), False "
       "drops it and auto mode records again from here.");
 
+  m.def(
+      "record_again",
+      []() {
+        auto& a = need_installed("record_again");
+        call("record_again", [&] { a.runtime().record_again(); });
+      },
+      "Auto mode serving a plan: stop serving it and record again from this boundary; the "
+      "served plan is kept for serve_kept_plan().");
+
+  m.def(
+      "serve_kept_plan",
+      []() {
+        auto& a = need_installed("serve_kept_plan");
+        call("serve_kept_plan", [&] { a.runtime().serve_kept_plan(); });
+      },
+      "Serve the plan record_again() kept, from this boundary (the program it was made for "
+      "must run again).");
+
   // Pause / resume (issue #17): tags and the device's memory given back, addresses kept.
   m.def(
       "set_tag",

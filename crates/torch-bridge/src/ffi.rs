@@ -326,6 +326,11 @@ pub mod bridge {
         /// The held plan: `accept` serves it now (at an iteration boundary), else auto
         /// mode records again from here.
         fn release_held_plan(self: &Runtime, accept: bool) -> Result<()>;
+        /// Auto mode serving a plan: records again from this boundary, keeping the
+        /// served plan for `serve_kept_plan`.
+        fn record_again(self: &Runtime) -> Result<()>;
+        /// Serves the plan `record_again` kept, from this boundary.
+        fn serve_kept_plan(self: &Runtime) -> Result<()>;
 
         /// Pause / resume (issue #17). The tag of allocations made from now on, on every
         /// pool of every device (0: untagged, never paused).
@@ -667,6 +672,14 @@ impl Runtime {
 
     pub fn release_held_plan(&self, accept: bool) -> Result<(), BridgeError> {
         guard("release_held_plan", || self.core.release_held_plan(accept))
+    }
+
+    pub fn record_again(&self) -> Result<(), BridgeError> {
+        guard("record_again", || self.core.record_again())
+    }
+
+    pub fn serve_kept_plan(&self) -> Result<(), BridgeError> {
+        guard("serve_kept_plan", || self.core.serve_kept_plan())
     }
 
     pub fn record_restore(&self, ptr: usize, from: i64) -> Result<bool, BridgeError> {

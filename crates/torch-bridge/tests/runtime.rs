@@ -1113,6 +1113,93 @@ fn auto_mode_holds_its_plan_behind_the_gate_and_records_again_when_refused() {
     rt.free(weights).unwrap();
 }
 
+/// Auto mode serving a plan records again on request (`record_again`: the served plan
+/// unloaded and kept, the offload schedule gone, saved tensors recorded again), plans and
+/// holds the new recording's plan, and `serve_kept_plan` serves the kept plan again at a
+/// boundary without a new recording, whatever auto mode was doing; both calls refuse
+/// clearly when there is nothing to act on.
+#[test]
+fn auto_mode_records_again_while_serving_and_serves_the_kept_plan_again() {
+    let rt = runtime_with_budget("auto", "28MiB", 256);
+    let err = rt.record_again().unwrap_err().to_string();
+    assert!(err.contains("no plan is served"), "{err}");
+    let err = rt.serve_kept_plan().unwrap_err().to_string();
+    assert!(err.contains("no plan is kept"), "{err}");
+    rt.set_plan_gate(true).unwrap();
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    let until_held = |rt: &Runtime| {
+        let mut steps = 0u64;
+        while rt.mode().unwrap() != "auto (plan held)" {
+            offload_iteration(rt, 6, true);
+            rt.step().unwrap();
+            steps += 1;
+            assert!(steps < 500, "never held: {}", rt.mode().unwrap());
+        }
+    };
+    let served = |rt: &Runtime, n: usize| {
+        for _ in 0..n {
+            offload_iteration(rt, 6, true);
+            rt.step().unwrap();
+        }
+        let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+        info["devices"][0]["plan"].clone()
+    };
+    until_held(&rt);
+    rt.release_held_plan(true).unwrap();
+    let sched_a = rt.offload_schedule(0).unwrap();
+    assert!(!sched_a.is_empty());
+    let stats = served(&rt, 4);
+    assert!(stats["hits"].as_u64().unwrap() > 0, "{stats}");
+    // Record again: plan A kept, nothing served.
+    rt.record_again().unwrap();
+    assert_eq!(rt.mode().unwrap(), "auto (recording)");
+    assert!(rt.offload_schedule(0).unwrap().is_empty());
+    let act = rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap();
+    assert!(
+        rt.record_saved(act, true).unwrap() >= 0,
+        "recording again"
+    );
+    rt.free(act).unwrap();
+    assert!(rt.record_again().is_err(), "nothing served while recording");
+    // Plan B held, served, then A again.
+    until_held(&rt);
+    rt.release_held_plan(true).unwrap();
+    served(&rt, 3);
+    rt.serve_kept_plan().unwrap();
+    assert_eq!(rt.mode().unwrap(), "auto (plan)");
+    let sched = rt.offload_schedule(0).unwrap();
+    assert_eq!(sched.len(), sched_a.len(), "plan A's schedule again");
+    assert!(
+        sched
+            .iter()
+            .zip(&sched_a)
+            .all(|(a, b)| (a.pack, a.unpack, a.bytes) == (b.pack, b.unpack, b.bytes))
+    );
+    let before = served(&rt, 0);
+    let after = served(&rt, 4);
+    assert!(
+        after["hits"].as_u64().unwrap() > before["hits"].as_u64().unwrap(),
+        "plan A serves again: {after}"
+    );
+    assert!(rt.serve_kept_plan().is_err(), "kept only once");
+    // Recording abandoned for the kept plan: record again, then serve A mid-recording.
+    rt.record_again().unwrap();
+    offload_iteration(&rt, 6, true);
+    rt.step().unwrap();
+    rt.serve_kept_plan().unwrap();
+    assert_eq!(rt.mode().unwrap(), "auto (plan)");
+    assert_eq!(rt.offload_schedule(0).unwrap().len(), sched_a.len());
+    served(&rt, 4);
+    let st = rt.device_stats(0).unwrap();
+    let limit = 28 * MIB as i64;
+    assert!(
+        st.reserved_bytes.all.peak <= limit,
+        "within the budget: {} > {limit}",
+        st.reserved_bytes.all.peak
+    );
+    rt.free(weights).unwrap();
+}
+
 /// A budget below what any offload reaches: the plan is the ordinary one of the
 /// recording, with a note and the reason in `info_json`.
 #[test]

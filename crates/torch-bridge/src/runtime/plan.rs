@@ -163,6 +163,9 @@ pub(super) struct PlanControl {
     gate: bool,
     /// The held plans, per device.
     held: Vec<(i32, Plan)>,
+    /// Auto: the plans served before [`Core::record_again`], kept for
+    /// [`Core::serve_kept_plan`].
+    kept: Vec<(i32, Plan)>,
     /// Auto: the step at which the current recording started (0: at install; the step
     /// of [`Core::release_held_plan`]'s new recording): it plans `auto_iterations`
     /// iterations later.
@@ -192,6 +195,7 @@ impl PlanControl {
             settle: Vec::new(),
             gate: false,
             held: Vec::new(),
+            kept: Vec::new(),
             record_from: 0,
             classes: false,
             timing: (None, None),
@@ -770,6 +774,74 @@ impl Core {
         pc.classes = false;
         pc.stage = PlanStage::Recording;
         Ok(())
+    }
+
+    /// Auto mode serving a plan: stops serving it at this boundary (call it right after
+    /// `step`) and records again, planning `auto_iterations` iterations later (held for
+    /// the caller when the gate is on, as after [`Core::release_held_plan`]`(false)`).
+    /// The plans served until now are kept: [`Core::serve_kept_plan`] serves them again
+    /// without a new recording (the caller's A/B of two programs: the offloader trying
+    /// more recomputed blocks against a plan that moves bytes). Blocks placed by the
+    /// plan stay where they are until freed; its pool's free memory is given back at
+    /// once ([`stweaver_core::engine::Engine::unload_plan`]). An error when no plan is
+    /// served.
+    pub fn record_again(&self) -> Result<()> {
+        let mut pc = lock(&self.plan);
+        let PlanStage::Serving(devices) = &pc.stage else {
+            return Err(BridgeError::Settings(format!(
+                "record_again: no plan is served (auto mode serves one after its switch; now: {:?})",
+                pc.stage
+            )));
+        };
+        let devices = devices.clone();
+        for &d in &devices {
+            let slot = self.slot(d)?;
+            if let Some(e) = slot.default.get() {
+                e.unload_plan()?;
+                lock(&slot.offload).clear();
+                *lock(&slot.offload_outcome) = None;
+                e.start_trace()?;
+            }
+        }
+        pc.kept = std::mem::take(&mut pc.relearn.served)
+            .into_iter()
+            .map(|(d, plan, _)| (d, plan))
+            .collect();
+        pc.relearn.from = None;
+        pc.record_from = self.iterations.load(Ordering::Acquire);
+        pc.classes = false;
+        pc.stage = PlanStage::Recording;
+        Ok(())
+    }
+
+    /// Serves the plans [`Core::record_again`] kept, at this boundary (right after
+    /// `step`), whatever auto mode is doing: a plan served now is unloaded, a held one
+    /// dropped, a recording or planning round abandoned (its planner's result is
+    /// ignored). The caller must run the program those plans were made for again (the
+    /// same recomputed blocks). An error when none is kept.
+    pub fn serve_kept_plan(&self) -> Result<()> {
+        let mut pc = lock(&self.plan);
+        if pc.kept.is_empty() {
+            return Err(BridgeError::Settings(
+                "serve_kept_plan: no plan is kept (record_again keeps the plan it stops serving)"
+                    .into(),
+            ));
+        }
+        let plans = std::mem::take(&mut pc.kept);
+        for slot in self.slots()? {
+            if let Some(e) = slot.default.get() {
+                e.unload_plan()?;
+                lock(&slot.offload).clear();
+                *lock(&slot.offload_outcome) = None;
+                // A recording in progress is dropped (its round is abandoned).
+                let _ = e.take_trace();
+            }
+        }
+        pc.held.clear();
+        pc.jobs.clear();
+        pc.relearn.served.clear();
+        pc.relearn.from = None;
+        self.switch_to_plans(&mut pc, plans, Vec::new())
     }
 
     /// The default engine of the allocation starting at `ptr`, if any (private pools
