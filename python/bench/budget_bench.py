@@ -41,7 +41,9 @@ random token ids, deterministic algorithms (as gpu_bench).
    - ``stweaver_auto``: the user's way with no offline step: ``stweaver.install("auto",
      budget=...)`` (its own offloader) and ``stweaver.recompute_blocks(model, "auto")``: auto
      mode records, plans, holds the plan and recomputes more blocks and records again while
-     the plan would wait for the link (``stweaver._auto_recompute``); measured after the switch;
+     the plan would wait for the link (``stweaver._auto_recompute``), and measures a plan
+     that moves bytes against more blocks recomputed (its trial); measured after the plan it
+     settled on was served;
    - ``stweaver_auto_pycopy``: the same with ``STWEAVER_OFFLOAD_FAST=0``: the offload copies
      through torch's Python API instead of one extension call each (the A/B control of
      ``cpp/offload_copy.cpp``);
@@ -395,9 +397,10 @@ def run_row(spec: dict) -> dict:
     n_total = spec["iters"] + spec["warmup"]
     max_n = n_total + (spec["extra_auto"] if row == "stweaver_offload" and st is not None else 0)
     if row in AUTO_ROWS and st is not None:
-        from stweaver._auto_recompute import MAX_ROUNDS
+        from stweaver._auto_recompute import MAX_ROUNDS, TRIAL_SKIP, TRIAL_STEPS
 
-        max_n = n_total + spec["extra_auto"] * (1 + MAX_ROUNDS)  # a recording per round
+        # A recording per round, and the measured trial's recording and two measurements.
+        max_n = n_total + spec["extra_auto"] * (2 + MAX_ROUNDS) + 2 * (TRIAL_SKIP + TRIAL_STEPS)
     losses, steps, modes, offload_modes, reserved_after = [], [], [], [], []
     pinned_after: List[int] = []  # torch's pinned host bytes (in use + cached) after each iteration
     capacity_after: List[int] = []  # the offloader's pinned pool after each iteration
@@ -471,7 +474,9 @@ def run_row(spec: dict) -> dict:
                         # The plan carries a schedule: follow it from the next iteration on.
                         off.disable()
                         offloader = off.enable(schedule="plan", hook_optimizer=False)
-                if switched_at is None and m == "auto (plan)":
+                # Auto rows: the plan auto recompute settled on (its measured trial done).
+                settled = row not in AUTO_ROWS or (st.offload_stats().get("auto_recompute") or {}).get("done", True)
+                if switched_at is None and m == "auto (plan)" and settled:
                     switched_at = i
                     # Measure the iterations after the switch (the online cache released).
                     measured_from = max(measured_from, i + 2)

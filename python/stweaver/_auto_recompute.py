@@ -47,11 +47,26 @@ Algorithm
    is of the model as it will run.
 4. After ``max_rounds`` re-recordings (default 2), or when k cannot grow, the held plan is
    served whatever it waits.
+5. **A measured trial** when the plan served moves bytes (its ``bytes_per_iteration``, one
+   way): the planner's clock is a model, and on the H100 the same choice ran 1.10-1.15x on
+   GPT-2 XL at 0.8 x LB with 1-2 GB moved, once 2.29x, where recomputing the blocks whose
+   bytes moved instead ran 1.09-1.10x (BENCHMARKS.md, sessions 15 and 17); on Llama 1B the
+   offload was the cheaper one (1.08x). So the run measures both: plan A (k blocks, its
+   offload) is served for ``TRIAL_SKIP`` + ``TRIAL_STEPS`` iterations (host wall time
+   between boundaries, the median of the last ``TRIAL_STEPS``); then
+   ``k_B = k + ceil(bytes / block bytes)`` blocks are recomputed, auto mode records again
+   (``ext.record_again()``: plan A is kept), plan B is served (whatever it waits) and
+   measured the same way. B stays when its median step is at most A's; else the model goes
+   back to k blocks and plan A is served again at that boundary
+   (``ext.serve_kept_plan()``: no third recording). A plan that moves nothing, or
+   ``k_B = k``, or ``trial=False``, skips this.
 
 Each decision is printed to stderr (one line) and kept in :meth:`AutoRecompute.stats`.
-Cost: two module hooks per block per forward, and until the plan is served two CUDA events
-per block (read at later boundaries, never waited for); one ``info_json`` read at the
-boundary where a plan is held; nothing per saved tensor beyond the offloader's byte count.
+Cost: two module hooks per block per forward, and while recording two CUDA events per
+block (read at later boundaries, never waited for); one ``info_json`` read at the boundary
+where a plan is held; nothing per saved tensor beyond the offloader's byte count. The trial
+costs one more recording (~``auto_iterations`` iterations at the recording's pace) and, when
+A wins, B's ``TRIAL_SKIP + TRIAL_STEPS`` iterations.
 """
 
 from __future__ import annotations
@@ -73,6 +88,10 @@ LINK_SHARE = 0.9
 # Forward's share of an iteration's device time, as the planner assumes
 # (stweaver_planner::offload::DEFAULT_FORWARD_SHARE).
 FORWARD_SHARE = 1.0 / 3.0
+# The measured trial (module doc, step 5): served iterations skipped (the switch settles:
+# the online cache released, the pool mapped), then the iterations whose median is the step.
+TRIAL_SKIP = 2
+TRIAL_STEPS = 6
 
 
 class AutoRecomputeError(RuntimeError):
@@ -83,7 +102,7 @@ class AutoRecompute:
     """The decision loop of the module doc, driven by the offloader's boundaries."""
 
     def __init__(self, model, offloader, ext, *, where: str = "last", max_rounds: int = MAX_ROUNDS,
-                 wait_share: float = WAIT_SHARE, log=None, event=None):
+                 wait_share: float = WAIT_SHARE, log=None, event=None, trial: bool = True):
         from ._recompute import RecomputeError, find_blocks, recomputed
 
         if where not in ("last", "first"):
@@ -101,6 +120,10 @@ class AutoRecompute:
         self.rounds = 0
         self.decisions: List[dict] = []
         self.done = False
+        # The measured trial (module doc, step 5): None (not started), or its state:
+        # stage "a" (plan A served, measured), "b_rec" (recording for B), "b" (B measured).
+        self.trial_on = trial and hasattr(ext, "record_again") and hasattr(ext, "serve_kept_plan")
+        self.trial: Optional[dict] = None
         self._iter_ms: List[float] = []
         self._t = time.perf_counter()
         self._start: dict = {}
@@ -128,7 +151,7 @@ class AutoRecompute:
         def hook(module, args):
             if self.off.j == 0:
                 self._start[i] = self.off.packed_bytes
-                if self._event is not None and not self.done:
+                if self._event is not None and not self.done and not self._measuring():
                     e = self._event()
                     e.record()
                     self._ev_start[i] = e
@@ -145,6 +168,10 @@ class AutoRecompute:
                     e1.record()
                     self._ev_iter.append((i, e0, e1))
         return hook
+
+    def _measuring(self) -> bool:
+        """Whether a served plan's steps are being measured (no block events then)."""
+        return self.trial is not None and self.trial["stage"] in ("a", "b")
 
     def remove(self) -> None:
         """Removes the block hooks and the gate; a plan held now is served (auto mode's own
@@ -181,11 +208,26 @@ class AutoRecompute:
         if self.done:
             return
         mode = str(self.ext.mode())
+        if self._measuring():
+            try:
+                self._trial_step(mode)
+            except Exception as e:  # never stop training: serve what is served now
+                self.log(f"stweaver: auto recompute: the trial failed ({e!r}); keeping what is served")
+                self._finish()
+            return
         if mode == "auto (recording)":
             self._set_link(off)
             return
         if mode != "auto (plan held)":
             if not mode.startswith("auto (planning"):
+                if self.trial is not None and self.trial["stage"] == "b_rec":
+                    # B's recording ended without a plan: back to plan A.
+                    self.decisions.append({"action": "trial_back_to_a", "k": self.k, "mode": mode})
+                    self.log(f"stweaver: auto recompute: trial: no plan with {self.k} blocks ({mode}); "
+                             f"going back to {self.trial['k_a']} blocks and their plan")
+                    self._recompute(self.trial["k_a"])
+                    self.ext.serve_kept_plan()
+                    self.trial["stage"] = "ended"
                 self._finish()  # served, refused, or given up: nothing left to decide
             return
         try:
@@ -274,37 +316,107 @@ class AutoRecompute:
                 k_add = math.ceil(self.n / 8)
             k_new = min(self.n, self.k + max(1, k_add))
             why = ""
+        if self.trial is not None and self.trial["stage"] == "b_rec":
+            # Plan B of the trial: served whatever it waits, then measured.
+            d["action"] = "trial_b"
+            self.decisions.append(d)
+            self.log(f"stweaver: auto recompute: trial: serving the plan with {self.k} of {self.n} blocks "
+                     f"recomputed ({(o.get('bytes_per_iteration') or 0) / 1e9:.2f} GB moved per iteration), "
+                     f"measuring its step")
+            self.trial.update(stage="b", steps=[])
+            self.ext.release_held_plan(True)
+            return
         if k_new == self.k:
+            moved = int(o.get("bytes_per_iteration") or 0) if planned else 0
+            k_b = min(self.n, self.k + math.ceil(moved / block)) if block > 0 and moved > 0 else self.k
+            if self.trial_on and self.trial is None and k_b > self.k:
+                d["action"] = "trial_a"
+                d["k_b"] = k_b
+                self.decisions.append(d)
+                self.log(f"stweaver: auto recompute: {self.k} of {self.n} blocks recomputed, serving the plan "
+                         f"({why or 'no more blocks to recompute'}; {moved / 1e9:.2f} GB moved per iteration); "
+                         f"trial: measuring its step against {k_b} blocks recomputed")
+                self.trial = {"stage": "a", "k_a": self.k, "k_b": k_b, "moved_a": moved, "steps": []}
+                self.ext.release_held_plan(True)  # the gate stays on: B's plan will be held
+                return
             d["action"] = "serve"
             self.decisions.append(d)
             self.log(f"stweaver: auto recompute: {self.k} of {self.n} blocks recomputed, serving the plan "
                      f"({why or 'no more blocks to recompute'})")
             self._finish()  # serves the held plan, gate off
             return
-        from ._recompute import recompute_blocks
-
-        recompute_blocks(self.model, k_new, where=self.where)
-        # The program changed (more recomputed in backward): the offloader's watermark
-        # learns its level again, from the first iteration's headroom.
-        forget = getattr(self.off, "program_changed", None)
-        if forget is not None:
-            forget()
+        self._recompute(k_new)
         d["action"] = "recompute"
         d["k_new"] = k_new
         self.decisions.append(d)
         self.log(f"stweaver: auto recompute: the plan under the budget "
                  f"{'waits %.1f ms per iteration for copies' % wait_ms if planned else 'offloads nothing (' + str(o.get('reason')) + ')'}; "
                  f"recomputing the {self.where} {k_new} of {self.n} blocks and recording again")
-        self.k = k_new
         self.rounds += 1
+        self._restart()
+        self.ext.release_held_plan(False)
+
+    def _recompute(self, k: int) -> None:
+        """Recomputes the model's ``k`` blocks (``where``) from the next iteration on."""
+        from ._recompute import recompute_blocks
+
+        recompute_blocks(self.model, k, where=self.where)
+        self.k = k
+        # The program changed (more or fewer recomputed in backward): the offloader's
+        # watermark learns its level again, from the first iteration's headroom.
+        forget = getattr(self.off, "program_changed", None)
+        if forget is not None:
+            forget()
+
+    def _restart(self) -> None:
+        """A new recording starts: its measurements start afresh."""
         self._iter_ms = []
         self._per_block = []
         self._block_ms = []
-        self.ext.release_held_plan(False)
+
+    def _trial_step(self, mode: str) -> None:
+        """At a boundary while a served plan is measured (module doc, step 5)."""
+        t = self.trial
+        if mode != "auto (plan)":
+            # Given up, or a fallback: nothing left to compare; what runs now stays.
+            t["stage"] = "ended"
+            self.decisions.append({"action": "trial_ended", "k": self.k, "mode": mode})
+            self.log(f"stweaver: auto recompute: trial ended ({mode}); keeping {self.k} blocks recomputed")
+            self._finish()
+            return
+        t["steps"].append(self._iter_ms[-1])
+        if len(t["steps"]) < TRIAL_SKIP + TRIAL_STEPS:
+            return
+        median = statistics.median(t["steps"][TRIAL_SKIP:])
+        if t["stage"] == "a":
+            t["step_ms_a"] = median
+            self.decisions.append({"action": "trial_measured_a", "k": self.k, "step_ms": median})
+            self.log(f"stweaver: auto recompute: trial: {self.k} blocks + {t['moved_a'] / 1e9:.2f} GB moved "
+                     f"ran {median:.1f} ms per iteration; recomputing {t['k_b']} blocks and recording again")
+            self._recompute(t["k_b"])
+            t["stage"] = "b_rec"
+            self._restart()
+            self.ext.record_again()
+            return
+        t["step_ms_b"] = median
+        keep_b = median <= t["step_ms_a"]
+        self.decisions.append({"action": "trial_keep_b" if keep_b else "trial_back_to_a", "k": self.k,
+                               "step_ms": median, "step_ms_a": t["step_ms_a"]})
+        self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration against "
+                 f"{t['step_ms_a']:.1f} ms with {t['k_a']} blocks + offload: "
+                 f"{'keeping' if keep_b else 'going back to'} {self.k if keep_b else t['k_a']} blocks")
+        if not keep_b:
+            self._recompute(t["k_a"])
+            self.ext.serve_kept_plan()
+        t["stage"] = "ended"
+        self._finish()
 
     def stats(self) -> dict:
+        trial = None
+        if self.trial is not None:
+            trial = {k: v for k, v in self.trial.items() if k != "steps"}
         return {"blocks": self.n, "recomputed": self.k, "where": self.where, "rounds": self.rounds,
-                "done": self.done, "decisions": list(self.decisions)}
+                "done": self.done, "decisions": list(self.decisions), "trial": trial}
 
 
 def _cuda_event_factory(model):

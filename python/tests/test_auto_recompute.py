@@ -54,8 +54,27 @@ class GateExt(FakeExt):
         self.stage = "auto (plan)" if accept else "auto (recording)"
 
 
-def setup(depth=8, **kw):
-    ext = GateExt()
+class TrialExt(GateExt):
+    """GateExt with record_again / serve_kept_plan: the measured trial's two calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = False
+        self.trial_calls = []
+
+    def record_again(self):
+        assert self.stage == "auto (plan)", self.stage
+        self.trial_calls.append("record_again")
+        self.kept, self.stage = True, "auto (recording)"
+
+    def serve_kept_plan(self):
+        assert self.kept
+        self.trial_calls.append("serve_kept_plan")
+        self.kept, self.stage = False, "auto (plan)"
+
+
+def setup(depth=8, ext_class=None, **kw):
+    ext = (ext_class or GateExt)()
     off, _ = offloader(schedule="plan", ext=ext, first_min_bytes=1 << 30)
     torch.manual_seed(0)
     model = Net(width=32, depth=depth, p=0.0)
@@ -238,3 +257,104 @@ def test_a_failing_decision_or_removal_never_leaves_the_plan_held():
     ar2.remove()
     assert ext2.releases == [True] and ext2.gate is False
     assert ar2.boundary not in off2.boundary_hooks
+
+
+class Clock:
+    """perf_counter for AutoRecompute's iteration times: moved by the test only."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def trial_setup(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(ar_mod.time, "perf_counter", clock)
+    ext, off, model, ar, logs = setup(ext_class=TrialExt)
+    x = torch.randn(16, 32)
+
+    def run(n, ms):
+        for _ in range(n):
+            step(model, x, hooks=off)
+            clock.t += ms / 1e3
+            off.iteration_end()
+
+    run(2, 500.0)  # recorded iterations (slow: threshold offload)
+    block = ar._per_block[-1]
+    ext.stage = "auto (plan held)"
+    # No wait, but 2.5 blocks' bytes moved per iteration: the trial tries 3 blocks more.
+    ext.outcome = {"planned": True, "copy_out_wait_us": 0.0, "stall_us": 0.0, "link_gbps": 20.0,
+                   "bytes_per_iteration": int(2.5 * block)}
+    run(1, 500.0)
+    assert ext.releases == [True] and ext.stage == "auto (plan)", "plan A served"
+    assert ext.gate is True and not ar.done, "the gate stays on for B's plan"
+    assert recomputed(model) == []
+    return ext, off, model, ar, logs, run
+
+
+def measure(run, ms):
+    run(ar_mod.TRIAL_SKIP + ar_mod.TRIAL_STEPS, ms)
+
+
+def to_plan_b(ext, off, model, ar, run):
+    assert ext.trial_calls == ["record_again"] and ext.stage == "auto (recording)"
+    assert recomputed(model) == [f"layers.{i}" for i in range(5, 8)], "k_B = 0 + ceil(2.5)"
+    run(2, 400.0)
+    ext.stage = "auto (plan held)"
+    ext.outcome = dict(ext.outcome, bytes_per_iteration=0)
+    run(1, 400.0)
+    assert ext.releases == [True, True] and ext.stage == "auto (plan)", "plan B served whatever it waits"
+
+
+def test_a_plan_that_moves_bytes_is_measured_against_more_blocks_recomputed_and_b_wins(monkeypatch):
+    ext, off, model, ar, logs, run = trial_setup(monkeypatch)
+    measure(run, 120.0)
+    to_plan_b(ext, off, model, ar, run)
+    measure(run, 110.0)
+    assert ar.done and ext.gate is False and ext.trial_calls == ["record_again"]
+    assert len(recomputed(model)) == 3
+    st = off.stats()["auto_recompute"]
+    assert [d["action"] for d in st["decisions"]] == ["trial_a", "trial_measured_a", "trial_b", "trial_keep_b"]
+    assert st["trial"]["step_ms_a"] == pytest.approx(120.0) and st["trial"]["step_ms_b"] == pytest.approx(110.0)
+    assert "keeping 3 blocks" in logs[-1]
+
+
+def test_the_trial_goes_back_to_plan_a_without_recording_when_b_is_slower(monkeypatch):
+    ext, off, model, ar, logs, run = trial_setup(monkeypatch)
+    measure(run, 100.0)
+    to_plan_b(ext, off, model, ar, run)
+    measure(run, 104.0)
+    assert ext.trial_calls == ["record_again", "serve_kept_plan"] and ext.stage == "auto (plan)"
+    assert recomputed(model) == [] and ar.done and ext.gate is False
+    assert off.stats()["auto_recompute"]["decisions"][-1]["action"] == "trial_back_to_a"
+    assert "going back to 0 blocks" in logs[-1]
+    # Nothing more is decided afterwards.
+    run(3, 100.0)
+    assert ext.trial_calls == ["record_again", "serve_kept_plan"]
+
+
+def test_b_without_a_plan_goes_back_to_a_and_a_given_up_plan_ends_the_trial(monkeypatch):
+    ext, off, model, ar, logs, run = trial_setup(monkeypatch)
+    measure(run, 100.0)
+    ext.stage = "auto (online: no plan)"
+    run(1, 100.0)
+    assert ext.trial_calls == ["record_again", "serve_kept_plan"] and recomputed(model) == [] and ar.done
+    ext2, off2, model2, ar2, logs2, run2 = trial_setup(monkeypatch)
+    ext2.stage = "auto (online: plan given up)"
+    run2(1, 100.0)
+    assert ar2.done and ext2.trial_calls == [] and recomputed(model2) == []
+    assert off2.stats()["auto_recompute"]["decisions"][-1]["action"] == "trial_ended"
+
+
+def test_no_trial_when_the_plan_moves_nothing_or_when_turned_off(monkeypatch):
+    for outcome_bytes, trial in ((0, True), (10**6, False)):
+        ext, off, model, ar, logs = setup(ext_class=TrialExt, trial=trial)
+        x = torch.randn(16, 32)
+        iteration(model, off, x)
+        ext.stage = "auto (plan held)"
+        ext.outcome = {"planned": True, "copy_out_wait_us": 0.0, "stall_us": 0.0, "link_gbps": 20.0,
+                       "bytes_per_iteration": outcome_bytes}
+        iteration(model, off, x)
+        assert ar.done and ext.gate is False and ext.releases == [True] and ext.trial_calls == []
