@@ -58,8 +58,11 @@ Algorithm
    (``ext.record_again()``: plan A is kept), plan B is served (whatever it waits) and
    measured the same way. B stays when its median step is at most A's; else the model goes
    back to k blocks and plan A is served again at that boundary
-   (``ext.serve_kept_plan()``: no third recording). A plan that moves nothing, or
-   ``k_B = k``, or ``trial=False``, skips this.
+   (``ext.serve_kept_plan()``: no third recording). Plan A given up while measured (its
+   pool at the memory limit after conflicts; on the H100 GPT-2 XL's plan was, in some runs)
+   goes to B at once, and B stays; B given up or without a plan goes back to A. A plan that
+   moves nothing, or ``k_B = k``, or ``trial=False`` (``STWEAVER_AUTO_TRIAL=0``), skips
+   this.
 
 Each decision is printed to stderr (one line) and kept in :meth:`AutoRecompute.stats`.
 Cost: two module hooks per block per forward, and while recording two CUDA events per
@@ -220,14 +223,10 @@ class AutoRecompute:
             return
         if mode != "auto (plan held)":
             if not mode.startswith("auto (planning"):
-                if self.trial is not None and self.trial["stage"] == "b_rec":
+                if self.trial is not None and self.trial["stage"] == "b_rec" and not self.trial.get("a_given_up"):
                     # B's recording ended without a plan: back to plan A.
-                    self.decisions.append({"action": "trial_back_to_a", "k": self.k, "mode": mode})
-                    self.log(f"stweaver: auto recompute: trial: no plan with {self.k} blocks ({mode}); "
-                             f"going back to {self.trial['k_a']} blocks and their plan")
-                    self._recompute(self.trial["k_a"])
-                    self.ext.serve_kept_plan()
-                    self.trial["stage"] = "ended"
+                    self._back_to_a(f"no plan with {self.k} blocks ({mode})")
+                    return
                 self._finish()  # served, refused, or given up: nothing left to decide
             return
         try:
@@ -377,8 +376,23 @@ class AutoRecompute:
     def _trial_step(self, mode: str) -> None:
         """At a boundary while a served plan is measured (module doc, step 5)."""
         t = self.trial
+        if mode != "auto (plan)" and t["stage"] == "a":
+            # Plan A given up (its pool at the memory limit after conflicts; the run went on
+            # online): B, with more recomputed, has more room under the budget.
+            t["a_given_up"] = mode
+            self.decisions.append({"action": "trial_a_given_up", "k": self.k, "mode": mode})
+            self.log(f"stweaver: auto recompute: trial: the plan with {self.k} blocks was given up ({mode}); "
+                     f"recomputing {t['k_b']} blocks and recording again")
+            self._recompute(t["k_b"])
+            t["stage"] = "b_rec"
+            self._restart()
+            self.ext.record_again()
+            return
+        if mode != "auto (plan)" and t["stage"] == "b" and not t.get("a_given_up"):
+            self._back_to_a(f"the plan with {self.k} blocks ended ({mode})")
+            return
         if mode != "auto (plan)":
-            # Given up, or a fallback: nothing left to compare; what runs now stays.
+            # Both given up, or a fallback: nothing left to compare; what runs now stays.
             t["stage"] = "ended"
             self.decisions.append({"action": "trial_ended", "k": self.k, "mode": mode})
             self.log(f"stweaver: auto recompute: trial ended ({mode}); keeping {self.k} blocks recomputed")
@@ -399,15 +413,32 @@ class AutoRecompute:
             self.ext.record_again()
             return
         t["step_ms_b"] = median
-        keep_b = median <= t["step_ms_a"]
-        self.decisions.append({"action": "trial_keep_b" if keep_b else "trial_back_to_a", "k": self.k,
-                               "step_ms": median, "step_ms_a": t["step_ms_a"]})
-        self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration against "
-                 f"{t['step_ms_a']:.1f} ms with {t['k_a']} blocks + offload: "
-                 f"{'keeping' if keep_b else 'going back to'} {self.k if keep_b else t['k_a']} blocks")
-        if not keep_b:
-            self._recompute(t["k_a"])
-            self.ext.serve_kept_plan()
+        if t.get("a_given_up"):
+            self.decisions.append({"action": "trial_keep_b", "k": self.k, "step_ms": median,
+                                   "step_ms_a": None})
+            self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration "
+                     f"(the plan with {t['k_a']} blocks was given up): keeping {self.k} blocks")
+        elif median <= t["step_ms_a"]:
+            self.decisions.append({"action": "trial_keep_b", "k": self.k, "step_ms": median,
+                                   "step_ms_a": t["step_ms_a"]})
+            self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration against "
+                     f"{t['step_ms_a']:.1f} ms with {t['k_a']} blocks + offload: keeping {self.k} blocks")
+        else:
+            self._back_to_a(f"{self.k} blocks ran {median:.1f} ms per iteration against {t['step_ms_a']:.1f} ms "
+                            f"with {t['k_a']} blocks + offload", step_ms=median)
+            return
+        t["stage"] = "ended"
+        self._finish()
+
+    def _back_to_a(self, why: str, step_ms: Optional[float] = None) -> None:
+        """The trial ends on plan A: its blocks recomputed again and its kept plan served
+        from this boundary (no recording)."""
+        t = self.trial
+        self.decisions.append({"action": "trial_back_to_a", "k": self.k, "step_ms": step_ms,
+                               "step_ms_a": t.get("step_ms_a")})
+        self.log(f"stweaver: auto recompute: trial: {why}: going back to {t['k_a']} blocks and their plan")
+        self._recompute(t["k_a"])
+        self.ext.serve_kept_plan()
         t["stage"] = "ended"
         self._finish()
 
@@ -451,6 +482,9 @@ def start(model, *, where: str = "last", max_rounds: int = MAX_ROUNDS) -> AutoRe
             f"(right after install, before training); now: {mode!r}")
     if off.auto_recompute is not None:
         off.auto_recompute.remove()
-    ar = AutoRecompute(model, off, off.ext, where=where, max_rounds=max_rounds)
+    import os
+
+    trial = os.environ.get("STWEAVER_AUTO_TRIAL", "1").strip() != "0"
+    ar = AutoRecompute(model, off, off.ext, where=where, max_rounds=max_rounds, trial=trial)
     off.auto_recompute = ar
     return ar

@@ -63,7 +63,7 @@ class TrialExt(GateExt):
         self.trial_calls = []
 
     def record_again(self):
-        assert self.stage == "auto (plan)", self.stage
+        assert self.stage == "auto (plan)" or "given up" in self.stage, self.stage
         self.trial_calls.append("record_again")
         self.kept, self.stage = True, "auto (recording)"
 
@@ -341,11 +341,34 @@ def test_b_without_a_plan_goes_back_to_a_and_a_given_up_plan_ends_the_trial(monk
     ext.stage = "auto (online: no plan)"
     run(1, 100.0)
     assert ext.trial_calls == ["record_again", "serve_kept_plan"] and recomputed(model) == [] and ar.done
+    # Plan A given up while measured: B at once, kept (no comparison with a given-up plan).
     ext2, off2, model2, ar2, logs2, run2 = trial_setup(monkeypatch)
     ext2.stage = "auto (online: plan given up)"
     run2(1, 100.0)
-    assert ar2.done and ext2.trial_calls == [] and recomputed(model2) == []
-    assert off2.stats()["auto_recompute"]["decisions"][-1]["action"] == "trial_ended"
+    assert ext2.trial_calls == ["record_again"] and len(recomputed(model2)) == 3 and not ar2.done
+    ext2.stage = "auto (plan held)"
+    run2(1, 100.0)
+    assert ext2.stage == "auto (plan)"
+    measure(run2, 300.0)
+    assert ar2.done and len(recomputed(model2)) == 3 and ext2.trial_calls == ["record_again"]
+    assert off2.stats()["auto_recompute"]["decisions"][-1]["action"] == "trial_keep_b"
+    # Plan B given up while measured: back to A.
+    ext3, off3, model3, ar3, logs3, run3 = trial_setup(monkeypatch)
+    measure(run3, 100.0)
+    to_plan_b(ext3, off3, model3, ar3, run3)
+    ext3.stage = "auto (online: plan given up)"
+    run3(1, 100.0)
+    assert ext3.trial_calls == ["record_again", "serve_kept_plan"] and recomputed(model3) == [] and ar3.done
+    # Both given up: what runs stays.
+    ext4, off4, model4, ar4, logs4, run4 = trial_setup(monkeypatch)
+    ext4.stage = "auto (online: plan given up)"
+    run4(1, 100.0)
+    ext4.stage = "auto (plan held)"
+    run4(1, 100.0)
+    ext4.stage = "auto (online: plan given up)"
+    run4(1, 100.0)
+    assert ar4.done and ext4.trial_calls == ["record_again"]
+    assert off4.stats()["auto_recompute"]["decisions"][-1]["action"] == "trial_ended"
 
 
 def test_no_trial_when_the_plan_moves_nothing_or_when_turned_off(monkeypatch):
