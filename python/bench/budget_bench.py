@@ -51,6 +51,9 @@ random token ids, deterministic algorithms (as gpu_bench).
      pool's pinned buffers from the driver's ``cuMemHostAlloc`` (what ``pin_memory=True``
      does) instead of the fast pin (a huge-page mapping faulted in by several threads, then
      registered): the A/B control of the first iterations' time;
+   - ``stweaver_auto_trial``: ``stweaver_auto`` with ``STWEAVER_AUTO_TRIAL=1``: a plan that
+     moves bytes is measured against more blocks recomputed (``stweaver._auto_recompute``,
+     step 5);
    - ``stweaver_auto_wm``: ``stweaver_auto`` with ``STWEAVER_OFFLOAD_WATERMARK=1`` (opt-in):
      before the plan a saved tensor of at least 1 MiB is offloaded only when the device
      would otherwise come near the budget; the A/B of the first iterations' time and pinned
@@ -127,9 +130,10 @@ WORKLOADS = [
 # Rows that serve a plan made by `stweaver plan` from a trace run; with the trace run itself.
 PLAN_ROWS = ("stweaver_plan", "stweaver_plan_at_pack", "stweaver_plan_devtime", "stweaver_hybrid")
 PLAN_RUN_ROWS = ("stweaver_trace",) + PLAN_ROWS
-AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_wm", "stweaver_auto_drvpin")
+AUTO_ROWS = ("stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_wm", "stweaver_auto_drvpin",
+             "stweaver_auto_trial")
 ROWS = ("stweaver_plan", "stweaver_hybrid", "stweaver_auto", "stweaver_auto_pycopy", "stweaver_auto_wm",
-        "stweaver_auto_drvpin",
+        "stweaver_auto_drvpin", "stweaver_auto_trial",
         "stweaver_plan_at_pack",
         "stweaver_plan_devtime",
         "stweaver_offload",
@@ -317,6 +321,9 @@ def run_row(spec: dict) -> dict:
     if row == "stweaver_auto_pycopy":
         # The A/B control of the extension's one-call offload copies: torch's Python API.
         os.environ["STWEAVER_OFFLOAD_FAST"] = "0"
+    if row == "stweaver_auto_trial":
+        # The measured trial of auto recompute (opt-in): plan A against more blocks recomputed.
+        os.environ["STWEAVER_AUTO_TRIAL"] = "1"
     if row == "stweaver_auto_drvpin":
         # The A/B control of the fast pin: the driver's cuMemHostAlloc per pool buffer.
         os.environ["STWEAVER_PIN_THREADS"] = "0"

@@ -61,8 +61,10 @@ Algorithm
    (``ext.serve_kept_plan()``: no third recording). Plan A given up while measured (its
    pool at the memory limit after conflicts; on the H100 GPT-2 XL's plan was, in some runs)
    goes to B at once, and B stays; B given up or without a plan goes back to A. A plan that
-   moves nothing, or ``k_B = k``, or ``trial=False`` (``STWEAVER_AUTO_TRIAL=0``), skips
-   this.
+   moves nothing, or ``k_B = k``, or ``trial=False`` skips this. **Opt-in**
+   (``STWEAVER_AUTO_TRIAL=1``, experimental): on the H100 (session 17) it kept B on Llama
+   1B (1.083x), but on GPT-2 XL plan A was given up in both runs and B, served without a
+   conflict, ran 1.256x where the online run after A's give-up had run 1.112x.
 
 Each decision is printed to stderr (one line) and kept in :meth:`AutoRecompute.stats`.
 Cost: two module hooks per block per forward, and while recording two CUDA events per
@@ -484,7 +486,10 @@ def start(model, *, where: str = "last", max_rounds: int = MAX_ROUNDS) -> AutoRe
         off.auto_recompute.remove()
     import os
 
-    trial = os.environ.get("STWEAVER_AUTO_TRIAL", "1").strip() != "0"
+    # Opt-in (experimental): on the H100 it kept the better choice on Llama 1B, but on GPT-2
+    # XL plan A was given up in both runs and B, served cleanly, ran slower than the online
+    # run it replaced (BENCHMARKS.md, session 17).
+    trial = os.environ.get("STWEAVER_AUTO_TRIAL", "0").strip() == "1"
     ar = AutoRecompute(model, off, off.ext, where=where, max_rounds=max_rounds, trial=trial)
     off.auto_recompute = ar
     return ar

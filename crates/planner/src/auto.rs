@@ -97,10 +97,15 @@ pub fn unknown_iteration(hits: u64, misses: u64) -> bool {
     hits + misses >= UNKNOWN_MIN_REQUESTS && misses > hits
 }
 
-/// Whether auto mode, serving a plan of `classes` classes after `rounds` rounds of
-/// learning, starts another at an unknown iteration (module docs).
-pub fn relearns(classes: usize, rounds: u32) -> bool {
-    rounds < MAX_RELEARNS && classes < stweaver_core::engine::MAX_PLAN_CLASSES
+/// Whether auto mode, serving `served` after `rounds` rounds of learning, starts
+/// another at an unknown iteration (module docs): fewer than [`MAX_RELEARNS`] rounds,
+/// fewer than the engine's class limit, and no offload schedule (a plan that offloads
+/// was made under a budget from a recording with saved-tensor markers, which a round's
+/// recording lacks: its plan would lose the offload and not fit the budget).
+pub fn relearns(served: &Plan, rounds: u32) -> bool {
+    rounds < MAX_RELEARNS
+        && served.class_count() < stweaver_core::engine::MAX_PLAN_CLASSES
+        && served.offload.is_empty()
 }
 
 /// The plan auto mode switches to after a round of learning (module docs): `trace` (the

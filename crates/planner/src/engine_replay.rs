@@ -1142,7 +1142,7 @@ pub fn replay_engine(
                         }
                     } else if relearn_planned.is_none()
                         && crate::auto::unknown_iteration(dh, dm)
-                        && crate::auto::relearns(served.class_count(), relearn_rounds)
+                        && crate::auto::relearns(served, relearn_rounds)
                         && r.engine
                             .plan_abandoned()
                             .map_err(Replayer::err(i, "read plan state"))?

@@ -1150,15 +1150,28 @@ fn auto_mode_records_again_while_serving_and_serves_the_kept_plan_again() {
     assert!(!sched_a.is_empty());
     let stats = served(&rt, 4);
     assert!(stats["hits"].as_u64().unwrap() > 0, "{stats}");
+    // Iterations the plan does not know (other sizes) start no learning round: the
+    // plan offloads, and a round's recording has no saved-tensor markers.
+    for _ in 0..3 {
+        let other: Vec<usize> = (0..70)
+            .map(|_| rt.malloc(0, 100 * 1024, S0, DEFAULT).unwrap())
+            .collect();
+        other.into_iter().for_each(|p| rt.free(p).unwrap());
+        rt.step().unwrap();
+    }
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    assert!(
+        !info["notes"].to_string().contains("to learn it"),
+        "no relearning of an offloading plan: {}",
+        info["notes"]
+    );
+    assert_eq!(rt.mode().unwrap(), "auto (plan)");
     // Record again: plan A kept, nothing served.
     rt.record_again().unwrap();
     assert_eq!(rt.mode().unwrap(), "auto (recording)");
     assert!(rt.offload_schedule(0).unwrap().is_empty());
     let act = rt.malloc(0, 4 * MIB as usize, S0, DEFAULT).unwrap();
-    assert!(
-        rt.record_saved(act, true).unwrap() >= 0,
-        "recording again"
-    );
+    assert!(rt.record_saved(act, true).unwrap() >= 0, "recording again");
     rt.free(act).unwrap();
     assert!(rt.record_again().is_err(), "nothing served while recording");
     // Plan B held, served, then A again.

@@ -618,7 +618,7 @@ impl Core {
                 counts.1.saturating_sub(last.1),
             );
             *last = counts;
-            unknown |= unknown_iteration(dh, dm) && relearns(served.class_count(), rounds);
+            unknown |= unknown_iteration(dh, dm) && relearns(served, rounds);
         }
         if unknown {
             for (d, _, _) in &pc.relearn.served {
