@@ -385,10 +385,7 @@ class AutoRecompute:
             self.decisions.append({"action": "trial_a_given_up", "k": self.k, "mode": mode})
             self.log(f"stweaver: auto recompute: trial: the plan with {self.k} blocks was given up ({mode}); "
                      f"recomputing {t['k_b']} blocks and recording again")
-            self._recompute(t["k_b"])
-            t["stage"] = "b_rec"
-            self._restart()
-            self.ext.record_again()
+            self._to_b()
             return
         if mode != "auto (plan)" and t["stage"] == "b" and not t.get("a_given_up"):
             self._back_to_a(f"the plan with {self.k} blocks ended ({mode})")
@@ -409,10 +406,7 @@ class AutoRecompute:
             self.decisions.append({"action": "trial_measured_a", "k": self.k, "step_ms": median})
             self.log(f"stweaver: auto recompute: trial: {self.k} blocks + {t['moved_a'] / 1e9:.2f} GB moved "
                      f"ran {median:.1f} ms per iteration; recomputing {t['k_b']} blocks and recording again")
-            self._recompute(t["k_b"])
-            t["stage"] = "b_rec"
-            self._restart()
-            self.ext.record_again()
+            self._to_b()
             return
         t["step_ms_b"] = median
         if t.get("a_given_up"):
@@ -431,6 +425,14 @@ class AutoRecompute:
             return
         t["stage"] = "ended"
         self._finish()
+
+    def _to_b(self) -> None:
+        """The trial goes to B: its blocks recomputed, auto mode recording again (plan A
+        kept by the extension)."""
+        self._recompute(self.trial["k_b"])
+        self.trial["stage"] = "b_rec"
+        self._restart()
+        self.ext.record_again()
 
     def _back_to_a(self, why: str, step_ms: Optional[float] = None) -> None:
         """The trial ends on plan A: its blocks recomputed again and its kept plan served

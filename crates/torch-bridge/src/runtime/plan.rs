@@ -764,8 +764,16 @@ impl Core {
             return self.switch_to_plans(&mut pc, plans, Vec::new());
         }
         drop(plans);
+        self.record_from_here(&mut pc)
+    }
+
+    /// Auto mode records again from this boundary: every default engine records (its
+    /// live blocks the new trace's preexisting allocations), no offload schedule or
+    /// outcome is left, and planning comes `auto_iterations` iterations later.
+    fn record_from_here(&self, pc: &mut PlanControl) -> Result<()> {
         for slot in self.slots()? {
             if let Some(e) = slot.default.get() {
+                lock(&slot.offload).clear();
                 *lock(&slot.offload_outcome) = None;
                 e.start_trace()?;
             }
@@ -793,14 +801,9 @@ impl Core {
                 pc.stage
             )));
         };
-        let devices = devices.clone();
-        for &d in &devices {
-            let slot = self.slot(d)?;
-            if let Some(e) = slot.default.get() {
+        for &d in &devices.clone() {
+            if let Some(e) = self.slot(d)?.default.get() {
                 e.unload_plan()?;
-                lock(&slot.offload).clear();
-                *lock(&slot.offload_outcome) = None;
-                e.start_trace()?;
             }
         }
         pc.kept = std::mem::take(&mut pc.relearn.served)
@@ -808,10 +811,7 @@ impl Core {
             .map(|(d, plan, _)| (d, plan))
             .collect();
         pc.relearn.from = None;
-        pc.record_from = self.iterations.load(Ordering::Acquire);
-        pc.classes = false;
-        pc.stage = PlanStage::Recording;
-        Ok(())
+        self.record_from_here(&mut pc)
     }
 
     /// Serves the plans [`Core::record_again`] kept, at this boundary (right after
