@@ -11,7 +11,8 @@
 //!    `MemAvailable`, and the cgroup v2 limit less its usage): faulting in more would end in
 //!    the kernel's OOM killer, not in an error the caller can handle;
 //! 2. an anonymous private mapping (`memmap2`), advised for transparent huge pages (a 2 MiB
-//!    page is one fault and one page-table entry instead of 512);
+//!    page is one fault and one page-table entry instead of 512) and not to be inherited by
+//!    forked children (as the driver's own pinned memory);
 //! 3. its pages faulted in by [`pin_threads`] threads at once (each writes zeroes over its
 //!    contiguous share: [`touch`]); the kernel's page zeroing is the cost, and it scales with
 //!    threads up to the memory bandwidth;
@@ -131,8 +132,14 @@ pub(crate) fn faulted_mapping(len: usize, threads: usize) -> Result<memmap2::Mma
         .map_anon()
         .map_err(|e| HostError::Map(e.to_string()))?;
     // Huge pages are an optimisation: a kernel without them (or with them off) still maps.
+    // Not inherited by a forked child (a DataLoader worker): the kernel would otherwise
+    // copy every pinned page into it at the fork, as it does for pages pinned for DMA
+    // (cudaHostAlloc's memory is not inherited either).
     #[cfg(target_os = "linux")]
-    let _ = map.advise(memmap2::Advice::HugePage);
+    {
+        let _ = map.advise(memmap2::Advice::HugePage);
+        let _ = map.advise(memmap2::Advice::DontFork);
+    }
     touch(&mut map, threads);
     Ok(map)
 }

@@ -424,7 +424,7 @@ fn to_ffi_block(b: &BlockInfo) -> CheckpointBlock {
     }
 }
 
-/// Pinned host memory handed to C++ ([`bridge::pin_host`]).
+/// Pinned host memory handed to C++ (the bridge's `pin_host`).
 pub struct PinnedBuffer(stweaver_cuda::PinnedHost);
 
 impl PinnedBuffer {
