@@ -84,7 +84,9 @@ and its most, step time min and
 median over the measured iterations (after ``--warmup``) and their ratio to unlimited's, bytes
 moved per iteration (host<-device + device<-host), achieved D2H/H2D bandwidth (stweaver's copy
 events: bytes / copy time) vs the link peak, and whether the losses are bitwise those of the
-unlimited run (compared over the iterations both ran). JSON goes to ``--out``
+unlimited run (compared over the iterations both ran). Each training child starts with
+``STWEAVER_*`` and allocator settings cleared (as gpu_bench's); ``--child-env KEY=VALUE,...``
+sets variables in every one (an experiment knob), the rows' own after them. JSON goes to ``--out``
 (default ``$OUT`` or .) as budget_bench.json; a short table is printed last.
 """
 
@@ -304,7 +306,9 @@ def run_row(spec: dict) -> dict:
     res: dict = {"row": row, "workload": c["name"], "fraction": spec.get("fraction"),
                  "budget": spec.get("budget"), "ok": False}
     st = None
-    os.environ.update(spec.get("env") or {})  # before CUDA is touched
+    # Before CUDA is touched: --child-env (every child), then the row's own.
+    os.environ.update(spec.get("extra_env") or {})
+    os.environ.update(spec.get("env") or {})
     if row in PLAN_RUN_ROWS and not dry:
         import stweaver
 
@@ -606,6 +610,19 @@ def child_main() -> int:
 # ------------------------------------------------------------------ driver
 
 
+def parse_child_env(text: str) -> Dict[str, str]:
+    """``--child-env``'s ``KEY=VALUE[,KEY=VALUE...]``; a malformed item is a ValueError."""
+    env: Dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not key.strip().replace("_", "").isalnum():
+            raise ValueError(f"--child-env: {item!r} is not KEY=VALUE")
+        env[key.strip()] = value.strip()
+    return env
+
+
 def child_env(row: str) -> dict:
     return gb.child_env(row)  # the same environment as gpu_bench's children
 
@@ -853,6 +870,10 @@ def main(argv=None) -> int:
     ap.add_argument("--extra-auto", type=int, default=12, help="stweaver: iterations allowed for record+plan")
     ap.add_argument("--fractions", default="0.9,0.8,0.7", help="budgets as fractions of LB (--dry-run: 0.8)")
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--child-env", default="",
+                    help="KEY=VALUE[,KEY=VALUE...] set in every training child (whose environment is "
+                         "otherwise cleared of STWEAVER_* and allocator settings): an experiment knob, "
+                         "e.g. STWEAVER_PIN_THREADS=8")
     ap.add_argument("--workloads", default=",".join(w["name"] for w in WORKLOADS))
     ap.add_argument("--batch", type=int, default=None, help="override the micro-batch (sequences)")
     ap.add_argument("--batches", default="",
@@ -883,6 +904,10 @@ def main(argv=None) -> int:
         args.fractions = "0.8"  # one budget: every row and workload still runs
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
     rows = [r for r in args.rows.split(",") if r.strip()]
+    try:
+        extra_env = parse_child_env(args.child_env)
+    except ValueError as e:
+        ap.error(str(e))
     bad = [r for r in rows if r not in ROWS]
     if bad:
         ap.error(f"unknown rows {bad} (known: {', '.join(ROWS)})")
@@ -904,7 +929,7 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="stweaver-budget-")
     base = {"dry_run": args.dry_run, "iters": args.iters, "warmup": args.warmup,
             "extra_auto": args.extra_auto, "min_bytes": args.min_bytes, "profile": args.profile,
-            "profile_dir": args.out}
+            "profile_dir": args.out, "extra_env": extra_env}
     doc = {"schema": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
            "fractions": fractions, "args": vars(args), "workloads": []}
     path = os.path.join(args.out, "budget_bench.json")

@@ -4,6 +4,8 @@ prediction and when its sweep stops, and what the planner's report yields."""
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 import budget_bench as bb  # noqa: E402
@@ -164,3 +166,13 @@ def test_the_table_and_details_show_the_first_iteration_and_pinned_memory():
     assert "[6.00, 6.00, 1.00, 1.00]" in details and "[4.00, 4.00, 0.50, 0.50]" in details
     assert "plan served from iteration 3" in details
     assert "watermark: kept 120 candidates" in details and '"level": 123' in details
+
+
+def test_child_env_items_parse_and_a_malformed_one_is_refused():
+    assert bb.parse_child_env("") == {}
+    assert bb.parse_child_env("STWEAVER_PIN_THREADS=8, STWEAVER_AUTO_TRIAL=1") == {
+        "STWEAVER_PIN_THREADS": "8", "STWEAVER_AUTO_TRIAL": "1"}
+    assert bb.parse_child_env("A=") == {"A": ""}
+    for bad in ("NOEQUALS", "=1", "BAD KEY=1"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            bb.parse_child_env(bad)
