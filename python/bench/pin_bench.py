@@ -114,7 +114,7 @@ def child(method: str, nbytes: int, overlap: bool) -> dict:
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the context, outside the timing
-    row = {"method": method, "gib": nbytes / GIB}
+    row = {"method": method, "gib": nbytes / GIB, "overlap": overlap}
     if overlap:
         _launch_loop(300)
         row["launch_alone_s"] = min(_launch_loop(3000) for _ in range(3))
@@ -173,15 +173,17 @@ def main() -> int:
     except OSError:
         pass
     print(f"transparent huge pages: {thp}; cpus: {os.cpu_count()}", flush=True)
+    runs = [(m, False) for m in methods]
+    if args.overlap:
+        runs += [("torch", True), (f"mmap{threads[-1]}_thp", True)]
     if args.dry_run:
-        for m in methods:
-            for s in sizes:
-                print(f"would run {m} at {s} GiB")
+        for s in sizes:
+            for m, ov in runs:
+                print(f"would run {m} at {s} GiB{' while timing launches' if ov else ''}")
         return 0
     rows = []
     for s in sizes:
-        for m in methods + (["torch", f"mmap{threads[-1]}_thp"] if args.overlap else []):
-            ov = args.overlap and len([r for r in rows if r.get("gib") == s and r["method"] == m]) > 0
+        for m, ov in runs:
             cmd = [sys.executable, __file__, "--child", m, str(int(s * GIB)), "1" if ov else "0"]
             t0 = time.perf_counter()
             p = subprocess.run(cmd, capture_output=True, text=True)
@@ -191,7 +193,6 @@ def main() -> int:
                 rows.append({"method": m, "gib": s, "error": p.stderr.strip()[-400:]})
                 continue
             row = json.loads(line[0][4:])
-            row["overlap"] = ov
             row["child_wall_s"] = time.perf_counter() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -378,24 +379,23 @@ class AutoRecompute:
     def _trial_step(self, mode: str) -> None:
         """At a boundary while a served plan is measured (module doc, step 5)."""
         t = self.trial
-        if mode != "auto (plan)" and t["stage"] == "a":
-            # Plan A given up (its pool at the memory limit after conflicts; the run went on
-            # online): B, with more recomputed, has more room under the budget.
-            t["a_given_up"] = mode
-            self.decisions.append({"action": "trial_a_given_up", "k": self.k, "mode": mode})
-            self.log(f"stweaver: auto recompute: trial: the plan with {self.k} blocks was given up ({mode}); "
-                     f"recomputing {t['k_b']} blocks and recording again")
-            self._to_b()
-            return
-        if mode != "auto (plan)" and t["stage"] == "b" and not t.get("a_given_up"):
-            self._back_to_a(f"the plan with {self.k} blocks ended ({mode})")
-            return
         if mode != "auto (plan)":
-            # Both given up, or a fallback: nothing left to compare; what runs now stays.
-            t["stage"] = "ended"
-            self.decisions.append({"action": "trial_ended", "k": self.k, "mode": mode})
-            self.log(f"stweaver: auto recompute: trial ended ({mode}); keeping {self.k} blocks recomputed")
-            self._finish()
+            if t["stage"] == "a":
+                # Plan A given up (its pool at the memory limit after conflicts; the run went
+                # on online): B, with more recomputed, has more room under the budget.
+                t["a_given_up"] = mode
+                self.decisions.append({"action": "trial_a_given_up", "k": self.k, "mode": mode})
+                self.log(f"stweaver: auto recompute: trial: the plan with {self.k} blocks was given up "
+                         f"({mode}); recomputing {t['k_b']} blocks and recording again")
+                self._to_b()
+            elif not t.get("a_given_up"):
+                self._back_to_a(f"the plan with {self.k} blocks ended ({mode})")
+            else:
+                # Both given up: nothing left to compare; what runs now stays.
+                t["stage"] = "ended"
+                self.decisions.append({"action": "trial_ended", "k": self.k, "mode": mode})
+                self.log(f"stweaver: auto recompute: trial ended ({mode}); keeping {self.k} blocks recomputed")
+                self._finish()
             return
         t["steps"].append(self._iter_ms[-1])
         if len(t["steps"]) < TRIAL_SKIP + TRIAL_STEPS:
@@ -409,20 +409,15 @@ class AutoRecompute:
             self._to_b()
             return
         t["step_ms_b"] = median
-        if t.get("a_given_up"):
-            self.decisions.append({"action": "trial_keep_b", "k": self.k, "step_ms": median,
-                                   "step_ms_a": None})
-            self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration "
-                     f"(the plan with {t['k_a']} blocks was given up): keeping {self.k} blocks")
-        elif median <= t["step_ms_a"]:
-            self.decisions.append({"action": "trial_keep_b", "k": self.k, "step_ms": median,
-                                   "step_ms_a": t["step_ms_a"]})
-            self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration against "
-                     f"{t['step_ms_a']:.1f} ms with {t['k_a']} blocks + offload: keeping {self.k} blocks")
-        else:
-            self._back_to_a(f"{self.k} blocks ran {median:.1f} ms per iteration against {t['step_ms_a']:.1f} ms "
-                            f"with {t['k_a']} blocks + offload", step_ms=median)
+        a = t.get("step_ms_a")  # None: plan A was given up
+        against = (f"against {a:.1f} ms with {t['k_a']} blocks + offload" if a is not None
+                   else f"(the plan with {t['k_a']} blocks was given up)")
+        if a is not None and median > a:
+            self._back_to_a(f"{self.k} blocks ran {median:.1f} ms per iteration {against}", step_ms=median)
             return
+        self.decisions.append({"action": "trial_keep_b", "k": self.k, "step_ms": median, "step_ms_a": a})
+        self.log(f"stweaver: auto recompute: trial: {self.k} blocks ran {median:.1f} ms per iteration "
+                 f"{against}: keeping {self.k} blocks")
         t["stage"] = "ended"
         self._finish()
 
@@ -486,8 +481,6 @@ def start(model, *, where: str = "last", max_rounds: int = MAX_ROUNDS) -> AutoRe
             f"(right after install, before training); now: {mode!r}")
     if off.auto_recompute is not None:
         off.auto_recompute.remove()
-    import os
-
     # Opt-in (experimental): on the H100 it kept the better choice on Llama 1B, but on GPT-2
     # XL plan A was given up in both runs and B, served cleanly, ran slower than the online
     # run it replaced (BENCHMARKS.md, session 17).

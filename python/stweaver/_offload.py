@@ -113,10 +113,11 @@ they stay valid), copy times are read from the events that have completed, and i
 the schedule is read again.
 
 Host memory: pinned by the extension (:func:`ext_pin`: a huge-page mapping faulted in by up
-to 16 threads, then registered with the driver, ~9x faster than ``pin_memory=True``'s
+to 16 threads, then registered with the driver, 7-9x faster than ``pin_memory=True``'s
 ``cudaHostAlloc`` on an H100 host and without holding up kernel launches meanwhile;
 ``STWEAVER_PIN_THREADS=0`` uses the driver's ``cuMemHostAlloc`` instead; more than the host
-can give is refused before a page is touched, a :class:`PinnedMemoryError`), or by torch
+can give (``MemAvailable``, the cgroup limit, checked before a page is touched) is a
+:class:`PinnedMemoryError`), or by torch
 without the extension. The pool grows by adding a buffer (live slices cannot move while copies may be
 in flight): up front to the schedule's bytes (an upper bound of what is offloaded at once;
 exact when every pack precedes the first unpack; one buffer per power of two of the missing

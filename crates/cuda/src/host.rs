@@ -9,7 +9,8 @@
 //! Here ([`PinnedHost`] by [`crate::CudaDevice::alloc_pinned`]):
 //! 1. the bytes are checked against what the host can still give ([`host_available_bytes`]:
 //!    `MemAvailable`, and the cgroup v2 limit less its usage): faulting in more would end in
-//!    the kernel's OOM killer, not in an error the caller can handle;
+//!    the kernel's OOM killer, not in an error the caller can handle (a check, not a
+//!    reservation: memory other processes take meanwhile is not foreseen);
 //! 2. an anonymous private mapping (`memmap2`), advised for transparent huge pages (a 2 MiB
 //!    page is one fault and one page-table entry instead of 512) and not to be inherited by
 //!    forked children (as the driver's own pinned memory);
@@ -20,8 +21,8 @@
 //!    maps pages that exist.
 //!
 //! Same host, same sizes: 16 GiB in 0.88 s (19.5 GB/s, 16 threads, huge pages), 1.04 s with
-//! 8 threads, 1.48 s with 16 threads without huge pages; copies into it run at the link's
-//! 55 GB/s. `STWEAVER_PIN_THREADS=0` keeps `cuMemHostAlloc` (the A/B control); where the
+//! 8 threads, 1.48 s with 16 threads without huge pages; device-to-host copies into it ran
+//! at 41-55 GB/s, as into `cudaHostAlloc`'s. `STWEAVER_PIN_THREADS=0` keeps `cuMemHostAlloc` (the A/B control); where the
 //! mapping or the registration fails for another reason than memory, the driver's
 //! allocation is tried instead. Cost: O(bytes / threads) of page faults, one driver call.
 

@@ -356,8 +356,6 @@ pub mod bridge {
         fn pin_host(device: i32, bytes: usize) -> Result<Box<PinnedBuffer>>;
         /// Its first byte's address.
         fn ptr(self: &PinnedBuffer) -> usize;
-        /// Whether the fast path made it (false: `cuMemHostAlloc`).
-        fn registered(self: &PinnedBuffer) -> bool;
     }
 }
 
@@ -430,10 +428,6 @@ pub struct PinnedBuffer(stweaver_cuda::PinnedHost);
 impl PinnedBuffer {
     pub fn ptr(&self) -> usize {
         self.0.as_slice().as_ptr() as usize
-    }
-
-    pub fn registered(&self) -> bool {
-        self.0.is_registered()
     }
 }
 

@@ -767,13 +767,12 @@ impl Core {
         self.record_from_here(&mut pc)
     }
 
-    /// Auto mode records again from this boundary: every default engine records (its
-    /// live blocks the new trace's preexisting allocations), no offload schedule or
-    /// outcome is left, and planning comes `auto_iterations` iterations later.
+    /// Auto mode records again from this boundary (no plan served): every default
+    /// engine records (its live blocks the new trace's preexisting allocations), no
+    /// offload outcome is left, and planning comes `auto_iterations` iterations later.
     fn record_from_here(&self, pc: &mut PlanControl) -> Result<()> {
         for slot in self.slots()? {
             if let Some(e) = slot.default.get() {
-                lock(&slot.offload).clear();
                 *lock(&slot.offload_outcome) = None;
                 e.start_trace()?;
             }
@@ -795,23 +794,34 @@ impl Core {
     /// served.
     pub fn record_again(&self) -> Result<()> {
         let mut pc = lock(&self.plan);
-        let PlanStage::Serving(devices) = &pc.stage else {
+        if !matches!(pc.stage, PlanStage::Serving(_)) {
             return Err(BridgeError::Settings(format!(
                 "record_again: no plan is served (auto mode serves one after its switch; now: {:?})",
                 pc.stage
             )));
-        };
-        for &d in &devices.clone() {
-            if let Some(e) = self.slot(d)?.default.get() {
+        }
+        pc.kept = self.stop_serving(&mut pc)?;
+        self.record_from_here(&mut pc)
+    }
+
+    /// Every default engine stops serving its plan (if one is served) and drops a
+    /// recording in progress (a round of learning's, abandoned with its planners); no
+    /// offload schedule or outcome is left. Returns the plans served until now.
+    fn stop_serving(&self, pc: &mut PlanControl) -> Result<Vec<(i32, Plan)>> {
+        for slot in self.slots()? {
+            if let Some(e) = slot.default.get() {
                 e.unload_plan()?;
+                lock(&slot.offload).clear();
+                *lock(&slot.offload_outcome) = None;
+                let _ = e.take_trace();
             }
         }
-        pc.kept = std::mem::take(&mut pc.relearn.served)
+        pc.relearn.from = None;
+        pc.relearn.jobs.clear();
+        Ok(std::mem::take(&mut pc.relearn.served)
             .into_iter()
             .map(|(d, plan, _)| (d, plan))
-            .collect();
-        pc.relearn.from = None;
-        self.record_from_here(&mut pc)
+            .collect())
     }
 
     /// Serves the plans [`Core::record_again`] kept, at this boundary (right after
@@ -828,19 +838,10 @@ impl Core {
             ));
         }
         let plans = std::mem::take(&mut pc.kept);
-        for slot in self.slots()? {
-            if let Some(e) = slot.default.get() {
-                e.unload_plan()?;
-                lock(&slot.offload).clear();
-                *lock(&slot.offload_outcome) = None;
-                // A recording in progress is dropped (its round is abandoned).
-                let _ = e.take_trace();
-            }
-        }
+        self.stop_serving(&mut pc)?;
+        // A held plan or a recording's planners, abandoned.
         pc.held.clear();
         pc.jobs.clear();
-        pc.relearn.served.clear();
-        pc.relearn.from = None;
         self.switch_to_plans(&mut pc, plans, Vec::new())
     }
 
