@@ -182,6 +182,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(pack, unpack, prefetch_after_unpack or -1, bytes).");
 
   m.def(
+      "call_times",
+      []() {
+        auto& a = need_installed("call_times");
+        const stweaver::ffi::CallTimes t = a.runtime().call_times();
+        py::dict d;
+        d["on"] = t.on;
+        d["malloc_ns"] = t.malloc_ns;
+        d["malloc_calls"] = t.malloc_calls;
+        d["free_ns"] = t.free_ns;
+        d["free_calls"] = t.free_calls;
+        return d;
+      },
+      "Cumulative host time in the allocator's malloc and free (STWEAVER_TIME_CALLS=1; "
+      "zeros and on=False otherwise): a dict on, malloc_ns, malloc_calls, free_ns, free_calls.");
+
+  m.def(
       "set_plan_gate",
       [](bool on) {
         auto& a = need_installed("set_plan_gate");

@@ -234,11 +234,14 @@ class _PhaseMarks:
     synchronised. Device ms per phase say which phase offload slows; host ms say whether
     the host ran ahead of the device (host << device) or was held back."""
 
-    def __init__(self, torch_mod):
+    def __init__(self, torch_mod, probe=None):
         self.torch = torch_mod
         self.names: List[str] = []
         self.host = [time.perf_counter()]
         self.events = []
+        # ``probe()``: cumulative host counters (``_call_time_probe``), read at each mark.
+        self.probe = probe
+        self.counters = [probe()] if probe is not None else []
         if torch_mod is not None:
             e = torch_mod.cuda.Event(enable_timing=True)
             e.record()
@@ -247,6 +250,8 @@ class _PhaseMarks:
     def mark(self, name: str) -> None:
         self.names.append(name)
         self.host.append(time.perf_counter())
+        if self.probe is not None:
+            self.counters.append(self.probe())
         if self.torch is not None:
             e = self.torch.cuda.Event(enable_timing=True)
             e.record()
@@ -258,7 +263,36 @@ class _PhaseMarks:
             out["host_" + n] = (self.host[i + 1] - self.host[i]) * 1e3
             if self.events:
                 out["device_" + n] = self.events[i].elapsed_time(self.events[i + 1])
+            if self.counters:
+                a, b = self.counters[i], self.counters[i + 1]
+                for k in b:
+                    d = b[k] - a.get(k, 0)
+                    out[f"{k[:-3]}_ms_{n}" if k.endswith("_ns") else f"{k}_{n}"] = d / 1e6 if k.endswith("_ns") else d
         return out
+
+
+def _call_time_probe(st):
+    """With ``STWEAVER_TIME_CALLS=1`` in the child (``--child-env``): a function returning the
+    cumulative host time in stweaver's malloc / free (``alloc_ns``, ``alloc_calls``) and in the
+    offloader's pack / unpack hooks (``hooks_ns``, ``hooks_calls``), for the phase marks; else
+    None."""
+    if st is None or os.environ.get("STWEAVER_TIME_CALLS", "") not in ("1", "true", "on", "yes"):
+        return None
+    ext = st._extension()
+    if not hasattr(ext, "call_times") or not ext.call_times().get("on"):
+        return None
+    from stweaver import _offload
+
+    def probe() -> dict:
+        t = ext.call_times()
+        out = {"alloc_ns": t["malloc_ns"] + t["free_ns"], "alloc_calls": t["malloc_calls"] + t["free_calls"]}
+        off = _offload.current()
+        h = getattr(off, "hook_times", None) if off is not None else None
+        if h:
+            out["hooks_ns"], out["hooks_calls"] = h[0] + h[2], h[1] + h[3]
+        return out
+
+    return probe
 
 
 def _phase_medians(phases: List[dict]) -> dict:
@@ -419,6 +453,7 @@ def run_row(spec: dict) -> dict:
     offload_iters: List[dict] = []
     measured_from = spec["warmup"]
     switched_at = None
+    probe = _call_time_probe(st) if cuda else None
     i = 0
     try:
         while i < max_n:
@@ -427,7 +462,7 @@ def run_row(spec: dict) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            marks = _PhaseMarks(torch if cuda else None)
+            marks = _PhaseMarks(torch if cuda else None, probe)
             if save_cpu is not None:
                 with save_cpu:
                     loss = model(input_ids=x, labels=x).loss

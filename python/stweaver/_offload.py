@@ -196,6 +196,7 @@ import bisect
 import contextlib
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -987,6 +988,8 @@ class Offloader:
         self.packed_bytes = 0
         self.boundary_hooks: List[Callable[["Offloader"], None]] = []
         self.auto_recompute = None
+        # STWEAVER_TIME_CALLS (enable() pushes the timed hooks): pack ns, packs, unpack ns, unpacks.
+        self.hook_times: Optional[List[int]] = None
         self._copy_ms = {"d2h": 0.0, "h2d": 0.0}
         self._copy_bytes_timed = {"d2h": 0, "h2d": 0}
         self._reset_ordinals()
@@ -1594,7 +1597,28 @@ class Offloader:
             )
             if self.auto_recompute is not None:
                 out["auto_recompute"] = self.auto_recompute.stats()
+            if self.hook_times is not None:
+                out["hook_times"] = dict(zip(("pack_ns", "packs", "unpack_ns", "unpacks"), self.hook_times))
             return out
+
+    # -- timed hooks (STWEAVER_TIME_CALLS=1: the host time of the hooks themselves)
+    def timed_pack(self, t):
+        t0 = time.perf_counter_ns()
+        try:
+            return self.pack(t)
+        finally:
+            h = self.hook_times
+            h[0] += time.perf_counter_ns() - t0
+            h[1] += 1
+
+    def timed_unpack(self, x):
+        t0 = time.perf_counter_ns()
+        try:
+            return self.unpack(x)
+        finally:
+            h = self.hook_times
+            h[2] += time.perf_counter_ns() - t0
+            h[3] += 1
 
 
 _PARAMETER = None
@@ -1659,6 +1683,15 @@ def _installed_ext():
     return stweaver._extension()
 
 
+def _time_calls() -> bool:
+    """``STWEAVER_TIME_CALLS``: the hooks' own host time is counted (``stats()["hook_times"]``),
+    as the allocator counts its calls' (``ext.call_times()``)."""
+    from ._settings import parse_bool
+
+    v = os.environ.get("STWEAVER_TIME_CALLS", "")
+    return bool(v.strip()) and parse_bool(v, "STWEAVER_TIME_CALLS")
+
+
 def current() -> Optional[Offloader]:
     """The offloader :func:`enable` made, or None."""
     return _active
@@ -1686,7 +1719,11 @@ def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bo
             schedule = "plan"
         off = Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=backend, pool=pool,
                         first_min_bytes=first_min_bytes, watermark=watermark)
-        torch._C._autograd._push_saved_tensors_default_hooks(off.pack, off.unpack)
+        if _time_calls():
+            off.hook_times = [0, 0, 0, 0]  # pack ns, packs, unpack ns, unpacks
+            torch._C._autograd._push_saved_tensors_default_hooks(off.timed_pack, off.timed_unpack)
+        else:
+            torch._C._autograd._push_saved_tensors_default_hooks(off.pack, off.unpack)
         _active, _pushed_by = off, threading.get_ident()
         if hook_optimizer:
             from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -1475,3 +1475,26 @@ def test_guessing_the_first_iterations_headroom_goes_over_on_a_large_vocabulary(
     assert got[0][0] > budget, (got[0][0] // KIB, budget // KIB)
     safe = gpt2_run(off.Watermark(budget, margin=256 * KIB), 2)
     assert safe[0][0] <= budget
+
+
+def test_time_calls_counts_the_hooks_host_time(monkeypatch):
+    """STWEAVER_TIME_CALLS=1: enable() pushes timed hooks, stats() reports their host time and
+    calls; off, no timing key at all. The results are the same either way."""
+    x = torch.randn(16, 64)
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("STWEAVER_TIME_CALLS", on)
+        model = mlp(seed=1)
+        pool = PinnedPool(pin=cpu_pin(), pow2=False)
+        with off.offload(min_bytes=0, backend=FakeBackend(), pool=pool, ext=None, hook_optimizer=False):
+            loss = model(x).square().mean()
+            loss.backward()
+            st = off.stats()
+        got[on] = (float(loss.detach()), [p.grad.clone() for p in model.parameters()], st)
+    assert "hook_times" not in got["0"][2]
+    h = got["1"][2]["hook_times"]
+    assert h["packs"] == got["1"][2]["current_iteration"]["packs"] > 0
+    assert h["unpacks"] == got["1"][2]["current_iteration"]["unpacks"] > 0
+    assert h["pack_ns"] > 0 and h["unpack_ns"] > 0
+    assert got["0"][0] == got["1"][0]
+    assert all(torch.equal(a, b) for a, b in zip(got["0"][1], got["1"][1]))

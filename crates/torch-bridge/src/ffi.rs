@@ -72,6 +72,17 @@ pub mod bridge {
         bytes: u64,
     }
 
+    /// Cumulative host time in `malloc` and `free` (`STWEAVER_TIME_CALLS=1`; zeros and
+    /// `on` false otherwise).
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct CallTimes {
+        on: bool,
+        malloc_ns: u64,
+        malloc_calls: u64,
+        free_ns: u64,
+        free_calls: u64,
+    }
+
     /// What C++ needs to report an out-of-memory error and call the OOM observers.
     #[derive(Debug, Default, Clone, PartialEq, Eq)]
     struct OomInfo {
@@ -317,6 +328,9 @@ pub mod bridge {
         fn record_restore(self: &Runtime, ptr: usize, from: i64) -> Result<bool>;
         /// The offload schedule of the plan `device` serves (empty when none).
         fn offload_schedule(self: &Runtime, device: i32) -> Result<Vec<OffloadItem>>;
+        /// Host time in `malloc` / `free` so far (`STWEAVER_TIME_CALLS=1`).
+        fn call_times(self: &Runtime) -> CallTimes;
+
         /// Auto mode: hold a finished plan (mode "auto (plan held)") instead of serving
         /// it, until `release_held_plan`.
         fn set_plan_gate(self: &Runtime, on: bool) -> Result<()>;
@@ -367,7 +381,7 @@ use crate::error::{BridgeError, guard};
 use crate::runtime::{Core, DeviceFactory, Settings, to_ffi_stats};
 use crate::tracked::BridgeDevice;
 use bridge::{
-    CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PauseReport, PoolId, PoolRestore, Range,
+    CallTimes, CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PauseReport, PoolId, PoolRestore, Range,
     Snapshot,
 };
 use stweaver_core::engine::{BlockInfo, Checkpoint};
@@ -649,6 +663,17 @@ impl Runtime {
                 .record_saved(ptr, pack)?
                 .map_or(-1, |id| i64::from(id.0)))
         })
+    }
+
+    pub fn call_times(&self) -> CallTimes {
+        let t = self.core.call_times();
+        CallTimes {
+            on: t.on,
+            malloc_ns: t.malloc_ns,
+            malloc_calls: t.malloc_calls,
+            free_ns: t.free_ns,
+            free_calls: t.free_calls,
+        }
     }
 
     pub fn set_plan_gate(&self, on: bool) -> Result<(), BridgeError> {

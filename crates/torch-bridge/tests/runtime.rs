@@ -1253,3 +1253,29 @@ fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
     assert!(rt.offload_schedule(0).unwrap().is_empty());
     rt.free(weights).unwrap();
 }
+
+/// `STWEAVER_TIME_CALLS`: every malloc and free through the bridge is counted with its host
+/// time; off (the default), nothing is.
+#[test]
+fn call_times_count_every_malloc_and_free_only_when_on() {
+    let (off, _) = runtime("online", "", 1, 64);
+    let p = off.malloc(0, MIB as usize, S0, DEFAULT).unwrap();
+    off.free(p).unwrap();
+    let t = off.call_times();
+    assert!(!t.on);
+    assert_eq!((t.malloc_calls, t.free_calls, t.malloc_ns), (0, 0, 0));
+
+    let mut settings = Settings::parse("online", "", "").unwrap();
+    settings.time_calls = true;
+    let (on, _) = runtime_with_settings(settings, 1, 64);
+    let ptrs: Vec<usize> = (0..5)
+        .map(|i| on.malloc(0, (i + 1) * 4096, S0, DEFAULT).unwrap())
+        .collect();
+    for p in &ptrs[..3] {
+        on.free(*p).unwrap();
+    }
+    let t = on.call_times();
+    assert!(t.on);
+    assert_eq!((t.malloc_calls, t.free_calls), (5, 3));
+    assert!(t.malloc_ns > 0, "{t:?}");
+}

@@ -44,6 +44,7 @@
 //! output types of `stats.rs` (`DeviceStats`, `Snapshot`), `OomInfo` and `Range` here,
 //! `OffloadItem` (`plan.rs`).
 
+mod call_times;
 mod history;
 mod pause;
 mod plan;
@@ -71,6 +72,8 @@ use crate::ffi::bridge as ffi;
 use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
 use crate::tracked::{BridgeDevice, CaptureGate, DeviceBudget, Owner, Shared, Tracked};
 
+pub use call_times::CallTimesSnapshot;
+use call_times::CallTimes;
 use history::PendingFree;
 pub use plan::PlanStage;
 use plan::{OffloadOutcome, PlanControl};
@@ -139,6 +142,8 @@ pub struct Core {
     /// Things the user should know that are not errors (a trace or plan file that could
     /// not be written, a device whose plan was rejected while another serves one).
     notes: Mutex<Vec<String>>,
+    /// Host time in `malloc` / `free` (`STWEAVER_TIME_CALLS`; module `call_times`).
+    call_times: CallTimes,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -154,6 +159,7 @@ impl Core {
     /// A runtime with `settings`, opening devices with `factory`.
     pub fn new(settings: Settings, factory: DeviceFactory) -> Core {
         let control = PlanControl::new(&settings);
+        let settings_time_calls = settings.time_calls;
         Core {
             settings,
             factory,
@@ -170,7 +176,14 @@ impl Core {
             trace_flushed: AtomicBool::new(false),
             plan: Mutex::new(control),
             notes: Mutex::new(Vec::new()),
+            call_times: CallTimes::new(settings_time_calls),
         }
+    }
+
+    /// Cumulative host time in `malloc` and `free` (zeros while `STWEAVER_TIME_CALLS` is
+    /// off).
+    pub fn call_times(&self) -> CallTimesSnapshot {
+        self.call_times.snapshot()
     }
 
     pub fn settings(&self) -> &Settings {
@@ -362,6 +375,13 @@ impl Core {
 
     /// Allocates; `Ok(0)` on out-of-memory (details for [`Core::oom_info`]).
     pub fn malloc(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
+        let t = self.call_times.start();
+        let r = self.malloc_untimed(device, size, stream, pool);
+        self.call_times.malloc_done(t);
+        r
+    }
+
+    fn malloc_untimed(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
         let slot = self.slot(device)?;
         let owner = Owner { device, pool };
         let attempt = || {
@@ -404,6 +424,13 @@ impl Core {
 
     /// Frees `ptr` (deferred behind other streams' use).
     pub fn free(&self, ptr: usize) -> Result<()> {
+        let t = self.call_times.start();
+        let r = self.free_untimed(ptr);
+        self.call_times.free_done(t);
+        r
+    }
+
+    fn free_untimed(&self, ptr: usize) -> Result<()> {
         let owner = self.owner_of(ptr)?;
         let history = self.shared.history_on();
         let dptr = DevicePtr(ptr as u64);

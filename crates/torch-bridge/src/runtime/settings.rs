@@ -88,6 +88,9 @@ pub struct Settings {
     /// planning threads run at (Linux, per thread), so that the training's own host
     /// threads come first when the cores are busy.
     pub plan_nice: i32,
+    /// `STWEAVER_TIME_CALLS` (default off): time every `malloc` and `free` on the host
+    /// ([`crate::runtime::Core::call_times`]; two clock reads per call).
+    pub time_calls: bool,
 }
 
 /// Auto mode's planning threads by default (`STWEAVER_PLAN_THREADS`).
@@ -156,6 +159,7 @@ impl Settings {
         )? as u64;
         let plan_wait = env_bool("STWEAVER_PLAN_WAIT", true)?;
         let share_streams = env_bool("STWEAVER_SHARE_STREAMS", false)?;
+        let time_calls = env_bool("STWEAVER_TIME_CALLS", false)?;
         let plan_threads = env_int(
             "STWEAVER_PLAN_THREADS",
             DEFAULT_PLAN_THREADS as i64,
@@ -183,6 +187,7 @@ impl Settings {
             budget,
             plan_threads,
             plan_nice,
+            time_calls,
         };
         match mode {
             "online" => {
