@@ -300,6 +300,43 @@ def _phase_medians(phases: List[dict]) -> dict:
     return {k: round(statistics.median(p[k] for p in phases if k in p), 2) for k in keys}
 
 
+def _timeline_steps(model, opt, spec, c, vocab, gen, torch, st, row) -> dict:
+    """``--timeline N``: N more training steps under ``torch.profiler`` (CUDA activity only),
+    each phase's end marked on the device (``timeline.Marks``); the trace is summarised by
+    ``timeline.summarize`` (the compute stream's busy and idle time per phase, and what was in
+    flight while it idled) and kept gzipped as ``timeline_<workload>_<row>_<fraction>.json.gz``
+    in ``--out``."""
+    import gzip as _gzip
+
+    import timeline as tl
+    from torch.profiler import ProfilerActivity, profile
+
+    name = f"{spec.get('workload', {}).get('name')}_{row}_{spec.get('fraction')}"
+    path = os.path.join(spec.get("profile_dir") or tempfile.gettempdir(), f"timeline_{name}.json")
+    marks = tl.Marks(torch)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(int(spec["timeline"])):
+            x = torch.randint(0, vocab, (c["batch"], c["seq"]), generator=gen).to("cuda")
+            torch.cuda.synchronize()
+            loss = model(input_ids=x, labels=x).loss
+            marks.mark("forward")
+            loss.backward()
+            marks.mark("backward")
+            opt.step()
+            if st is not None and row in PLAN_RUN_ROWS and not st._settings.hook_optimizer:
+                st.step()
+            opt.zero_grad(set_to_none=True)
+            marks.mark("optimizer")
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    summary = tl.summarize_file(path)
+    with open(path, "rb") as src, _gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    summary["trace"] = os.path.basename(path) + ".gz"
+    return summary
+
+
 def _profile_steps(model, opt, spec, c, vocab, gen, device, torch, st, row) -> dict:
     """``--profile N``: N more training steps, forward and backward each under its own
     cProfile; the top functions by own time and by cumulative time, per phase (text)."""
@@ -537,6 +574,8 @@ def run_row(spec: dict) -> dict:
         # Where the host's time goes: more iterations after the measured ones under cProfile
         # (excluded from the step statistics above; cProfile itself slows Python calls).
         res["profile"] = _profile_steps(model, opt, spec, c, vocab, gen, device, torch, st, row)
+    if res["ok"] and spec.get("timeline") and cuda and row != "stweaver_trace":  # not in a recorded trace
+        res["timeline"] = _timeline_steps(model, opt, spec, c, vocab, gen, torch, st, row)
     if st is not None and switched_at is None:
         measured_from = max(spec["warmup"], len(steps) - spec["iters"])  # never switched: the last ones
     res["iterations"] = i
@@ -624,6 +663,8 @@ def row_details(r: dict) -> List[str]:
         out.append("stweaver: mode " + str(st.get("mode")) + " " + json.dumps(dev)[:1200])
     if r.get("phases_ms"):
         out.append(f"phases (median ms): {json.dumps(r['phases_ms'])}")
+    if r.get("timeline"):
+        out.append(f"timeline (median per phase): {json.dumps(r['timeline'])}")
     out.append(f"modes: {r.get('modes', [])[:12]} offload_modes: {r.get('offload_modes', [])[:12]}")
     return out
 
@@ -921,6 +962,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0,
                     help="N more steps per row after the measured ones, forward and backward under "
                          "cProfile (host time by function, in the JSON and profile_<row>.txt)")
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="N more steps per row after the measured ones under torch.profiler: the "
+                         "compute stream's busy / idle time per phase and the copies in flight "
+                         "while it idles (python/bench/timeline.py; trace kept gzipped in --out)")
     ap.add_argument("--stweaver-bin", default="", help="the stweaver CLI (stweaver_plan row)")
     ap.add_argument("--hybrid-where", default="last,first",
                     help="stweaver_hybrid: which blocks to recompute, tried in turn at each k (last, first)")
@@ -964,7 +1009,7 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="stweaver-budget-")
     base = {"dry_run": args.dry_run, "iters": args.iters, "warmup": args.warmup,
             "extra_auto": args.extra_auto, "min_bytes": args.min_bytes, "profile": args.profile,
-            "profile_dir": args.out, "extra_env": extra_env}
+            "timeline": args.timeline, "profile_dir": args.out, "extra_env": extra_env}
     doc = {"schema": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
            "fractions": fractions, "args": vars(args), "workloads": []}
     path = os.path.join(args.out, "budget_bench.json")
@@ -991,6 +1036,8 @@ def main(argv=None) -> int:
         entry["lower_bound_source"] = "torch.cuda.max_memory_allocated of the unlimited run"
         print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}, "
               f"phases (median ms) {json.dumps(ref.get('phases_ms'))}", flush=True)
+        if ref.get("timeline"):
+            print(f"{w['name']}: unlimited timeline (median per phase) {json.dumps(ref['timeline'])}", flush=True)
         trace = None
         # The plain trace (nothing recomputed): every plan row's but the device-timed one's,
         # and the hybrid sweep's start (unless --hybrid-k leaves 0 out).

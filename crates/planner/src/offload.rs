@@ -64,8 +64,10 @@
 //!
 //! # Selection
 //!
-//! Candidates: iteration slots whose representative allocation has exactly one pack
-//! and one unpack, the pack before the unpack, both in the steady iteration, and whose
+//! Candidates: iteration slots whose representative allocation is at least
+//! [`OffloadOptions::min_tensor_bytes`] (1 MiB: each offloaded tensor costs the host two
+//! hook calls and their CUDA calls whatever its size) and has exactly one pack and one
+//! unpack, the pack before the unpack, both in the steady iteration, and whose
 //! copies in every complete steady iteration have them at the same positions. The
 //! profile is `V[t]`, the live padded bytes of the planned allocations after request
 //! `t` of the whole trace (prologue included: it is served from the same pool), held
@@ -143,6 +145,23 @@ const MAX_WAIT_POINTS: usize = 8;
 /// as slack.
 pub const DEFAULT_MARGIN: f64 = 0.02;
 
+/// The smallest saved tensor a plan offloads, by default: as threshold offload's
+/// (`STWEAVER_OFFLOAD_MIN_BYTES`, 1 MiB). Each offloaded tensor costs the host a pack and an
+/// unpack hook with their copies and events whatever its size (about 100 µs each way, the
+/// hooks alone, on an H100 host: `STWEAVER_TIME_CALLS`, BENCHMARKS.md session 18); a
+/// GPT-2 XL plan that offloaded 78 tensors of 8 B to 800 KiB beside 33 of 13-105 MB ran
+/// its forward host-bound (78 ms of host time against 49 unlimited) for 9 MB saved.
+pub const DEFAULT_MIN_TENSOR_BYTES: u64 = 1 << 20;
+
+/// The host cost of one offloaded tensor, in µs of link time, that the selection may weigh
+/// beside its bytes (its score is then bytes saved over `bytes + per_tensor_us x link`), so
+/// that of two tensors that free as much at the peak the larger one's fewer copies win.
+/// **Off by default (0)**: at 100 µs it chose 18 instead of 34 tensors for the same bytes on
+/// the GPT-2 XL trace of session 18, but on `trace_llama1b_norcp_offload` it left a 1.5 ms
+/// copy-back stall at 0.7 x LB and a plan the engine replay served with 153 conflicts at
+/// 0.8 x LB (`tests/offload_real.rs`), where bytes alone give neither; not yet understood.
+pub const DEFAULT_PER_TENSOR_US: f64 = 0.0;
+
 /// Plans tried before giving up on a budget the selection should reach. Each attempt
 /// after an overshoot lowers the selection's target by the overshoot, doubled at every
 /// further attempt (an H100 run stopped 3.87 MiB over after five attempts that each
@@ -176,6 +195,11 @@ pub struct OffloadOptions {
     /// Share of the budget kept free beside the pool and [`serving_headroom`]
     /// ([`DEFAULT_MARGIN`]).
     pub margin: f64,
+    /// Saved tensors smaller than this are never offloaded ([`DEFAULT_MIN_TENSOR_BYTES`]).
+    pub min_tensor_bytes: Bytes,
+    /// Host cost per offloaded tensor in µs of link time, weighed by the selection
+    /// ([`DEFAULT_PER_TENSOR_US`]).
+    pub per_tensor_us: f64,
 }
 
 impl OffloadOptions {
@@ -189,6 +213,8 @@ impl OffloadOptions {
             forward_share: Some(DEFAULT_FORWARD_SHARE),
             iteration_us: None,
             margin: DEFAULT_MARGIN,
+            min_tensor_bytes: Bytes(DEFAULT_MIN_TENSOR_BYTES),
+            per_tensor_us: DEFAULT_PER_TENSOR_US,
         }
     }
 }
@@ -835,6 +861,9 @@ struct Analysis<'a> {
     gap_time: Vec<f64>,
     /// Microseconds per byte on the link.
     us_per_byte: f64,
+    /// [`OffloadOptions::per_tensor_us`] as bytes of link time: weighed beside each
+    /// candidate's size by the greedy.
+    tensor_overhead: u64,
     /// [`OffloadOptions::reuse`].
     reuse: OutReuse,
     cands: Vec<Cand>,
@@ -925,6 +954,9 @@ impl<'a> Analysis<'a> {
         let mut cands = Vec::new();
         for (s, slot) in c.slots.iter().enumerate() {
             let id = slot.alloc;
+            if trace.allocations[id.index()].size < opts.min_tensor_bytes {
+                continue;
+            }
             let (Some(pe), Some(ue)) = (one(&packs, id), one(&unpacks, id)) else {
                 continue;
             };
@@ -1005,6 +1037,7 @@ impl<'a> Analysis<'a> {
             clock,
             gap_time,
             us_per_byte: 1.0 / (link_gbps * 1e3),
+            tensor_overhead: (opts.per_tensor_us.max(0.0) * link_gbps * 1e3) as u64,
             reuse,
             cands,
             saved_packs: pack_ord.len() as u32,
@@ -1254,7 +1287,8 @@ impl<'a> Analysis<'a> {
                         let score = |k: usize| {
                             let c = &self.cands[k];
                             (
-                                c.padded.min(excess) as f64 / c.padded as f64,
+                                c.padded.min(excess) as f64
+                                    / (c.padded + self.tensor_overhead) as f64,
                                 standalone[k].hi - standalone[k].lo,
                                 c.padded,
                             )

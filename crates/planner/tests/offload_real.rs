@@ -156,3 +156,49 @@ fn auto_modes_recording_under_a_budget_plans_its_offload() {
         r.outcome.classification.steady
     );
 }
+
+/// GPT-2 XL with its last 6 blocks recomputed (`trace_gpt2xl_norcp_last6_offload.stwt.gz`),
+/// at the budget the H100 bench gave it (0.8 x the unlimited run's peak, 21.12 GiB) and the
+/// clock it planned with (49.6 GB/s, 182.43 ms per iteration, forward 35.31 %): no saved
+/// tensor under 1 MiB is offloaded. By bytes alone (`min_tensor_bytes` 0) the plan took 78
+/// such tensors (flash attention's RNG states and log-sum-exps, 8 B to 800 KiB) beside 33
+/// large ones, 111 copies each way for 9 MB more, and each copy costs the host a hook call
+/// with its CUDA calls: that run's forward took 78 ms of host time against 49 ms unlimited
+/// (BENCHMARKS.md, session 18).
+#[test]
+fn gpt2xl_plans_offload_no_tiny_tensors() {
+    let t = load(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/traces/trace_gpt2xl_norcp_last6_offload.stwt.gz"
+    ));
+    let budget = Bytes(22_677_814_886);
+    let mut o = OffloadOptions::new(budget);
+    o.link_gbps = 49.6;
+    o.iteration_us = Some(182_430.0);
+    o.forward_share = Some(0.3531);
+    let r = plan_with_budget(&t, &o).expect("plans");
+    let plan = &r.outcome.plan;
+    verify_plan(plan).unwrap();
+    assert!(plan.pool_size <= budget);
+    let tiny = |p: &stweaver_core::Plan| {
+        p.offload
+            .iter()
+            .filter(|e| e.bytes < Bytes(1 << 20))
+            .count()
+    };
+    assert_eq!(tiny(plan), 0, "{:?}", plan.offload);
+    assert!(r.offload.tensors <= 40, "{} tensors", r.offload.tensors);
+    assert_eq!(r.offload.stalls, 0);
+    o.min_tensor_bytes = Bytes(0);
+    let all = plan_with_budget(&t, &o).expect("plans");
+    assert!(
+        tiny(&all.outcome.plan) >= 50,
+        "bytes alone take the tiny ones"
+    );
+    // About the same bytes either way: the tiny ones saved nothing worth their copies.
+    let (a, b) = (
+        r.offload.bytes_per_iteration.get(),
+        all.offload.bytes_per_iteration.get(),
+    );
+    assert!(a.abs_diff(b) < 64 << 20, "{a} vs {b}");
+}

@@ -381,8 +381,8 @@ use crate::error::{BridgeError, guard};
 use crate::runtime::{Core, DeviceFactory, Settings, to_ffi_stats};
 use crate::tracked::BridgeDevice;
 use bridge::{
-    CallTimes, CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PauseReport, PoolId, PoolRestore, Range,
-    Snapshot,
+    CallTimes, CheckpointBlock, DeviceStats, HistoryEvent, OomInfo, PauseReport, PoolId,
+    PoolRestore, Range, Snapshot,
 };
 use stweaver_core::engine::{BlockInfo, Checkpoint};
 

@@ -72,8 +72,8 @@ use crate::ffi::bridge as ffi;
 use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
 use crate::tracked::{BridgeDevice, CaptureGate, DeviceBudget, Owner, Shared, Tracked};
 
-pub use call_times::CallTimesSnapshot;
 use call_times::CallTimes;
+pub use call_times::CallTimesSnapshot;
 use history::PendingFree;
 pub use plan::PlanStage;
 use plan::{OffloadOutcome, PlanControl};
@@ -381,7 +381,13 @@ impl Core {
         r
     }
 
-    fn malloc_untimed(&self, device: i32, size: usize, stream: usize, pool: PoolId) -> Result<usize> {
+    fn malloc_untimed(
+        &self,
+        device: i32,
+        size: usize,
+        stream: usize,
+        pool: PoolId,
+    ) -> Result<usize> {
         let slot = self.slot(device)?;
         let owner = Owner { device, pool };
         let attempt = || {

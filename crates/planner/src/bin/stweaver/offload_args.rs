@@ -46,6 +46,14 @@ pub struct OffloadArgs {
     /// it.
     #[arg(long, value_name = "F", default_value_t = stweaver_planner::offload::DEFAULT_MARGIN)]
     pub margin: f64,
+    /// Saved tensors smaller than this many bytes are never offloaded (each costs the host
+    /// a pack and an unpack whatever its size).
+    #[arg(long, value_name = "BYTES", default_value_t = stweaver_planner::offload::DEFAULT_MIN_TENSOR_BYTES)]
+    pub offload_min_bytes: u64,
+    /// Host cost of one offloaded tensor, µs of link time, that the selection weighs
+    /// beside its bytes (0: bytes alone).
+    #[arg(long, value_name = "US", default_value_t = stweaver_planner::offload::DEFAULT_PER_TENSOR_US)]
+    pub per_tensor_us: f64,
 }
 
 impl OffloadArgs {
@@ -58,6 +66,8 @@ impl OffloadArgs {
         o.forward_share = (self.timing == ClockArg::Phases).then_some(self.forward_share);
         o.iteration_us = self.iteration_ms.map(|ms| ms * 1e3);
         o.margin = self.margin;
+        o.min_tensor_bytes = Bytes(self.offload_min_bytes);
+        o.per_tensor_us = self.per_tensor_us;
         o.plan = plan;
         o
     }
