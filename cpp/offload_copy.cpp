@@ -24,6 +24,7 @@
 // torch's pin_memory=True uses, took 6.7-8.2 s and blocked launches from other threads
 // meanwhile) and are handed to Python as a uint8 CPU tensor whose deleter gives them back.
 #include "offload_copy.h"
+#include "stweaver_allocator.h"
 
 #include "rust/cxx.h"
 #include "stweaver-torch/src/ffi.rs.h"
@@ -144,8 +145,15 @@ Events copy(
       static_cast<size_t>(nbytes),
       out ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
       side.stream()));
-  // The device block is not reused (nor, copied in, freed) under the copy.
-  c10::cuda::CUDACachingAllocator::recordStream(device_tensor.storage().data_ptr(), side);
+  // The device block is not reused (nor, copied in, freed) under the copy. Under stweaver
+  // the copy is the block's only use on the side stream, so its free waits for this copy
+  // alone, not for the later tensors' copies queued on the side stream by then.
+  if (stweaver::StweaverAllocator* a = stweaver::installed();
+      a != nullptr && c10::cuda::CUDACachingAllocator::get() == a) {
+    a->recordStreamEnqueued(device_tensor.storage().data_ptr(), side);
+  } else {
+    c10::cuda::CUDACachingAllocator::recordStream(device_tensor.storage().data_ptr(), side);
+  }
   auto done = std::make_shared<PooledEvent>(device, timing);
   C10_CUDA_CHECK(cudaEventRecord(done->event(), side.stream()));
   return Events(start, done);

@@ -356,6 +356,18 @@ void StweaverAllocator::recordStream(
   });
 }
 
+void StweaverAllocator::recordStreamEnqueued(
+    const c10::DataPtr& ptr,
+    c10::cuda::CUDAStream stream) {
+  if (ptr.get() == nullptr || ptr.get_deleter() != &stweaver_raw_delete) {
+    return;
+  }
+  rs("record_stream_enqueued", [&] {
+    runtime_->record_stream_enqueued(
+        reinterpret_cast<size_t>(ptr.get()), reinterpret_cast<size_t>(stream.stream()));
+  });
+}
+
 // ---------------------------------------------------------------- lifecycle, caching, stats
 
 bool StweaverAllocator::initialized() {

@@ -111,6 +111,10 @@ class StweaverAllocator final : public CCA::CUDAAllocator {
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override;
   void* getBaseAllocation(void* ptr, size_t* size) override;
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override;
+  // recordStream for a use whose work on `stream` is all enqueued already (the offloader's
+  // copies): the free waits for this point of `stream` only. Memory we did not allocate: a
+  // no-op, as recordStream.
+  void recordStreamEnqueued(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream);
   CCA::SnapshotInfo snapshot(
       c10::MempoolId_t mempool_id = {0, 0},
       bool include_traces = true) override;

@@ -45,6 +45,14 @@ Algorithm
    (:func:`stweaver.recompute_blocks`, ``where`` as given), the held plan is dropped and
    auto mode records again from this boundary (``release_held_plan(False)``): the recording
    is of the model as it will run.
+   **3b.** A plan that waits little but moves bytes is weighed against recomputing the blocks
+   those bytes are: each offloaded tensor costs about ``TENSOR_MS`` (0.75 ms) per iteration
+   beyond the planned waits (its two hooks with their copies and events, and the compute
+   stream's waits on them: on the H100, GPT-2 XL at 0.8 x LB with 24-34 tensors moved ran
+   18-25 ms over its recomputation's cost, BENCHMARKS.md session 18), while ``ceil(bytes /
+   block bytes)`` more blocks recomputed cost that many blocks' forward (the measured device
+   time of a block). When the blocks are cheaper, they are recomputed and auto mode records
+   again (a round). ``STWEAVER_AUTO_TENSOR_MS`` sets the per-tensor cost (0: never).
 4. After ``max_rounds`` re-recordings (default 2), or when k cannot grow, the held plan is
    served whatever it waits.
 5. **A measured trial** when the plan served moves bytes (its ``bytes_per_iteration``, one
@@ -94,6 +102,12 @@ LINK_SHARE = 0.9
 # Forward's share of an iteration's device time, as the planner assumes
 # (stweaver_planner::offload::DEFAULT_FORWARD_SHARE).
 FORWARD_SHARE = 1.0 / 3.0
+# The host and device cost of one offloaded tensor per iteration, ms (module doc, step 3b):
+# its pack and unpack hooks with their copies and events, and the compute stream's waits on
+# them. Measured on the H100 (BENCHMARKS.md, session 18): GPT-2 XL at 0.8 x LB, plans of
+# 24-34 tensors (1.1-1.6 GB) ran 18-25 ms over the unlimited step beyond their blocks'
+# recomputation, 0.7-0.9 ms per tensor. STWEAVER_AUTO_TENSOR_MS overrides it.
+TENSOR_MS = 0.75
 # The measured trial (module doc, step 5): served iterations skipped (the switch settles:
 # the online cache released, the pool mapped), then the iterations whose median is the step.
 TRIAL_SKIP = 2
@@ -108,7 +122,8 @@ class AutoRecompute:
     """The decision loop of the module doc, driven by the offloader's boundaries."""
 
     def __init__(self, model, offloader, ext, *, where: str = "last", max_rounds: int = MAX_ROUNDS,
-                 wait_share: float = WAIT_SHARE, log=None, event=None, trial: bool = True):
+                 wait_share: float = WAIT_SHARE, log=None, event=None, trial: bool = True,
+                 tensor_ms: Optional[float] = None):
         from ._recompute import RecomputeError, find_blocks, recomputed
 
         if where not in ("last", "first"):
@@ -119,6 +134,13 @@ class AutoRecompute:
         self.where = where
         self.max_rounds = max_rounds
         self.wait_share = wait_share
+        env_ms = os.environ.get("STWEAVER_AUTO_TENSOR_MS", "").strip()
+        self.tensor_ms = TENSOR_MS if tensor_ms is None else tensor_ms
+        if env_ms and tensor_ms is None:
+            try:
+                self.tensor_ms = max(0.0, float(env_ms))
+            except ValueError:
+                raise AutoRecomputeError(f"STWEAVER_AUTO_TENSOR_MS={env_ms!r} is not a number of ms")
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.list_name, self.blocks = find_blocks(model)
         self.n = len(self.blocks)
@@ -307,7 +329,20 @@ class AutoRecompute:
              "link_gbps": link,
              "bytes_per_iteration": o.get("bytes_per_iteration"), "reason": o.get("reason")}
         k_new = self.k
-        if planned and wait_ms <= self.wait_share * iter_ms:
+        moved = int(o.get("bytes_per_iteration") or 0) if planned else 0
+        tensors = int(o.get("tensors") or 0) if planned else 0
+        # Step 3b: recomputing the blocks whose bytes the plan moves vs moving them.
+        k_off = math.ceil(moved / block) if block > 0 and moved > 0 else 0
+        block_ms = (fwd / self.n) if fwd and self.n else 0.0
+        off_ms, rcp_ms = tensors * self.tensor_ms, k_off * block_ms
+        d["offload_cost_ms"], d["recompute_cost_ms"] = off_ms, rcp_ms
+        if (planned and wait_ms <= self.wait_share * iter_ms and k_off > 0 and block_ms > 0
+                and rcp_ms < off_ms and self.k < self.n and self.rounds < self.max_rounds):
+            k_new = min(self.n, self.k + k_off)
+            why = ""
+            d["why"] = (f"moving {moved / 1e9:.2f} GB in {tensors} tensors costs ~{off_ms:.1f} ms per "
+                        f"iteration, recomputing {k_off} more blocks ~{rcp_ms:.1f} ms")
+        elif planned and wait_ms <= self.wait_share * iter_ms:
             why = f"plans {wait_ms:.1f} ms of copy waits per {iter_ms:.0f} ms iteration"
         elif self.rounds >= self.max_rounds:
             why = f"{self.rounds} re-recordings made; serving the plan as it is"
@@ -329,7 +364,6 @@ class AutoRecompute:
             self.ext.release_held_plan(True)
             return
         if k_new == self.k:
-            moved = int(o.get("bytes_per_iteration") or 0) if planned else 0
             k_b = min(self.n, self.k + math.ceil(moved / block)) if block > 0 and moved > 0 else self.k
             if self.trial_on and self.trial is None and k_b > self.k:
                 d["action"] = "trial_a"
@@ -351,8 +385,13 @@ class AutoRecompute:
         d["action"] = "recompute"
         d["k_new"] = k_new
         self.decisions.append(d)
-        self.log(f"stweaver: auto recompute: the plan under the budget "
-                 f"{'waits %.1f ms per iteration for copies' % wait_ms if planned else 'offloads nothing (' + str(o.get('reason')) + ')'}; "
+        if "why" in d:
+            cause = d["why"]
+        elif planned:
+            cause = "waits %.1f ms per iteration for copies" % wait_ms
+        else:
+            cause = "offloads nothing (" + str(o.get("reason")) + ")"
+        self.log(f"stweaver: auto recompute: the plan under the budget {cause}; "
                  f"recomputing the {self.where} {k_new} of {self.n} blocks and recording again")
         self.rounds += 1
         self._restart()

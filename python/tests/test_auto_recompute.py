@@ -381,3 +381,38 @@ def test_no_trial_when_the_plan_moves_nothing_or_when_turned_off(monkeypatch):
                        "bytes_per_iteration": outcome_bytes}
         iteration(model, off, x)
         assert ar.done and ext.gate is False and ext.releases == [True] and ext.trial_calls == []
+
+
+def test_a_plan_whose_tensors_cost_more_than_recomputing_their_blocks_recomputes_them():
+    """Step 3b: a plan without waits that moves 1.5 blocks' bytes in 30 tensors (0.75 ms each:
+    22.5 ms) against 2 more blocks recomputed (1.5 ms each: 3 ms) recomputes the 2 blocks and
+    records again; the next plan moving nothing is served. With one tensor (0.75 ms) the plan
+    is served as it is."""
+    for tensors, expect_k in ((30, 2), (1, 0)):
+        FakeEvent.clock.update(ms=3.0, done=True)
+        ext, off, model, ar, logs = setup(event=FakeEvent)
+        x = torch.randn(16, 32)
+        for _ in range(3):
+            iteration(model, off, x)
+        block = ar._per_block[-1]
+        assert ar.forward_ms() == pytest.approx(8 * 1.5)
+        ext.stage = "auto (plan held)"
+        ext.outcome = {"planned": True, "copy_out_wait_us": 0.0, "stall_us": 0.0, "link_gbps": 20.0,
+                       "bytes_per_iteration": int(1.5 * block), "tensors": tensors}
+        iteration(model, off, x)
+        d = off.stats()["auto_recompute"]["decisions"][0]
+        assert d["offload_cost_ms"] == pytest.approx(tensors * 0.75)
+        assert d["recompute_cost_ms"] == pytest.approx(2 * 1.5)
+        assert len(recomputed(model)) == expect_k, (tensors, d)
+        if expect_k:
+            assert d["action"] == "recompute" and ext.releases == [False]
+            assert "30 tensors costs" in logs[-1]
+            for _ in range(2):
+                iteration(model, off, x)
+            ext.stage = "auto (plan held)"
+            ext.outcome = {"planned": True, "copy_out_wait_us": 0.0, "stall_us": 0.0, "link_gbps": 20.0,
+                           "bytes_per_iteration": 0, "tensors": 0}
+            iteration(model, off, x)
+            assert ext.releases == [False, True] and ar.done and len(recomputed(model)) == 2
+        else:
+            assert d["action"] == "serve" and ext.releases == [True] and ar.done

@@ -76,7 +76,9 @@ struct Model {
     limit: u64,
     arenas: Vec<MArena>,
     stats: DeviceStats,
-    uses: HashMap<usize, Vec<StreamId>>,
+    /// Streams a block is used on besides its own, with the clock point its use was
+    /// sealed at (`record_stream_enqueued`), if it was.
+    uses: HashMap<usize, Vec<(StreamId, Option<u64>)>>,
     pending: Vec<Pend>,
     /// stream -> (events recorded, events passed)
     clocks: HashMap<StreamId, (u64, u64)>,
@@ -482,10 +484,16 @@ impl Model {
         }
         self.arenas[ai].segs[si].st = St::Pending;
         let mut events = Vec::new();
-        for s in uses {
-            let c = self.clocks.entry(s).or_insert((0, 0));
-            c.0 += 1;
-            events.push((s, c.0));
+        for (s, sealed) in uses {
+            let seq = match sealed {
+                Some(seq) => seq,
+                None => {
+                    let c = self.clocks.entry(s).or_insert((0, 0));
+                    c.0 += 1;
+                    c.0
+                }
+            };
+            events.push((s, seq));
         }
         self.pending.push(Pend { handle, events });
     }
@@ -494,8 +502,24 @@ impl Model {
         let (ai, _) = self.find(handle);
         if self.arenas[ai].stream != stream {
             let u = self.uses.get_mut(&handle).unwrap();
-            if !u.contains(&stream) {
-                u.push(stream);
+            match u.iter_mut().find(|(s, _)| *s == stream) {
+                Some(e) => e.1 = None, // more work may follow: a seal is dropped
+                None => u.push((stream, None)),
+            }
+        }
+    }
+
+    /// `record_stream_enqueued`: an event recorded on `stream` now, which the free waits for.
+    fn record_stream_enqueued(&mut self, handle: usize, stream: StreamId) {
+        let (ai, _) = self.find(handle);
+        if self.arenas[ai].stream != stream {
+            let c = self.clocks.entry(stream).or_insert((0, 0));
+            c.0 += 1;
+            let seq = c.0;
+            let u = self.uses.get_mut(&handle).unwrap();
+            match u.iter_mut().find(|(s, _)| *s == stream) {
+                Some(e) => e.1 = Some(seq),
+                None => u.push((stream, Some(seq))),
             }
         }
     }
@@ -689,6 +713,7 @@ enum Op {
     Alloc { size: u64, stream: u8 },
     Free { pick: usize },
     RecordStream { pick: usize, stream: u8 },
+    RecordStreamEnqueued { pick: usize, stream: u8 },
     PassNext { stream: u8 },
     PassAll { stream: u8 },
     ProcessEvents,
@@ -715,6 +740,7 @@ fn op() -> impl Strategy<Value = Op> {
         30 => (size(), 0u8..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
         20 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         6 => (any::<usize>(), 0u8..4).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        4 => (any::<usize>(), 0u8..4).prop_map(|(pick, stream)| Op::RecordStreamEnqueued { pick, stream }),
         4 => (0u8..4).prop_map(|stream| Op::PassNext { stream }),
         2 => (0u8..4).prop_map(|stream| Op::PassAll { stream }),
         2 => Just(Op::ProcessEvents),
@@ -902,6 +928,14 @@ impl Harness {
                 self.engine.record_stream(DevicePtr(p), stream(s)).unwrap();
             }
             Op::RecordStream { .. } => {}
+            Op::RecordStreamEnqueued { pick, stream: s } if !self.live.is_empty() => {
+                let (h, p) = self.live[pick % self.live.len()];
+                self.model.record_stream_enqueued(h, stream(s));
+                self.engine
+                    .record_stream_enqueued(DevicePtr(p), stream(s))
+                    .unwrap();
+            }
+            Op::RecordStreamEnqueued { .. } => {}
             Op::PassNext { stream: s } => {
                 self.model.pass_next(stream(s));
                 self.host.events().pass_next(stream(s));

@@ -237,6 +237,10 @@ pub mod bridge {
 
         /// `Tensor.record_stream`: the block at `ptr` is also used on `stream`.
         fn record_stream(self: &Runtime, ptr: usize, stream: usize) -> Result<()>;
+        /// `record_stream` for a use whose work on `stream` is all enqueued already (the
+        /// offloader's copy): the free waits for this point of `stream`, not for the work
+        /// `stream` runs up to the free.
+        fn record_stream_enqueued(self: &Runtime, ptr: usize, stream: usize) -> Result<()>;
 
         /// Returns cached memory to the device: `device` -1 for all; `pool` (0,0) for the
         /// default pools plus every released private pool, else that pool only.
@@ -498,6 +502,12 @@ impl Runtime {
 
     pub fn record_stream(&self, ptr: usize, stream: usize) -> Result<(), BridgeError> {
         guard("record_stream", || self.core.record_stream(ptr, stream))
+    }
+
+    pub fn record_stream_enqueued(&self, ptr: usize, stream: usize) -> Result<(), BridgeError> {
+        guard("record_stream_enqueued", || {
+            self.core.record_stream_enqueued(ptr, stream)
+        })
     }
 
     pub fn empty_cache(&self, device: i32, pool: PoolId) -> Result<(), BridgeError> {

@@ -53,6 +53,7 @@
 use super::arena::{ArenaId, Idx, NIL};
 use super::device::{DeviceMemory, DevicePtr};
 use super::stats;
+use super::stream_use::sealed_events;
 use super::{BlockInfo, BlockState, Engine, EngineError, State};
 use crate::units::{Bytes, StreamId};
 
@@ -182,6 +183,8 @@ impl<D: DeviceMemory> Engine<D> {
                 st.complete_free(i);
             } else {
                 // Completed below, once the device has passed every stream's work.
+                let sealed: Vec<_> = sealed_events(&st.arenas.block(i).uses).collect();
+                st.events.idle.extend(sealed);
                 let b = st.arenas.block_mut(i);
                 b.state = BlockState::PendingFree;
                 b.uses.clear();

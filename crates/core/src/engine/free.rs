@@ -9,7 +9,7 @@ use std::sync::MutexGuard;
 use crate::units::StreamId;
 
 use super::arena::Idx;
-use super::stream_use::add_use;
+use super::stream_use::{add_use, seal_use, unseal_use};
 use super::streams::PendingEvent;
 use super::{BlockState, DeviceMemory, DevicePtr, Engine, EngineError, State, stats};
 
@@ -61,7 +61,7 @@ impl State {
                     self.complete_free(e.block);
                 }
             } else {
-                self.events.push(e.event, e.block, e.stream);
+                self.events.push(e.event, e.block, e.stream, e.seq);
             }
         }
         self.events.give_back(work);
@@ -117,15 +117,17 @@ impl<D: DeviceMemory> Engine<D> {
             b.state = BlockState::PendingFree;
             let mut uses = std::mem::take(&mut b.uses);
             b.events_left = uses.len() as u32;
-            for u in uses.iter_mut() {
+            for u in uses.iter_mut().filter(|u| !u.sealed) {
                 u.event = s.events.idle.pop();
+                u.seq = s.events.stamp();
             }
             uses
         };
         drop(st);
-        // Phase 2 (unlocked): create missing events, record each on its stream.
+        // Phase 2 (unlocked): create missing events, record each on its stream (a sealed
+        // use's event was recorded when it was sealed).
         let mut first_err = None;
-        for u in uses.iter_mut() {
+        for u in uses.iter_mut().filter(|u| !u.sealed) {
             if u.event.is_none() {
                 match self.dev.create_event() {
                     Ok(e) => u.event = Some(e),
@@ -148,11 +150,12 @@ impl<D: DeviceMemory> Engine<D> {
         let mut st = self.lock()?;
         for u in uses.iter_mut() {
             match (u.event.take(), u.recorded) {
-                (Some(ev), true) => st.events.push(ev, i, u.stream),
+                (Some(ev), true) => st.events.push(ev, i, u.stream, u.seq),
                 (Some(ev), false) => st.events.idle.push(ev),
                 (None, _) => {}
             }
             u.recorded = false;
+            u.sealed = false;
         }
         uses.clear();
         st.arenas.block_mut(i).uses = uses;
@@ -175,7 +178,66 @@ impl<D: DeviceMemory> Engine<D> {
             return Err(not_allocated(ptr, b.state, b.tag));
         }
         if st.stream_of(i) != stream {
+            let uses = &mut st.arenas.block_mut(i).uses;
+            if let Some(ev) = unseal_use(uses, stream) {
+                st.events.idle.push(ev);
+            }
             add_use(&mut st.arenas.block_mut(i).uses, stream);
+        }
+        Ok(())
+    }
+
+    /// [`Engine::record_stream`] for a use whose work on `stream` is **all enqueued
+    /// already** (offload's copy of the block on its copy stream): an event is recorded on
+    /// `stream` now and the free waits for it alone, not for the work `stream` runs up to
+    /// the free. (A copy stream runs behind the host: by a tensor's free, the copies of
+    /// later tensors are queued on it too, and a planned reuse of the range waited for all
+    /// of them; on the H100 GPT-2 XL's forward stalled 7 ms at once behind five 105 MB
+    /// copies, BENCHMARKS.md session 18.) A later `record_stream` of the same stream
+    /// drops the seal. A no-op for the block's own stream; if the event cannot be
+    /// recorded, a plain use.
+    pub fn record_stream_enqueued(
+        &self,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), EngineError> {
+        let mut st = self.lock()?;
+        let Some(i) = st.live.get(ptr.get()) else {
+            return Err(EngineError::UnknownPointer(ptr));
+        };
+        let b = st.arenas.block(i);
+        if b.state != BlockState::Allocated {
+            return Err(not_allocated(ptr, b.state, b.tag));
+        }
+        if st.stream_of(i) == stream {
+            return Ok(());
+        }
+        let idle = st.events.idle.pop();
+        let seq = st.events.stamp();
+        drop(st);
+        // Unlocked: the device calls. The block stays allocated meanwhile (the caller
+        // holds it: it has just enqueued work on it).
+        let (mut recorded, mut spare) = (None, None);
+        match idle.map_or_else(|| self.dev.create_event(), Ok) {
+            Ok(ev) => match self.dev.record_event(ev, stream) {
+                Ok(()) => recorded = Some(ev),
+                Err(_) => spare = Some(ev),
+            },
+            Err(_) => {}
+        }
+        let mut st = self.lock()?;
+        st.events.idle.extend(spare);
+        let Some(i) = st.live.get(ptr.get()) else {
+            st.events.idle.extend(recorded);
+            return Err(EngineError::UnknownPointer(ptr));
+        };
+        match recorded {
+            Some(ev) => {
+                if let Some(old) = seal_use(&mut st.arenas.block_mut(i).uses, stream, ev, seq) {
+                    st.events.idle.push(old);
+                }
+            }
+            None => add_use(&mut st.arenas.block_mut(i).uses, stream),
         }
         Ok(())
     }

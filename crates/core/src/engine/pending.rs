@@ -107,7 +107,8 @@ impl State {
         stats::increase(&mut self.stats.active, kind, 1);
         stats::increase(&mut self.stats.active_bytes, kind, size);
         stats::increase(&mut self.stats.requested_bytes, kind, size);
-        self.events.push(event, f, stream);
+        let seq = self.events.stamp();
+        self.events.push(event, f, stream, seq);
         self.settle_inactive();
     }
 }

@@ -52,6 +52,9 @@ pub(crate) struct PendingEvent {
     pub stream: StreamId,
     /// Set by whoever queried or synchronised the event while it was taken out.
     pub done: bool,
+    /// When it was recorded, by the queue's stamp ([`EventQueue::stamp`]): the queue
+    /// keeps each stream's events in this order.
+    pub seq: u64,
 }
 
 /// The queue of pending events and the pool of idle ones.
@@ -63,6 +66,8 @@ pub(crate) struct EventQueue {
     spare: Vec<PendingEvent>,
     /// Created events not recorded for any pending free.
     pub idle: Vec<DeviceEvent>,
+    /// The last stamp given ([`EventQueue::stamp`]).
+    stamps: u64,
 }
 
 impl EventQueue {
@@ -71,13 +76,39 @@ impl EventQueue {
         self.pending.is_empty()
     }
 
-    pub fn push(&mut self, event: DeviceEvent, block: Idx, stream: StreamId) {
-        self.pending.push(PendingEvent {
-            event,
-            block,
-            stream,
-            done: false,
-        });
+    /// A stamp for an event about to be recorded: stamps increase with each call, so an
+    /// event stamped before another of the same stream was recorded before it (up to two
+    /// threads recording on one stream at once, whose order only delays a free).
+    pub fn stamp(&mut self) -> u64 {
+        self.stamps += 1;
+        self.stamps
+    }
+
+    /// Queues `event` (stamped `seq`) behind the events of `stream` stamped before it and
+    /// ahead of those stamped after it: a free's events are stamped when recorded, but a
+    /// use sealed early (`Engine::record_stream_enqueued`) is queued only at its free.
+    /// O(1) when it is the stream's newest (scanning back over other streams' events).
+    pub fn push(&mut self, event: DeviceEvent, block: Idx, stream: StreamId, seq: u64) {
+        let mut at = self.pending.len();
+        for (k, e) in self.pending.iter().enumerate().rev() {
+            if e.stream == stream {
+                if e.seq > seq {
+                    at = k;
+                } else {
+                    break;
+                }
+            }
+        }
+        self.pending.insert(
+            at,
+            PendingEvent {
+                event,
+                block,
+                stream,
+                done: false,
+                seq,
+            },
+        );
     }
 
     /// Takes every queued event out (for querying without the lock).

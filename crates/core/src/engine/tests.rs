@@ -397,3 +397,58 @@ fn saved_tensor_events_name_the_live_allocation_at_the_pointer() {
         ]
     );
 }
+
+/// `record_stream_enqueued`: the free waits for the point the use was sealed at, not for
+/// the later work of the stream (offload's copy stream, where later tensors' copies are
+/// queued by the time a tensor is freed); a plain `record_stream` after a seal drops it.
+#[test]
+fn a_sealed_use_frees_at_its_own_point_of_the_stream() {
+    let dev = flaky(1 << 30);
+    let e = engine(dev.clone(), MemoryLimit::Fraction(1.0));
+    let ev = dev.host.events();
+    let active = |e: &Engine<Arc<Flaky>>| e.stats().unwrap().active_bytes[0].current;
+    // Sealed: p's copy, then q's copy are queued on S1; both freed after.
+    let p = e.malloc(Bytes(4096), S0).unwrap();
+    e.record_stream_enqueued(p, S1).unwrap();
+    let q = e.malloc(Bytes(8192), S0).unwrap();
+    e.record_stream_enqueued(q, S1).unwrap();
+    e.record_stream_enqueued(q, S0).unwrap(); // its own stream: nothing
+    e.free(p).unwrap();
+    e.free(q).unwrap();
+    assert_eq!(active(&e), 4096 + 8192, "both pending on S1");
+    assert!(ev.pass_next(S1)); // p's copy is done, q's is not
+    e.process_events().unwrap();
+    assert_eq!(active(&e), 8192, "p completes at its own point");
+    assert!(ev.pass_next(S1));
+    e.process_events().unwrap();
+    assert_eq!(active(&e), 0);
+    // The same with plain uses: the events are recorded at the frees, after both copies'
+    // points, so passing the first point completes nothing.
+    let p = e.malloc(Bytes(4096), S0).unwrap();
+    e.record_stream(p, S1).unwrap();
+    let q = e.malloc(Bytes(8192), S0).unwrap();
+    e.record_stream_enqueued(q, S1).unwrap();
+    e.free(p).unwrap();
+    assert!(ev.pass_next(S1)); // q's seal
+    e.process_events().unwrap();
+    assert_eq!(
+        active(&e),
+        4096 + 8192,
+        "p waits for its free's point; q is live"
+    );
+    ev.pass_all(S1);
+    e.process_events().unwrap();
+    assert_eq!(active(&e), 8192);
+    // A plain use after a seal: more work may follow on S1, the free waits for its point.
+    e.record_stream(q, S1).unwrap();
+    e.free(q).unwrap();
+    assert_eq!(active(&e), 8192);
+    ev.pass_all(S1);
+    e.process_events().unwrap();
+    assert_eq!(active(&e), 0);
+    assert_eq!(
+        e.record_stream_enqueued(q, S1),
+        Err(EngineError::UnknownPointer(q))
+    );
+    e.check_invariants().unwrap();
+}

@@ -466,6 +466,16 @@ impl Core {
         })
     }
 
+    /// [`Core::record_stream`] for a use whose work on `stream` is all enqueued already
+    /// (offload's copies): the free waits for this point of `stream` only
+    /// ([`Engine::record_stream_enqueued`]).
+    pub fn record_stream_enqueued(&self, ptr: usize, stream: usize) -> Result<()> {
+        let owner = self.owner_of(ptr)?;
+        self.with_engine(owner, |e| {
+            Ok(e.record_stream_enqueued(DevicePtr(ptr as u64), StreamId(stream as u64))?)
+        })
+    }
+
     // ------------------------------------------------------------------ caching, limits
 
     fn for_devices(&self, device: i32) -> Result<Vec<&DeviceSlot>> {
