@@ -349,6 +349,10 @@ class AutoRecompute:
         else:
             if planned and block > 0 and link > 0:
                 k_add = math.ceil(wait_ms * 1e-3 * link * 1e9 / block)
+                if k_off > 0 and block_ms > 0 and rcp_ms < off_ms:
+                    # Step 3b too: the blocks of every byte moved, when cheaper than moving
+                    # them (so that the rounds are not spent a block at a time).
+                    k_add = max(k_add, k_off)
             else:
                 k_add = math.ceil(self.n / 8)
             k_new = min(self.n, self.k + max(1, k_add))

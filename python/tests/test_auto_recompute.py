@@ -416,3 +416,24 @@ def test_a_plan_whose_tensors_cost_more_than_recomputing_their_blocks_recomputes
             assert ext.releases == [False, True] and ar.done and len(recomputed(model)) == 2
         else:
             assert d["action"] == "serve" and ext.releases == [True] and ar.done
+
+
+def test_a_plan_that_waits_and_moves_costly_tensors_recomputes_all_their_blocks_at_once():
+    """A plan that waits (the link missed half a block) and moves 2.5 blocks' bytes in 30
+    tensors: the round recomputes the 3 blocks of every byte moved (3b), not the 1 block the
+    wait alone asks for, so that the rounds are not spent a block at a time."""
+    FakeEvent.clock.update(ms=3.0, done=True)
+    ext, off, model, ar, logs = setup(event=FakeEvent)
+    x = torch.randn(16, 32)
+    for _ in range(3):
+        iteration(model, off, x)
+    block = ar._per_block[-1]
+    link = 10.0
+    ar.wait_share = 0.0
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 0.5 * block / (link * 1e9) * 1e6, "stall_us": 0.0,
+                   "link_gbps": link, "bytes_per_iteration": int(2.5 * block), "tensors": 30}
+    iteration(model, off, x)
+    d = off.stats()["auto_recompute"]["decisions"][0]
+    assert d["action"] == "recompute" and d["k_new"] == 3, d
+    assert len(recomputed(model)) == 3
