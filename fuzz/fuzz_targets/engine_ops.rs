@@ -34,7 +34,7 @@ use stweaver_core::{Bytes, DeviceId, Offset, StreamId};
 
 const G: u64 = 4096;
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Held {
     len: u64,
     requested: u64,
@@ -44,6 +44,9 @@ struct Held {
     tag: u32,
     /// Paused: by the pause of this key.
     paused: Option<Option<u32>>,
+    /// The recordings of its sealed uses (`record_stream_enqueued`): its free waits for
+    /// them, recorded before the free.
+    sealed: Vec<(StreamId, u64)>,
 }
 
 /// Whether a pause of `key` (`None`: every tag) takes a block of `tag`.
@@ -136,6 +139,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                                     freed: false,
                                     tag: cur_tag,
                                     paused: None,
+                                    sealed: Vec::new(),
                                 },
                             );
                             live.push(p);
@@ -170,7 +174,8 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                     let mark = host.events().recordings();
                     engine.free(DevicePtr(p)).unwrap();
                     h.freed = true;
-                    let recs = host.events().recorded_since(mark);
+                    let mut recs = host.events().recorded_since(mark);
+                    recs.append(&mut h.sealed);
                     if !recs.is_empty() {
                         hazards.push((p, p + h.len, recs));
                     }
@@ -181,7 +186,17 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                 }
                 8 if !live.is_empty() => {
                     let p = live[u.choose_index(live.len())?];
-                    let r = engine.record_stream(DevicePtr(p), stream(u)?);
+                    let st = stream(u)?;
+                    let r = if u.arbitrary()? {
+                        engine.record_stream(DevicePtr(p), st)
+                    } else {
+                        // A sealed use: the event is recorded now, the free waits for it.
+                        let mark = host.events().recordings();
+                        let r = engine.record_stream_enqueued(DevicePtr(p), st);
+                        let recs = host.events().recorded_since(mark);
+                        held.get_mut(&p).unwrap().sealed.extend(recs);
+                        r
+                    };
                     if held[&p].paused.is_some() {
                         assert!(r.is_err(), "record_stream of a paused block");
                     } else {
@@ -339,7 +354,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         }
     }
     for p in live.drain(..) {
-        let h = held[&p];
+        let h = &held[&p];
         assert!(
             host.check(DevicePtr(p), Bytes(h.len), h.byte).unwrap(),
             "sentinel at {p:#x} at the end"

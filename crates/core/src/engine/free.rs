@@ -218,12 +218,12 @@ impl<D: DeviceMemory> Engine<D> {
         // Unlocked: the device calls. The block stays allocated meanwhile (the caller
         // holds it: it has just enqueued work on it).
         let (mut recorded, mut spare) = (None, None);
-        match idle.map_or_else(|| self.dev.create_event(), Ok) {
-            Ok(ev) => match self.dev.record_event(ev, stream) {
+        // An event that cannot be created or recorded leaves a plain use (below).
+        if let Ok(ev) = idle.map_or_else(|| self.dev.create_event(), Ok) {
+            match self.dev.record_event(ev, stream) {
                 Ok(()) => recorded = Some(ev),
                 Err(_) => spare = Some(ev),
-            },
-            Err(_) => {}
+            }
         }
         let mut st = self.lock()?;
         st.events.idle.extend(spare);

@@ -22,8 +22,10 @@
 //!    count drops, and at zero the free completes. Events still running are requeued.
 //!    Because the queue is taken out, two threads never process the same event.
 //!    Events of one stream complete in the order they were recorded, and the queue
-//!    holds them in that order (appended as recorded; a requeue after a concurrent
-//!    append can only put an older event behind a newer one), so querying stops, per
+//!    holds them in that order (each event is stamped as it is recorded and queued
+//!    among its stream's by stamp: a use sealed early, `Engine::record_stream_enqueued`,
+//!    is queued only at its free; two threads recording on one stream at once can only
+//!    put an older event behind a newer one), so querying stops, per
 //!    stream, at the first event still running: the ones queued behind it are taken
 //!    as running without a query. O(streams + completed events) queries per process
 //!    instead of one per pending event: a stream that runs behind (offload's copy
@@ -155,12 +157,12 @@ mod tests {
     #[test]
     fn take_and_give_back_reuse_buffers() {
         let mut q = EventQueue::default();
-        q.push(DeviceEvent(1), 7, StreamId(0));
-        q.push(DeviceEvent(2), 8, StreamId(0));
+        q.push(DeviceEvent(1), 7, StreamId(0), 1);
+        q.push(DeviceEvent(2), 8, StreamId(0), 2);
         let work = q.take();
         assert_eq!(work.len(), 2);
         assert!(q.is_empty());
-        q.push(DeviceEvent(3), 9, StreamId(0));
+        q.push(DeviceEvent(3), 9, StreamId(0), 3);
         let cap = work.capacity();
         q.give_back(work);
         let again = q.take();
@@ -169,5 +171,23 @@ mod tests {
         q.give_back(again);
         assert!(q.spare.capacity() >= cap.min(1));
         assert!(q.iter().next().is_none());
+    }
+
+    #[test]
+    fn each_streams_events_stay_in_stamp_order() {
+        let mut q = EventQueue::default();
+        let (a, b, c, d) = (q.stamp(), q.stamp(), q.stamp(), q.stamp());
+        // Stamped a < b < c < d; queued d, b (other stream), c, then a sealed early.
+        q.push(DeviceEvent(4), 4, StreamId(1), d);
+        q.push(DeviceEvent(2), 2, StreamId(2), b);
+        q.push(DeviceEvent(3), 3, StreamId(1), c);
+        q.push(DeviceEvent(1), 1, StreamId(1), a);
+        let s1: Vec<u64> = q
+            .iter()
+            .filter(|e| e.stream == StreamId(1))
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(s1, vec![a, c, d]);
+        assert_eq!(q.iter().count(), 4);
     }
 }
