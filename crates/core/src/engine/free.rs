@@ -26,6 +26,18 @@ pub(super) fn not_allocated(ptr: DevicePtr, state: BlockState, tag: u32) -> Engi
     }
 }
 
+/// The `Allocated` block at `ptr` (`record_stream`'s target), or the error for it.
+fn allocated_at(st: &State, ptr: DevicePtr) -> Result<Idx, EngineError> {
+    let Some(i) = st.live.get(ptr.get()) else {
+        return Err(EngineError::UnknownPointer(ptr));
+    };
+    let b = st.arenas.block(i);
+    if b.state != BlockState::Allocated {
+        return Err(not_allocated(ptr, b.state, b.tag));
+    }
+    Ok(i)
+}
+
 impl State {
     /// Completes the free of pending or allocated block `i`: it leaves `live`, goes
     /// back to its arena, and stops counting as active.
@@ -170,13 +182,7 @@ impl<D: DeviceMemory> Engine<D> {
     /// allocation's own stream.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), EngineError> {
         let mut st = self.lock()?;
-        let Some(i) = st.live.get(ptr.get()) else {
-            return Err(EngineError::UnknownPointer(ptr));
-        };
-        let b = st.arenas.block(i);
-        if b.state != BlockState::Allocated {
-            return Err(not_allocated(ptr, b.state, b.tag));
-        }
+        let i = allocated_at(&st, ptr)?;
         if st.stream_of(i) != stream {
             let uses = &mut st.arenas.block_mut(i).uses;
             if let Some(ev) = unseal_use(uses, stream) {
@@ -202,13 +208,7 @@ impl<D: DeviceMemory> Engine<D> {
         stream: StreamId,
     ) -> Result<(), EngineError> {
         let mut st = self.lock()?;
-        let Some(i) = st.live.get(ptr.get()) else {
-            return Err(EngineError::UnknownPointer(ptr));
-        };
-        let b = st.arenas.block(i);
-        if b.state != BlockState::Allocated {
-            return Err(not_allocated(ptr, b.state, b.tag));
-        }
+        let i = allocated_at(&st, ptr)?;
         if st.stream_of(i) == stream {
             return Ok(());
         }
