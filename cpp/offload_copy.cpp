@@ -148,8 +148,7 @@ Events copy(
   // The device block is not reused (nor, copied in, freed) under the copy. Under stweaver
   // the copy is the block's only use on the side stream, so its free waits for this copy
   // alone, not for the later tensors' copies queued on the side stream by then.
-  if (stweaver::StweaverAllocator* a = stweaver::installed();
-      a != nullptr && c10::cuda::CUDACachingAllocator::get() == a) {
+  if (stweaver::StweaverAllocator* a = stweaver::installed(); a != nullptr) {  // the CUDA allocator
     a->recordStreamEnqueued(device_tensor.storage().data_ptr(), side);
   } else {
     c10::cuda::CUDACachingAllocator::recordStream(device_tensor.storage().data_ptr(), side);

@@ -346,26 +346,30 @@ void StweaverAllocator::free_noexcept(void* ptr) noexcept {
 void StweaverAllocator::recordStream(
     const c10::DataPtr& ptr,
     c10::cuda::CUDAStream stream) {
-  // Ignore empty DataPtrs and memory we did not allocate (e.g. IPC-imported storages).
-  if (ptr.get() == nullptr || ptr.get_deleter() != &stweaver_raw_delete) {
-    return;
-  }
-  rs("record_stream", [&] {
-    runtime_->record_stream(
-        reinterpret_cast<size_t>(ptr.get()), reinterpret_cast<size_t>(stream.stream()));
-  });
+  record_use(ptr, stream, false);
 }
 
 void StweaverAllocator::recordStreamEnqueued(
     const c10::DataPtr& ptr,
     c10::cuda::CUDAStream stream) {
+  record_use(ptr, stream, true);
+}
+
+void StweaverAllocator::record_use(
+    const c10::DataPtr& ptr,
+    c10::cuda::CUDAStream stream,
+    bool enqueued) {
+  // Ignore empty DataPtrs and memory we did not allocate (e.g. IPC-imported storages).
   if (ptr.get() == nullptr || ptr.get_deleter() != &stweaver_raw_delete) {
     return;
   }
-  rs("record_stream_enqueued", [&] {
-    runtime_->record_stream_enqueued(
-        reinterpret_cast<size_t>(ptr.get()), reinterpret_cast<size_t>(stream.stream()));
-  });
+  const auto p = reinterpret_cast<size_t>(ptr.get());
+  const auto s = reinterpret_cast<size_t>(stream.stream());
+  if (enqueued) {
+    rs("record_stream_enqueued", [&] { runtime_->record_stream_enqueued(p, s); });
+  } else {
+    rs("record_stream", [&] { runtime_->record_stream(p, s); });
+  }
 }
 
 // ---------------------------------------------------------------- lifecycle, caching, stats

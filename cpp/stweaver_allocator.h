@@ -184,6 +184,8 @@ class StweaverAllocator final : public CCA::CUDAAllocator {
   int64_t failed_frees() const { return failed_frees_.load(); }
 
  private:
+  // recordStream (enqueued false) and recordStreamEnqueued (true).
+  void record_use(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream, bool enqueued);
   void* malloc_impl(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);
   ffi::PoolId route(c10::DeviceIndex device, cudaStream_t stream);
   [[noreturn]] void raise_oom(c10::DeviceIndex device, size_t nbytes, cudaStream_t stream);

@@ -276,7 +276,7 @@ def _call_time_probe(st):
     cumulative host time in stweaver's malloc / free (``alloc_ns``, ``alloc_calls``) and in the
     offloader's pack / unpack hooks (``hooks_ns``, ``hooks_calls``), for the phase marks; else
     None."""
-    if st is None or os.environ.get("STWEAVER_TIME_CALLS", "") not in ("1", "true", "on", "yes"):
+    if st is None:
         return None
     ext = st._extension()
     if not hasattr(ext, "call_times") or not ext.call_times().get("on"):

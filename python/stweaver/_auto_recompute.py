@@ -134,13 +134,13 @@ class AutoRecompute:
         self.where = where
         self.max_rounds = max_rounds
         self.wait_share = wait_share
-        env_ms = os.environ.get("STWEAVER_AUTO_TENSOR_MS", "").strip()
-        self.tensor_ms = TENSOR_MS if tensor_ms is None else tensor_ms
-        if env_ms and tensor_ms is None:
+        if tensor_ms is None:
+            env_ms = os.environ.get("STWEAVER_AUTO_TENSOR_MS", "").strip()
             try:
-                self.tensor_ms = max(0.0, float(env_ms))
+                tensor_ms = float(env_ms) if env_ms else TENSOR_MS
             except ValueError:
                 raise AutoRecomputeError(f"STWEAVER_AUTO_TENSOR_MS={env_ms!r} is not a number of ms")
+        self.tensor_ms = max(0.0, tensor_ms)
         self.log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.list_name, self.blocks = find_blocks(model)
         self.n = len(self.blocks)
@@ -336,8 +336,9 @@ class AutoRecompute:
         block_ms = (fwd / self.n) if fwd and self.n else 0.0
         off_ms, rcp_ms = tensors * self.tensor_ms, k_off * block_ms
         d["offload_cost_ms"], d["recompute_cost_ms"] = off_ms, rcp_ms
-        if (planned and wait_ms <= self.wait_share * iter_ms and k_off > 0 and block_ms > 0
-                and rcp_ms < off_ms and self.k < self.n and self.rounds < self.max_rounds):
+        blocks_cheaper = k_off > 0 and block_ms > 0 and rcp_ms < off_ms
+        if (planned and wait_ms <= self.wait_share * iter_ms and blocks_cheaper
+                and self.k < self.n and self.rounds < self.max_rounds):
             k_new = min(self.n, self.k + k_off)
             why = ""
             d["why"] = (f"moving {moved / 1e9:.2f} GB in {tensors} tensors costs ~{off_ms:.1f} ms per "
@@ -349,7 +350,7 @@ class AutoRecompute:
         else:
             if planned and block > 0 and link > 0:
                 k_add = math.ceil(wait_ms * 1e-3 * link * 1e9 / block)
-                if k_off > 0 and block_ms > 0 and rcp_ms < off_ms:
+                if blocks_cheaper:
                     # Step 3b too: the blocks of every byte moved, when cheaper than moving
                     # them (so that the rounds are not spent a block at a time).
                     k_add = max(k_add, k_off)
@@ -368,7 +369,7 @@ class AutoRecompute:
             self.ext.release_held_plan(True)
             return
         if k_new == self.k:
-            k_b = min(self.n, self.k + math.ceil(moved / block)) if block > 0 and moved > 0 else self.k
+            k_b = min(self.n, self.k + k_off)
             if self.trial_on and self.trial is None and k_b > self.k:
                 d["action"] = "trial_a"
                 d["k_b"] = k_b

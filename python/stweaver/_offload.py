@@ -1602,23 +1602,21 @@ class Offloader:
             return out
 
     # -- timed hooks (STWEAVER_TIME_CALLS=1: the host time of the hooks themselves)
-    def timed_pack(self, t):
-        t0 = time.perf_counter_ns()
-        try:
-            return self.pack(t)
-        finally:
-            h = self.hook_times
-            h[0] += time.perf_counter_ns() - t0
-            h[1] += 1
+    def timed_hooks(self) -> Tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        """pack and unpack, each adding its host ns and a call to ``hook_times``."""
+        self.hook_times = h = [0, 0, 0, 0]  # pack ns, packs, unpack ns, unpacks
 
-    def timed_unpack(self, x):
-        t0 = time.perf_counter_ns()
-        try:
-            return self.unpack(x)
-        finally:
-            h = self.hook_times
-            h[2] += time.perf_counter_ns() - t0
-            h[3] += 1
+        def timed(fn, at: int):
+            def hook(x):
+                t0 = time.perf_counter_ns()
+                try:
+                    return fn(x)
+                finally:
+                    h[at] += time.perf_counter_ns() - t0
+                    h[at + 1] += 1
+            return hook
+
+        return timed(self.pack, 0), timed(self.unpack, 2)
 
 
 _PARAMETER = None
@@ -1719,11 +1717,8 @@ def enable(schedule=None, min_bytes: Optional[int] = None, *, hook_optimizer: bo
             schedule = "plan"
         off = Offloader(schedule=schedule, min_bytes=min_bytes, ext=ext, backend=backend, pool=pool,
                         first_min_bytes=first_min_bytes, watermark=watermark)
-        if _time_calls():
-            off.hook_times = [0, 0, 0, 0]  # pack ns, packs, unpack ns, unpacks
-            torch._C._autograd._push_saved_tensors_default_hooks(off.timed_pack, off.timed_unpack)
-        else:
-            torch._C._autograd._push_saved_tensors_default_hooks(off.pack, off.unpack)
+        hooks = off.timed_hooks() if _time_calls() else (off.pack, off.unpack)
+        torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
         _active, _pushed_by = off, threading.get_ident()
         if hook_optimizer:
             from torch.optim.optimizer import register_optimizer_step_post_hook

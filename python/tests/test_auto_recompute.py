@@ -383,19 +383,25 @@ def test_no_trial_when_the_plan_moves_nothing_or_when_turned_off(monkeypatch):
         assert ar.done and ext.gate is False and ext.releases == [True] and ext.trial_calls == []
 
 
+def recorded_with_block_times():
+    """Three recorded iterations of an 8-block model whose blocks take 1.5 ms each on the
+    (fake) device: (ext, off, model, ar, logs, x, one block's saved bytes)."""
+    FakeEvent.clock.update(ms=3.0, done=True)
+    ext, off, model, ar, logs = setup(event=FakeEvent)
+    x = torch.randn(16, 32)
+    for _ in range(3):
+        iteration(model, off, x)
+    assert ar.forward_ms() == pytest.approx(8 * 1.5)
+    return ext, off, model, ar, logs, x, ar._per_block[-1]
+
+
 def test_a_plan_whose_tensors_cost_more_than_recomputing_their_blocks_recomputes_them():
     """Step 3b: a plan without waits that moves 1.5 blocks' bytes in 30 tensors (0.75 ms each:
     22.5 ms) against 2 more blocks recomputed (1.5 ms each: 3 ms) recomputes the 2 blocks and
     records again; the next plan moving nothing is served. With one tensor (0.75 ms) the plan
     is served as it is."""
     for tensors, expect_k in ((30, 2), (1, 0)):
-        FakeEvent.clock.update(ms=3.0, done=True)
-        ext, off, model, ar, logs = setup(event=FakeEvent)
-        x = torch.randn(16, 32)
-        for _ in range(3):
-            iteration(model, off, x)
-        block = ar._per_block[-1]
-        assert ar.forward_ms() == pytest.approx(8 * 1.5)
+        ext, off, model, ar, logs, x, block = recorded_with_block_times()
         ext.stage = "auto (plan held)"
         ext.outcome = {"planned": True, "copy_out_wait_us": 0.0, "stall_us": 0.0, "link_gbps": 20.0,
                        "bytes_per_iteration": int(1.5 * block), "tensors": tensors}
@@ -422,12 +428,7 @@ def test_a_plan_that_waits_and_moves_costly_tensors_recomputes_all_their_blocks_
     """A plan that waits (the link missed half a block) and moves 2.5 blocks' bytes in 30
     tensors: the round recomputes the 3 blocks of every byte moved (3b), not the 1 block the
     wait alone asks for, so that the rounds are not spent a block at a time."""
-    FakeEvent.clock.update(ms=3.0, done=True)
-    ext, off, model, ar, logs = setup(event=FakeEvent)
-    x = torch.randn(16, 32)
-    for _ in range(3):
-        iteration(model, off, x)
-    block = ar._per_block[-1]
+    ext, off, model, ar, logs, x, block = recorded_with_block_times()
     link = 10.0
     ar.wait_share = 0.0
     ext.stage = "auto (plan held)"

@@ -147,10 +147,10 @@ pub const DEFAULT_MARGIN: f64 = 0.02;
 
 /// The smallest saved tensor a plan offloads, by default: as threshold offload's
 /// (`STWEAVER_OFFLOAD_MIN_BYTES`, 1 MiB). Each offloaded tensor costs the host a pack and an
-/// unpack hook with their copies and events whatever its size (about 100 µs each way, the
-/// hooks alone, on an H100 host: `STWEAVER_TIME_CALLS`, BENCHMARKS.md session 18); a
-/// GPT-2 XL plan that offloaded 78 tensors of 8 B to 800 KiB beside 33 of 13-105 MB ran
-/// its forward host-bound (78 ms of host time against 49 unlimited) for 9 MB saved.
+/// unpack hook with their copies and events whatever its size (65-110 µs a call, the hooks
+/// alone, on an H100 host: `STWEAVER_TIME_CALLS`, BENCHMARKS.md session 18); a GPT-2 XL plan
+/// offloaded 78 tensors of 1 B to 800 KiB (9 MB in all) beside 33 of 13-105 MB, and its
+/// hooks took 13.3 ms of forward's host time (8.2 ms with this minimum).
 pub const DEFAULT_MIN_TENSOR_BYTES: u64 = 1 << 20;
 
 /// The host cost of one offloaded tensor, in µs of link time, that the selection may weigh

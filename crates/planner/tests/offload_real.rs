@@ -163,8 +163,8 @@ fn auto_modes_recording_under_a_budget_plans_its_offload() {
 /// tensor under 1 MiB is offloaded. By bytes alone (`min_tensor_bytes` 0) the plan took 78
 /// such tensors (flash attention's RNG states and log-sum-exps, 8 B to 800 KiB) beside 33
 /// large ones, 111 copies each way for 9 MB more, and each copy costs the host a hook call
-/// with its CUDA calls: that run's forward took 78 ms of host time against 49 ms unlimited
-/// (BENCHMARKS.md, session 18).
+/// with its CUDA calls: that run's hooks took 13.3 ms of forward's host time, 8.2 ms with
+/// the minimum (BENCHMARKS.md, session 18).
 #[test]
 fn gpt2xl_plans_offload_no_tiny_tensors() {
     let t = load(concat!(

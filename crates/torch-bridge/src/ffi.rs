@@ -676,14 +676,7 @@ impl Runtime {
     }
 
     pub fn call_times(&self) -> CallTimes {
-        let t = self.core.call_times();
-        CallTimes {
-            on: t.on,
-            malloc_ns: t.malloc_ns,
-            malloc_calls: t.malloc_calls,
-            free_ns: t.free_ns,
-            free_calls: t.free_calls,
-        }
+        self.core.call_times()
     }
 
     pub fn set_plan_gate(&self, on: bool) -> Result<(), BridgeError> {

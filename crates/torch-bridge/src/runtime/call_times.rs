@@ -2,14 +2,15 @@
 //! `STWEAVER_TIME_CALLS=1`): where a training step's host time goes when it runs slower
 //! under stweaver than under PyTorch's allocator.
 //!
-//! Each timed call reads the monotonic clock twice (`Instant::now`, a vDSO read of a few
-//! tens of ns) and adds the difference and one call to relaxed atomic counters; off, a
+//! Each timed call reads the monotonic clock twice (`Instant::now`, a vDSO read) and adds the difference and one call to relaxed atomic counters; off, a
 //! call pays one test of a plain `bool` fixed at install. The counters are cumulative;
 //! a reader takes differences ([`Core::call_times`](super::Core::call_times) before and
 //! after a phase).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+
+use crate::ffi::bridge as ffi;
 
 /// Cumulative host time in the allocator's calls; see the module doc.
 #[derive(Debug, Default)]
@@ -23,17 +24,6 @@ pub(super) struct CallTimes {
 
 /// One call's clock, started by [`CallTimes::start`] (`None`: timing is off).
 pub(super) type Started = Option<Instant>;
-
-/// What [`Core::call_times`](super::Core::call_times) reports: whether timing is on and
-/// the cumulative counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CallTimesSnapshot {
-    pub on: bool,
-    pub malloc_ns: u64,
-    pub malloc_calls: u64,
-    pub free_ns: u64,
-    pub free_calls: u64,
-}
 
 impl CallTimes {
     pub(super) fn new(on: bool) -> CallTimes {
@@ -62,8 +52,8 @@ impl CallTimes {
         }
     }
 
-    pub(super) fn snapshot(&self) -> CallTimesSnapshot {
-        CallTimesSnapshot {
+    pub(super) fn snapshot(&self) -> ffi::CallTimes {
+        ffi::CallTimes {
             on: self.on,
             malloc_ns: self.malloc_ns.load(Ordering::Relaxed),
             malloc_calls: self.malloc_calls.load(Ordering::Relaxed),
@@ -88,7 +78,7 @@ mod tests {
         let off = CallTimes::new(false);
         off.malloc_done(off.start());
         off.free_done(off.start());
-        assert_eq!(off.snapshot(), CallTimesSnapshot::default());
+        assert_eq!(off.snapshot(), ffi::CallTimes::default());
 
         let on = CallTimes::new(true);
         for _ in 0..3 {

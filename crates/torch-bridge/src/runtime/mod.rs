@@ -73,7 +73,6 @@ use crate::ffi::bridge::{HistoryAction, HistoryEvent, PoolId};
 use crate::tracked::{BridgeDevice, CaptureGate, DeviceBudget, Owner, Shared, Tracked};
 
 use call_times::CallTimes;
-pub use call_times::CallTimesSnapshot;
 use history::PendingFree;
 pub use plan::PlanStage;
 use plan::{OffloadOutcome, PlanControl};
@@ -182,7 +181,7 @@ impl Core {
 
     /// Cumulative host time in `malloc` and `free` (zeros while `STWEAVER_TIME_CALLS` is
     /// off).
-    pub fn call_times(&self) -> CallTimesSnapshot {
+    pub fn call_times(&self) -> ffi::CallTimes {
         self.call_times.snapshot()
     }
 
