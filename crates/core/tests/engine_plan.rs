@@ -435,6 +435,25 @@ fn a_late_free_makes_a_conflict_never_an_overlap() {
     r.iteration(false, None, None);
     let st = r.engine.plan_stats().unwrap().unwrap();
     assert!(st.conflicts > 0, "{st:?}");
+    // The report says where: from the iteration that kept it on (the prologue is 0,
+    // that iteration 1: its later requests planned on the range), every conflict
+    // counted, and the first one names the block in its range.
+    let seen = r.engine.plan_conflicts_seen().unwrap().unwrap();
+    assert_eq!(
+        seen.by_iteration
+            .iter()
+            .map(|&(i, _)| i)
+            .collect::<Vec<_>>(),
+        [1, 2, 3],
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.by_iteration.iter().map(|&(_, n)| n).sum::<u64>(),
+        st.conflicts,
+        "{seen:?}"
+    );
+    let first = seen.first.expect("described");
+    assert!(first.contains("found Allocated"), "{first}");
     r.engine.check_invariants().unwrap();
     for p in kept.into_iter().chain(ps) {
         r.free(p);

@@ -11,6 +11,10 @@
 //!   would exceed the memory limit"). The engine now maps such a range, then waits.
 //! - `gpt2xl_norcp_0.9_*`: GPT-2 XL, 8 x 1024 tokens, under 0.9 x LB (23.76 GiB), at ccf6a98,
 //!   where the GPU run kept its plan to the end (1.27x the unlimited step).
+//! - `gpt2xl_norcp_0.8_stweaver_hybrid*`: GPT-2 XL, 8 x 1024 tokens, its last 6 blocks
+//!   recomputed, the rest as planned under 0.8 x LB (21.12 GiB: 34 tensors, 1.64 GB each way
+//!   per iteration), session 19 (`--hybrid-k 6 --hybrid-where last --served-traces`): 0
+//!   conflicts on the GPU, 1.090x the unlimited step.
 
 mod common;
 
@@ -67,4 +71,20 @@ fn a_gpt2_xl_plan_under_0_9_lb_serves_its_run_within_the_budget() {
     assert!(s.conflicts <= 200, "{s:?}");
     assert_eq!(s.grown, 0, "{s:?}");
     assert!(s.hits > 18_000, "{s:?}");
+}
+
+/// Session 19's hybrid run (module docs), served with 0 conflicts on the H100 (the
+/// runtime's `plan.conflicts`), replays with none, within its budget, the plan kept.
+#[test]
+fn a_gpt2_xl_hybrid_plan_at_0_8_lb_replays_its_run_without_conflicts() {
+    let (r, budget) = replay("gpt2xl_norcp_0.8_stweaver_hybrid");
+    assert_eq!(r.plan_abandoned, None);
+    assert!(
+        r.peak_reserved.get() <= budget,
+        "{} > {budget}",
+        r.peak_reserved
+    );
+    let s = r.plan_stats.unwrap();
+    assert_eq!((s.conflicts, s.grown), (0, 0), "{s:?}");
+    assert!(s.iterations >= 7 && s.hits > 18_000, "{s:?}");
 }

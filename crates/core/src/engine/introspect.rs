@@ -2,9 +2,11 @@
 //! and their resets), blocks ([`Engine::block_info`]) and arenas ([`Engine::snapshot`],
 //! as [`BlockInfo`] and [`SegmentInfo`]), the consistency check
 //! ([`Engine::check_invariants`]) and what plan serving has done ([`Engine::plan_stats`],
-//! [`Engine::plan_pool`], [`Engine::plan_abandoned`], [`Engine::plan_position`]).
+//! [`Engine::plan_pool`], [`Engine::plan_abandoned`], [`Engine::plan_position`],
+//! [`Engine::plan_conflicts_seen`]).
 
 use super::arena::Idx;
+use super::plan_serving::ConflictsSeen;
 use super::{
     BlockState, DeviceMemory, DevicePtr, DeviceStats, Engine, EngineError, PlanSection, PlanStats,
     PoolKind, State,
@@ -194,6 +196,12 @@ impl<D: DeviceMemory> Engine<D> {
     /// Why the plan was given up mid-run (its pool hit the memory limit), if it was.
     pub fn plan_abandoned(&self) -> Result<Option<String>, EngineError> {
         Ok(self.lock()?.abandoned.clone())
+    }
+
+    /// Where the served plan's conflicts came (`None`: no plan served). For reports
+    /// (`stweaver.stats()`): which iteration a plan began to conflict in, and with what.
+    pub fn plan_conflicts_seen(&self) -> Result<Option<ConflictsSeen>, EngineError> {
+        Ok(self.lock()?.plan.as_ref().map(|p| p.conflicts_seen()))
     }
 
     /// The planned range (address, length) of the last request whose planned place

@@ -116,6 +116,7 @@ use self::live::LiveMap;
 pub use self::pause::{HostBackup, PauseError, PauseReport};
 pub use self::plan_pool::{servable_from_start, steady_slice};
 use self::plan_serving::PlanServing;
+pub use self::plan_serving::{CONFLICT_ITERATIONS_KEPT, ConflictsSeen};
 use self::record::Recorder;
 pub use self::record::SavedKind;
 pub use self::stats::{DeviceStats, PoolKind, Stat, StatArray, StatType};

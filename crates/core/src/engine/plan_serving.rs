@@ -134,6 +134,21 @@ use super::{
 /// the online phase's leftovers is given back (see [`Engine::switch_to_plan`]).
 const SWITCH_DRAIN_ITERATIONS: u32 = 2;
 
+/// Iterations with conflicts whose counts a served plan keeps
+/// ([`Engine::plan_conflicts_seen`]).
+pub const CONFLICT_ITERATIONS_KEPT: usize = 32;
+
+/// Where a served plan's conflicts came ([`Engine::plan_conflicts_seen`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConflictsSeen {
+    /// The first conflict, described: the request, its planned range, what occupied it,
+    /// where the plan's cursor was.
+    pub first: Option<String>,
+    /// `(iteration, conflicts)` for the first [`CONFLICT_ITERATIONS_KEPT`] iterations
+    /// that had any (0: the prologue, before the first iteration boundary).
+    pub by_iteration: Vec<(u64, u64)>,
+}
+
 /// What the plan pool answers to a request ([`State::alloc_planned`]).
 pub(super) enum PlanAnswer {
     /// A block, placed.
@@ -184,8 +199,13 @@ pub(super) struct PlanServing {
     /// ([`Engine::take_last_conflict`]: what occupied it, for a replay's report).
     pub(super) last_conflict: Option<(u64, u64)>,
     /// The first conflict of the plan, described (the request, its planned range, what
-    /// occupied it, where the cursor was): a give-up's message carries it.
+    /// occupied it, where the cursor was): a give-up's message carries it, and
+    /// [`Engine::plan_conflicts_seen`] reports it.
     first_conflict: Option<String>,
+    /// `(iteration, conflicts)` for the first [`CONFLICT_ITERATIONS_KEPT`] iterations
+    /// that had any, in order (the iteration as [`cursor::PlanStats::iterations`]
+    /// counts it when the conflict came: 0 is the prologue).
+    conflict_iterations: Vec<(u64, u64)>,
     /// Open phases (`PhaseBegin` markers not closed yet) and the cursor's alignment
     /// when the outermost one began (module docs, phases).
     pub(super) phase_depth: u32,
@@ -261,6 +281,14 @@ fn meets(union: &[(u64, u64)], lo: u64, hi: u64) -> bool {
 }
 
 impl PlanServing {
+    /// Where this plan's conflicts came (for [`Engine::plan_conflicts_seen`]).
+    pub(super) fn conflicts_seen(&self) -> ConflictsSeen {
+        ConflictsSeen {
+            first: self.first_conflict.clone(),
+            by_iteration: self.conflict_iterations.clone(),
+        }
+    }
+
     /// A phase begins (a `PhaseBegin` marker: `stweaver.phase("eval")`) at an iteration
     /// start: the cursor's alignment is kept, and until the phase ends every request is
     /// served beside the plan (module docs, phases). Nested phases count; a phase that
@@ -432,6 +460,15 @@ impl State {
             p.cursor.conflict();
             p.until = Some(e.vend);
             p.last_conflict = Some((addr, e.len));
+            let it = p.cursor.stats.iterations;
+            let seen = &mut p.conflict_iterations;
+            if let Some((i, n)) = seen.last_mut()
+                && *i == it
+            {
+                *n += 1;
+            } else if seen.len() < CONFLICT_ITERATIONS_KEPT {
+                seen.push((it, 1));
+            }
             if p.first_conflict.is_none() {
                 // Once per plan, off the hit path: a walk over the pool's blocks.
                 let (lo, hi) = (addr, addr + e.len);
@@ -605,6 +642,7 @@ impl<D: DeviceMemory> Engine<D> {
             bad_iterations: 0,
             last_conflict: None,
             first_conflict: None,
+            conflict_iterations: Vec::new(),
             phase_depth: 0,
             phase_mark: None,
             implicit: ImplicitPhase::after_boundary(false, plan.class_count() > 1),

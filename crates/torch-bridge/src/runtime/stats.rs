@@ -298,6 +298,17 @@ impl Core {
                         // Iterations whose class guess began from their key's class
                         // (`stweaver.step(key)`).
                         v["hinted"] = p.hinted.into();
+                        // Where its conflicts came: the first one described, and the
+                        // count per iteration (0: the prologue).
+                        if let Ok(Some(c)) = e.plan_conflicts_seen() {
+                            v["first_conflict"] = c.first.into();
+                            v["conflicts_by_iteration"] = c
+                                .by_iteration
+                                .iter()
+                                .map(|&(i, n)| serde_json::json!([i, n]))
+                                .collect::<Vec<_>>()
+                                .into();
+                        }
                         v
                     }),
                     None => None,
