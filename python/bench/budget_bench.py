@@ -295,6 +295,50 @@ def _call_time_probe(st):
     return probe
 
 
+class _GcClock:
+    """Python's garbage collections, timed (``gc.callbacks``): cumulative ns, collections,
+    and full (generation 2) collections, for the phase marks (``gc_ms_<phase>``,
+    ``gc_calls_<phase>``, ``gc2_calls_<phase>``). A full collection walks every tracked
+    object of the process (a Hugging Face model holds many), and an offloader's handles,
+    which live from forward to backward, survive into the older generations."""
+
+    def __init__(self):
+        self.ns = 0
+        self.calls = 0
+        self.full = 0
+        self._t0 = 0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            self.ns += time.perf_counter_ns() - self._t0
+            self.calls += 1
+            self.full += int(info.get("generation") == 2)
+
+    def install(self) -> "_GcClock":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def read(self) -> dict:
+        return {"gc_ns": self.ns, "gc_calls": self.calls, "gc2_calls": self.full}
+
+
+def _probes(*probes):
+    """One probe reading every given one (None: skipped); None when none is given."""
+    ps = [p for p in probes if p is not None]
+    if not ps:
+        return None
+
+    def probe() -> dict:
+        out: dict = {}
+        for p in ps:
+            out.update(p())
+        return out
+
+    return probe
+
+
 def _phase_medians(phases: List[dict]) -> dict:
     keys = sorted({k for p in phases for k in p})
     return {k: round(statistics.median(p[k] for p in phases if k in p), 2) for k in keys}
@@ -499,7 +543,9 @@ def run_row(spec: dict) -> dict:
     offload_iters: List[dict] = []
     measured_from = spec["warmup"]
     switched_at = None
-    probe = _call_time_probe(st) if cuda else None
+    # The gc.collect() before each step is outside the marks; collections inside a step are
+    # Python's own (its thresholds), timed per phase.
+    probe = _probes(_call_time_probe(st) if cuda else None, _GcClock().install().read)
     i = 0
     try:
         while i < max_n:

@@ -46,13 +46,14 @@ Algorithm
    auto mode records again from this boundary (``release_held_plan(False)``): the recording
    is of the model as it will run.
    **3b.** A plan that waits little but moves bytes is weighed against recomputing the blocks
-   those bytes are: each offloaded tensor costs about ``TENSOR_MS`` (0.75 ms) per iteration
+   those bytes are: each offloaded tensor costs about ``TENSOR_MS`` (0.15 ms) per iteration
    beyond the planned waits (its two hooks with their copies and events, and the compute
-   stream's waits on them: on the H100, GPT-2 XL at 0.8 x LB with 24-34 tensors moved ran
-   18-25 ms over its recomputation's cost, BENCHMARKS.md session 18), while ``ceil(bytes /
-   block bytes)`` more blocks recomputed cost that many blocks' forward (the measured device
-   time of a block). When the blocks are cheaper, they are recomputed and auto mode records
-   again (a round). ``STWEAVER_AUTO_TENSOR_MS`` sets the per-tensor cost (0: never).
+   stream's waits on them: on the H100, GPT-2 XL at 0.8 x LB with 34 tensors moved and 6
+   blocks recomputed ran 1-5 ms over the 6 blocks' recomputation, BENCHMARKS.md session 19),
+   while ``ceil(bytes / block bytes)`` more blocks recomputed cost that many blocks' forward
+   (the measured device time of a block). When the blocks are cheaper, they are recomputed
+   and auto mode records again (a round). ``STWEAVER_AUTO_TENSOR_MS`` sets the per-tensor
+   cost (0: never).
 4. After ``max_rounds`` re-recordings (default 2), or when k cannot grow, the held plan is
    served whatever it waits.
 5. **A measured trial** when the plan served moves bytes (its ``bytes_per_iteration``, one
@@ -104,10 +105,13 @@ LINK_SHARE = 0.9
 FORWARD_SHARE = 1.0 / 3.0
 # The host and device cost of one offloaded tensor per iteration, ms (module doc, step 3b):
 # its pack and unpack hooks with their copies and events, and the compute stream's waits on
-# them. Measured on the H100 (BENCHMARKS.md, session 18): GPT-2 XL at 0.8 x LB, plans of
-# 24-34 tensors (1.1-1.6 GB) ran 18-25 ms over the unlimited step beyond their blocks'
-# recomputation, 0.7-0.9 ms per tensor. STWEAVER_AUTO_TENSOR_MS overrides it.
-TENSOR_MS = 0.75
+# them. Measured on the H100 (BENCHMARKS.md, session 19): GPT-2 XL at 0.8 x LB, 6 blocks
+# recomputed and 34 tensors (1.64 GB) moved ran 0.192-0.195 s in three calls where the 6
+# blocks alone cost ~11 ms over a 0.178-0.180 s step: 1-5 ms for the 34 tensors, 0.03-0.15 ms
+# each; the larger is taken. (Session 18's 0.7-0.9 ms came from runs with the copy-queue
+# stall since fixed, call timing on, and --timeline's marks in the plan's pool.)
+# STWEAVER_AUTO_TENSOR_MS overrides it.
+TENSOR_MS = 0.15
 # The measured trial (module doc, step 5): served iterations skipped (the switch settles:
 # the online cache released, the pool mapped), then the iterations whose median is the step.
 TRIAL_SKIP = 2

@@ -396,10 +396,11 @@ def recorded_with_block_times():
 
 
 def test_a_plan_whose_tensors_cost_more_than_recomputing_their_blocks_recomputes_them():
-    """Step 3b: a plan without waits that moves 1.5 blocks' bytes in 30 tensors (0.75 ms each:
-    22.5 ms) against 2 more blocks recomputed (1.5 ms each: 3 ms) recomputes the 2 blocks and
-    records again; the next plan moving nothing is served. With one tensor (0.75 ms) the plan
+    """Step 3b: a plan without waits that moves 1.5 blocks' bytes in 30 tensors (TENSOR_MS each:
+    4.5 ms) against 2 more blocks recomputed (1.5 ms each: 3 ms) recomputes the 2 blocks and
+    records again; the next plan moving nothing is served. With one tensor (0.15 ms) the plan
     is served as it is."""
+    assert 30 * ar_mod.TENSOR_MS > 2 * 1.5 > ar_mod.TENSOR_MS  # the two cases below
     for tensors, expect_k in ((30, 2), (1, 0)):
         ext, off, model, ar, logs, x, block = recorded_with_block_times()
         ext.stage = "auto (plan held)"
@@ -407,7 +408,7 @@ def test_a_plan_whose_tensors_cost_more_than_recomputing_their_blocks_recomputes
                        "bytes_per_iteration": int(1.5 * block), "tensors": tensors}
         iteration(model, off, x)
         d = off.stats()["auto_recompute"]["decisions"][0]
-        assert d["offload_cost_ms"] == pytest.approx(tensors * 0.75)
+        assert d["offload_cost_ms"] == pytest.approx(tensors * ar_mod.TENSOR_MS)
         assert d["recompute_cost_ms"] == pytest.approx(2 * 1.5)
         assert len(recomputed(model)) == expect_k, (tensors, d)
         if expect_k:
@@ -425,15 +426,16 @@ def test_a_plan_whose_tensors_cost_more_than_recomputing_their_blocks_recomputes
 
 
 def test_a_plan_that_waits_and_moves_costly_tensors_recomputes_all_their_blocks_at_once():
-    """A plan that waits (the link missed half a block) and moves 2.5 blocks' bytes in 30
-    tensors: the round recomputes the 3 blocks of every byte moved (3b), not the 1 block the
-    wait alone asks for, so that the rounds are not spent a block at a time."""
+    """A plan that waits (the link missed half a block) and moves 2.5 blocks' bytes in 60
+    tensors (9 ms, against 3 blocks' 4.5 ms): the round recomputes the 3 blocks of every byte
+    moved (3b), not the 1 block the wait alone asks for, so that the rounds are not spent a
+    block at a time."""
     ext, off, model, ar, logs, x, block = recorded_with_block_times()
     link = 10.0
     ar.wait_share = 0.0
     ext.stage = "auto (plan held)"
     ext.outcome = {"planned": True, "copy_out_wait_us": 0.5 * block / (link * 1e9) * 1e6, "stall_us": 0.0,
-                   "link_gbps": link, "bytes_per_iteration": int(2.5 * block), "tensors": 30}
+                   "link_gbps": link, "bytes_per_iteration": int(2.5 * block), "tensors": 60}
     iteration(model, off, x)
     d = off.stats()["auto_recompute"]["decisions"][0]
     assert d["action"] == "recompute" and d["k_new"] == 3, d

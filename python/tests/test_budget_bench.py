@@ -176,3 +176,21 @@ def test_child_env_items_parse_and_a_malformed_one_is_refused():
     for bad in ("NOEQUALS", "=1", "BAD KEY=1"):
         with pytest.raises(ValueError, match="KEY=VALUE"):
             bb.parse_child_env(bad)
+
+
+def test_phase_marks_time_python_collections_per_phase():
+    import gc
+
+    clock = bb._GcClock().install()
+    try:
+        marks = bb._PhaseMarks(None, bb._probes(None, clock.read))
+        marks.mark("forward")  # nothing collected
+        gc.collect()  # a full collection
+        marks.mark("backward")
+        out = marks.done()
+    finally:
+        gc.callbacks.remove(clock._cb)
+    assert out["gc_calls_forward"] == 0 and out["gc_ms_forward"] == 0
+    assert out["gc_calls_backward"] >= 1 and out["gc2_calls_backward"] >= 1
+    assert out["gc_ms_backward"] > 0
+    assert bb._probes(None, None) is None
