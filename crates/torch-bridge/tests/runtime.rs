@@ -1254,6 +1254,63 @@ fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
     rt.free(weights).unwrap();
 }
 
+/// A recording over its budget with no offload schedule and no single repeating
+/// iteration (three shapes in an order without a period) is not recorded again for a plan per class: such a plan
+/// has no offload and cannot fit either. Planning ends with the note, and the run goes on
+/// online at once (before: 40 more iterations recorded; on the H100, GPT-2 XL at 0.7 x LB
+/// spent 41 slow recorded iterations so).
+#[test]
+fn auto_mode_over_its_budget_records_no_iteration_classes() {
+    use stweaver_planner::auto::CLASS_ITERATIONS;
+    let rt = runtime_with_budget("auto", "16MiB", 256);
+    let iters = rt.core().settings().auto_iterations;
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    let mut next_class = class_sequence();
+    for i in 0..=iters {
+        offload_iteration(&rt, 1 + next_class() as usize, true);
+        if i == iters {
+            rt.set_memory_fraction(0, 12.0 / 256.0).unwrap();
+        }
+        rt.step().unwrap();
+    }
+    let mut steps = 0;
+    while rt.mode().unwrap() == "auto (planning)" {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        rt.step().unwrap();
+        steps += 1;
+        assert!(steps < 2000, "never planned: {}", rt.mode().unwrap());
+    }
+    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    assert_eq!(info["devices"][0]["offload"]["planned"], false, "{info}");
+    let notes: Vec<&str> = info["notes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    assert!(
+        notes.iter().any(|n| n.contains("no offload planned")),
+        "{notes:?}"
+    );
+    assert!(
+        !notes
+            .iter()
+            .any(|n| n.contains("no single repeating iteration")),
+        "{notes:?}"
+    );
+    let mode = rt.mode().unwrap();
+    assert!(mode.starts_with("auto (online"), "{mode}");
+    // Nothing is recorded any more: the run is not waiting CLASS_ITERATIONS iterations
+    // (under the recording's 16 MiB again).
+    rt.set_memory_fraction(0, 16.0 / 256.0).unwrap();
+    for _ in 0..CLASS_ITERATIONS {
+        offload_iteration(&rt, 1 + next_class() as usize, true);
+        rt.step().unwrap();
+        assert!(rt.mode().unwrap().starts_with("auto (online"));
+    }
+    rt.free(weights).unwrap();
+}
+
 /// `STWEAVER_TIME_CALLS`: every malloc and free through the bridge is counted with its host
 /// time; off (the default), nothing is.
 #[test]
