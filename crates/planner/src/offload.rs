@@ -79,7 +79,11 @@
 //! target per byte moved (`min(size, excess) / size`; ties: the longer window, then the
 //! larger tensor), assuming it alone on the link (its *standalone* window, the largest
 //! it can have); when the peak is under the target, simulate the copy queues for the
-//! chosen set and apply the actual windows, and go on if the peak rose again. Then
+//! chosen set and apply the actual windows, and go on if the peak rose again. When no
+//! unchosen candidate's window covers the peak tick, a chosen one whose copy out is done
+//! by then but whose copy back the queue started before it (too late for its unpack on
+//! any trigger, it got the earliest) is made to start its copy back past the peak: a
+//! longer stall, no more bytes; only then is an unchosen one taken with a stall. Then
 //! drop, largest first, every chosen tensor whose removal keeps the peak under the
 //! target (removing one only widens the others' windows), and simulate once more.
 //!
@@ -1319,6 +1323,46 @@ impl<'a> Analysis<'a> {
                     chosen.push(k);
                     applied.insert(k, standalone[k]);
                     self.apply(&mut tree, &self.cands[k], standalone[k], -1);
+                    continue;
+                }
+                // A chosen tensor whose copy out is done by `at` but whose copy back
+                // starts before it (the copy-back queue, too long to have it in time, gave
+                // it its earliest trigger) has its copy back start past `at` instead: no
+                // more bytes moved, a longer stall, and its memory free at the peak. (On
+                // GPT-2 XL at 0.7 x LB without recomputation, the link-bound schedule gave
+                // dozens of chosen tensors windows ending at backward's first unpacks, right
+                // at the peak, and the budget was refused although its minimum was 11.85
+                // GiB of 18.48.)
+                let refit = chosen
+                    .iter()
+                    .copied()
+                    .filter_map(|k| {
+                        let c = &self.cands[k];
+                        let w = applied[&k];
+                        let &(_, b) = c.copies.iter().find(|&&(_, b)| {
+                            b + w.lo <= at as u64
+                                && b + w.hi <= at as u64
+                                && (at as u64) < b + c.r_unpack
+                        })?;
+                        let rel = at as u64 - b;
+                        let ti = c.triggers.iter().position(|t| t.1 > rel + 1)?;
+                        if forced.get(&k).is_some_and(|&f| f >= ti) {
+                            return None;
+                        }
+                        Some((k, ti, c.padded.min(excess)))
+                    })
+                    .max_by(|a, b| a.2.cmp(&b.2).then(b.0.cmp(&a.0)));
+                if let Some((k, ti, _)) = refit {
+                    let c = &self.cands[k];
+                    let old = applied[&k];
+                    let new = Window {
+                        lo: old.lo,
+                        hi: c.triggers[ti].1.saturating_sub(1).max(old.lo),
+                    };
+                    forced.insert(k, ti);
+                    applied.insert(k, new);
+                    self.apply(&mut tree, c, old, 1);
+                    self.apply(&mut tree, c, new, -1);
                     continue;
                 }
                 // No tensor's copy back can wait past `at` and still be in time: take the
