@@ -40,8 +40,8 @@ Algorithm
 3. Else more blocks are recomputed: each block's saved bytes are measured in forward (the
    offloader's counted pack bytes between the block's forward pre-hook and forward hook; the
    median over blocks not recomputed), and the bytes the link could not move in time are
-   ``w x link``; ``k += ceil(w x link / block bytes)`` (a refused plan, no offload within
-   the budget: ``k += ceil(N / 8)``), at most N. The model's blocks are recomputed
+   ``w x link``, at most the bytes the plan moves; ``k += ceil(that / block bytes)`` (a
+   refused plan, no offload within the budget: ``k += ceil(N / 8)``), at most N. The model's blocks are recomputed
    (:func:`stweaver.recompute_blocks`, ``where`` as given), the held plan is dropped and
    auto mode records again from this boundary (``release_held_plan(False)``): the recording
    is of the model as it will run.
@@ -353,7 +353,12 @@ class AutoRecompute:
             why = f"{self.rounds} re-recordings made; serving the plan as it is"
         else:
             if planned and block > 0 and link > 0:
-                k_add = math.ceil(wait_ms * 1e-3 * link * 1e9 / block)
+                # The bytes the link could not move in time, at most the bytes moved: a
+                # link-bound plan (GPT-2 XL at 0.7 x LB without recomputation: 10.3 GB
+                # moved, 350 ms of waits) would otherwise ask for more blocks than the
+                # bytes it moves are.
+                late = wait_ms * 1e-3 * link * 1e9
+                k_add = math.ceil((min(late, moved) if moved > 0 else late) / block)
                 if blocks_cheaper:
                     # Step 3b too: the blocks of every byte moved, when cheaper than moving
                     # them (so that the rounds are not spent a block at a time).

@@ -440,3 +440,19 @@ def test_a_plan_that_waits_and_moves_costly_tensors_recomputes_all_their_blocks_
     d = off.stats()["auto_recompute"]["decisions"][0]
     assert d["action"] == "recompute" and d["k_new"] == 3, d
     assert len(recomputed(model)) == 3
+
+
+def test_a_link_bound_plan_recomputes_no_more_blocks_than_its_bytes_are():
+    """A plan whose waits stand for 10 blocks' bytes on the link but which moves 1.5 blocks'
+    bytes (a link-bound schedule's waits count each late byte on the way out and back)
+    recomputes the 2 blocks its bytes are, not 10."""
+    ext, off, model, ar, logs, x, block = recorded_with_block_times()
+    link = 10.0
+    ar.wait_share = 0.0
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 10 * block / (link * 1e9) * 1e6, "stall_us": 0.0,
+                   "link_gbps": link, "bytes_per_iteration": int(1.5 * block), "tensors": 1}
+    iteration(model, off, x)
+    d = off.stats()["auto_recompute"]["decisions"][0]
+    assert d["action"] == "recompute" and d["k_new"] == 2, d
+    assert len(recomputed(model)) == 2
