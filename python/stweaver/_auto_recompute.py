@@ -41,7 +41,8 @@ Algorithm
    offloader's counted pack bytes between the block's forward pre-hook and forward hook; the
    median over blocks not recomputed), and the bytes the link could not move in time are
    ``w x link``, at most the bytes the plan moves; ``k += ceil(that / block bytes)`` (a
-   refused plan, no offload within the budget: ``k += ceil(N / 8)``), at most N. The model's blocks are recomputed
+   refused plan, no offload within the budget, or a link-bound one, ``w`` over the
+   iteration's own time: ``k += ceil(N / 8)``), at most N. The model's blocks are recomputed
    (:func:`stweaver.recompute_blocks`, ``where`` as given), the held plan is dropped and
    auto mode records again from this boundary (``release_held_plan(False)``): the recording
    is of the model as it will run.
@@ -352,11 +353,8 @@ class AutoRecompute:
         elif self.rounds >= self.max_rounds:
             why = f"{self.rounds} re-recordings made; serving the plan as it is"
         else:
-            if planned and block > 0 and link > 0:
-                # The bytes the link could not move in time, at most the bytes moved: a
-                # link-bound plan (GPT-2 XL at 0.7 x LB without recomputation: 10.3 GB
-                # moved, 350 ms of waits) would otherwise ask for more blocks than the
-                # bytes it moves are.
+            if planned and block > 0 and link > 0 and wait_ms <= iter_ms:
+                # The bytes the link could not move in time, at most the bytes moved.
                 late = wait_ms * 1e-3 * link * 1e9
                 k_add = math.ceil((min(late, moved) if moved > 0 else late) / block)
                 if blocks_cheaper:
@@ -364,6 +362,11 @@ class AutoRecompute:
                     # them (so that the rounds are not spent a block at a time).
                     k_add = max(k_add, k_off)
             else:
+                # Refused, or link-bound (waits longer than the iteration itself): step by an
+                # eighth and measure again. On the H100, GPT-2 XL at 0.7 x LB planned 291 ms
+                # of waits per 184 ms iteration with nothing recomputed; recomputing the 14
+                # blocks its bytes are ran 1.268x, stepping 3 then 12 blocks 1.129x (one run
+                # each, BENCHMARKS.md session 19).
                 k_add = math.ceil(self.n / 8)
             k_new = min(self.n, self.k + max(1, k_add))
             why = ""

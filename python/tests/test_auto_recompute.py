@@ -456,3 +456,18 @@ def test_a_link_bound_plan_recomputes_no_more_blocks_than_its_bytes_are():
     d = off.stats()["auto_recompute"]["decisions"][0]
     assert d["action"] == "recompute" and d["k_new"] == 2, d
     assert len(recomputed(model)) == 2
+
+
+def test_a_plan_waiting_longer_than_its_iteration_steps_by_an_eighth():
+    """Waits longer than the iteration itself (a link-bound plan: 100 ms against the 36 ms
+    the measured blocks give) say little about how many blocks to recompute: an eighth of
+    the blocks, as for a refused plan, then measured again."""
+    ext, off, model, ar, logs, x, block = recorded_with_block_times()
+    ar.wait_share = 0.0
+    ext.stage = "auto (plan held)"
+    ext.outcome = {"planned": True, "copy_out_wait_us": 100_000.0, "stall_us": 0.0,
+                   "link_gbps": 10.0, "bytes_per_iteration": int(5 * block), "tensors": 1}
+    iteration(model, off, x)
+    d = off.stats()["auto_recompute"]["decisions"][0]
+    assert d["iteration_ms"] == pytest.approx(36.0)
+    assert d["action"] == "recompute" and d["k_new"] == 1, d
