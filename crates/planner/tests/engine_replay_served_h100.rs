@@ -40,6 +40,19 @@ fn replay(name: &str) -> (stweaver_planner::engine_replay::EngineReplayReport, u
     (r, budget)
 }
 
+/// [`replay`], asserting that the plan was kept to the end and the peak stayed within the
+/// budget; the plan's stats.
+fn replay_kept_within_budget(name: &str) -> stweaver_core::engine::PlanStats {
+    let (r, budget) = replay(name);
+    assert_eq!(r.plan_abandoned, None, "{name}");
+    assert!(
+        r.peak_reserved.get() <= budget,
+        "{name}: {} > {budget}",
+        r.peak_reserved
+    );
+    r.plan_stats.expect("plan mode")
+}
+
 #[test]
 fn a_prologue_range_held_by_pending_frees_and_unmapped_granules_keeps_the_plan() {
     let (r, budget) = replay("llama1b_norcp_0.7_stweaver_plan");
@@ -59,14 +72,7 @@ fn a_prologue_range_held_by_pending_frees_and_unmapped_granules_keeps_the_plan()
 
 #[test]
 fn a_gpt2_xl_plan_under_0_9_lb_serves_its_run_within_the_budget() {
-    let (r, budget) = replay("gpt2xl_norcp_0.9_stweaver_plan");
-    assert_eq!(r.plan_abandoned, None);
-    assert!(
-        r.peak_reserved.get() <= budget,
-        "{} > {budget}",
-        r.peak_reserved
-    );
-    let s = r.plan_stats.unwrap();
+    let s = replay_kept_within_budget("gpt2xl_norcp_0.9_stweaver_plan");
     // On the GPU: 125 conflicts over 8 iterations, all in pool holes (BENCHMARKS.md).
     assert!(s.conflicts <= 200, "{s:?}");
     assert_eq!(s.grown, 0, "{s:?}");
@@ -77,14 +83,7 @@ fn a_gpt2_xl_plan_under_0_9_lb_serves_its_run_within_the_budget() {
 /// runtime's `plan.conflicts`), replays with none, within its budget, the plan kept.
 #[test]
 fn a_gpt2_xl_hybrid_plan_at_0_8_lb_replays_its_run_without_conflicts() {
-    let (r, budget) = replay("gpt2xl_norcp_0.8_stweaver_hybrid");
-    assert_eq!(r.plan_abandoned, None);
-    assert!(
-        r.peak_reserved.get() <= budget,
-        "{} > {budget}",
-        r.peak_reserved
-    );
-    let s = r.plan_stats.unwrap();
+    let s = replay_kept_within_budget("gpt2xl_norcp_0.8_stweaver_hybrid");
     assert_eq!((s.conflicts, s.grown), (0, 0), "{s:?}");
     assert!(s.iterations >= 7 && s.hits > 18_000, "{s:?}");
 }

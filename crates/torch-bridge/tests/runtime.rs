@@ -1213,18 +1213,13 @@ fn auto_mode_records_again_while_serving_and_serves_the_kept_plan_again() {
     rt.free(weights).unwrap();
 }
 
-/// A budget below what any offload reaches: the plan is the ordinary one of the
-/// recording, with a note and the reason in `info_json`.
-#[test]
-fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
-    // The recording (threshold offload) runs within 16 MiB; planning starts under a
-    // memory fraction of 12 MiB, less than the weights (8 MiB), an activation (4 MiB) and
-    // its temporary (1 MiB) live at once: below any offload's minimum.
-    let rt = runtime_with_budget("auto", "16MiB", 256);
+/// Auto mode's recording (`iteration` then a step, each within the runtime's 16 MiB),
+/// planned under a memory fraction of 12 MiB set at its last iteration: steps until the
+/// planning is done; the runtime's `info_json` then.
+fn record_then_plan_under_12_mib(rt: &Runtime, mut iteration: impl FnMut()) -> serde_json::Value {
     let iters = rt.core().settings().auto_iterations;
-    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
     for i in 0..=iters {
-        assert_eq!(offload_iteration(&rt, 2, true), 2);
+        iteration();
         if i == iters {
             rt.set_memory_fraction(0, 12.0 / 256.0).unwrap();
         }
@@ -1237,7 +1232,21 @@ fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
         steps += 1;
         assert!(steps < 2000, "never planned: {}", rt.mode().unwrap());
     }
-    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    serde_json::from_str(&rt.info_json().unwrap()).unwrap()
+}
+
+/// A budget below what any offload reaches: the plan is the ordinary one of the
+/// recording, with a note and the reason in `info_json`.
+#[test]
+fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
+    // The recording (threshold offload) runs within 16 MiB; planning starts under a
+    // memory fraction of 12 MiB, less than the weights (8 MiB), an activation (4 MiB) and
+    // its temporary (1 MiB) live at once: below any offload's minimum.
+    let rt = runtime_with_budget("auto", "16MiB", 256);
+    let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
+    let info = record_then_plan_under_12_mib(&rt, || {
+        assert_eq!(offload_iteration(&rt, 2, true), 2);
+    });
     let off = &info["devices"][0]["offload"];
     assert_eq!(off["planned"], false, "{info}");
     assert_eq!(off["budget_bytes"], 12 * MIB);
@@ -1263,24 +1272,11 @@ fn auto_mode_below_the_minimum_falls_back_to_the_ordinary_plan_with_a_note() {
 fn auto_mode_over_its_budget_records_no_iteration_classes() {
     use stweaver_planner::auto::CLASS_ITERATIONS;
     let rt = runtime_with_budget("auto", "16MiB", 256);
-    let iters = rt.core().settings().auto_iterations;
     let weights = rt.malloc(0, 8 * MIB as usize, S0, DEFAULT).unwrap();
     let mut next_class = class_sequence();
-    for i in 0..=iters {
+    let info = record_then_plan_under_12_mib(&rt, || {
         offload_iteration(&rt, 1 + next_class() as usize, true);
-        if i == iters {
-            rt.set_memory_fraction(0, 12.0 / 256.0).unwrap();
-        }
-        rt.step().unwrap();
-    }
-    let mut steps = 0;
-    while rt.mode().unwrap() == "auto (planning)" {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        rt.step().unwrap();
-        steps += 1;
-        assert!(steps < 2000, "never planned: {}", rt.mode().unwrap());
-    }
-    let info: serde_json::Value = serde_json::from_str(&rt.info_json().unwrap()).unwrap();
+    });
     assert_eq!(info["devices"][0]["offload"]["planned"], false, "{info}");
     let notes: Vec<&str> = info["notes"]
         .as_array()
