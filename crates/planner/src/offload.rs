@@ -1339,10 +1339,10 @@ impl<'a> Analysis<'a> {
                     .filter_map(|k| {
                         let c = &self.cands[k];
                         let w = applied[&k];
+                        // (A window's `hi` is never below its `lo`: its copy out is done
+                        // by `at` too.)
                         let &(_, b) = c.copies.iter().find(|&&(_, b)| {
-                            b + w.lo <= at as u64
-                                && b + w.hi <= at as u64
-                                && (at as u64) < b + c.r_unpack
+                            b + w.hi <= at as u64 && (at as u64) < b + c.r_unpack
                         })?;
                         let rel = at as u64 - b;
                         let ti = c.triggers.iter().position(|t| t.1 > rel + 1)?;

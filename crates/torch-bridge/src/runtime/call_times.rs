@@ -2,10 +2,10 @@
 //! `STWEAVER_TIME_CALLS=1`): where a training step's host time goes when it runs slower
 //! under stweaver than under PyTorch's allocator.
 //!
-//! Each timed call reads the monotonic clock twice (`Instant::now`, a vDSO read) and adds the difference and one call to relaxed atomic counters; off, a
-//! call pays one test of a plain `bool` fixed at install. The counters are cumulative;
-//! a reader takes differences ([`Core::call_times`](super::Core::call_times) before and
-//! after a phase).
+//! Each timed call reads the monotonic clock twice (`Instant::now`, a vDSO read) and adds
+//! the difference and one call to relaxed atomic counters; off, a call pays one test of a
+//! plain `bool` fixed at install. The counters are cumulative; a reader takes differences
+//! ([`Core::call_times`](super::Core::call_times) before and after a phase).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
