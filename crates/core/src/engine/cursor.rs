@@ -637,6 +637,12 @@ impl Cursor {
     /// them in the prologue), each class's whole section (empty for a plan of one class):
     /// the next iteration may be any class (module docs, iteration classes).
     pub fn other_classes(&self) -> impl Iterator<Item = &Expected> + '_ {
+        self.other_classes_indexed().map(|(_, e)| e)
+    }
+
+    /// [`Cursor::other_classes`], each request with its index in its class's section
+    /// (0: the class's first request, the next iteration's first if it is that class).
+    pub fn other_classes_indexed(&self) -> impl Iterator<Item = (usize, &Expected)> + '_ {
         // In the prologue, every class is still ahead.
         let c = if self.classes.len() < 2 {
             0
@@ -649,7 +655,7 @@ impl Cursor {
             .iter()
             .enumerate()
             .filter(move |&(k, _)| k != c)
-            .flat_map(|(_, s)| s.iter())
+            .flat_map(|(_, s)| s.iter().enumerate())
     }
 
     /// Whether every expected request is behind the cursor (a prologue-only plan the

@@ -5,10 +5,11 @@
 //! cursor calls it unplanned, or its planned range is occupied: a *conflict*) is
 //! placed in a **hole** of the pool — a free block, best fit first, in the smallest gap
 //! between the ranges that the next [`PlanOptions::hole_horizon`] expected requests are
-//! planned on (with several iteration classes, also every other class's large requests
-//! for an unplanned request, and all of them for one taken to live forever: the next
-//! iteration may be of any class) (so the hole stays free long enough for what is coming; flush with the
-//! block's end when the gap reaches it). Work the plan never saw — an evaluation pass,
+//! planned on (with several iteration classes, also every other class's first
+//! `hole_horizon` and large requests for an unplanned request, and all of them for one
+//! taken to live forever: the next iteration may be of any class) (so the hole stays
+//! free long enough for what is coming; flush with the block's end when the gap reaches
+//! it). Work the plan never saw — an evaluation pass,
 //! the post-training checkpoint — thus lands between the first requests of the next
 //! iteration instead of growing the pool. Inside a phase (marked, or an unmarked pass the
 //! plan never saw, detected at an iteration start: module `plan_serving`, implicit phases) an
@@ -126,8 +127,9 @@ impl PlanServing {
     /// planned later needs sends that request to the pool's tail. Clearing every planned
     /// request of the cycle instead sends the short-lived unplanned requests of a plan's
     /// tail iteration online. Both measured: BENCHMARKS.md, "Moved from engine/mod.rs
-    /// module docs". With several iteration classes, the large requests of every other
-    /// class's whole section too: an unplanned tensor that outlives its iteration (the
+    /// module docs". With several iteration classes, every other class's section too,
+    /// kept clear of as the own class's next iteration (its first `hole_horizon`
+    /// requests, the large ones of the rest): an unplanned tensor that outlives its iteration (the
     /// batch or the loss a loop keeps) must not sit where the next iteration's class,
     /// whichever it is, plans its largest tensors (len5's auto replay: 1.0082 x the
     /// lower bound without this, 1.0012 x with it; with a length never recorded every
@@ -145,10 +147,19 @@ impl PlanServing {
         };
         let large =
             move |e: &&cursor::Expected| e.len >= len.saturating_mul(UNPLANNED_DISPLACE_FACTOR);
-        // With several iteration classes the next iteration may be any of them: the
-        // large requests of every other class too (their whole sections).
+        // With several iteration classes the next iteration may be any of them: every
+        // other class's section as the own class's is kept clear of, its first
+        // `near` requests all and the large ones of the rest. (With the large ones
+        // alone, a loss left in a hole at the end of one class's forward sat where the
+        // next iteration, of another class, planned a small activation: a conflict in
+        // every such iteration; class_planning's proptest, CI stop 33.)
         let others = (cycle > 0)
-            .then(|| self.cursor.other_classes().filter(large))
+            .then(|| {
+                self.cursor
+                    .other_classes_indexed()
+                    .filter(move |(k, e)| *k < near || large(e))
+                    .map(|(_, e)| e)
+            })
             .into_iter()
             .flatten();
         self.cursor
