@@ -161,6 +161,33 @@ proptest! {
     }
 }
 
+/// CI stop 33's case, shrunk by proptest: two classes, the loss (4 B, unplanned: it
+/// outlives its iteration) of a class-0 iteration took a hole where class 1 plans a
+/// 2.2 KiB activation, too small to count as one of class 1's large requests: every
+/// class-1 iteration after a class-0 one conflicted there (5 times). An unplanned
+/// request now keeps clear of every other class's first `hole_horizon` requests, as of
+/// its own class's next iteration.
+#[test]
+fn a_loss_outliving_a_class_keeps_clear_of_the_next_class_small_requests() {
+    let classes = [
+        Class {
+            acts: vec![2 << 20, 744_449, 366_081, 985_601],
+            grads: vec![512],
+        },
+        Class {
+            acts: vec![4 << 20, 928_257, 267_271, 2266, 749_508],
+            grads: vec![148_461, 65_411],
+        },
+    ];
+    let order = [
+        0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 0, 1,
+    ];
+    let r = serve(&build(&classes, &order, false), order.len() / 2);
+    let st = r.plan_stats.expect("served");
+    assert_eq!((st.conflicts, st.iterations), (0, 17), "{st:?}");
+    assert!(st.hits >= 100, "{st:?}");
+}
+
 #[test]
 fn a_loop_with_more_classes_than_planned_is_refused_naming_the_coverage() {
     let classes: Vec<Class> = (0..12)
