@@ -1236,6 +1236,16 @@ pub fn replay_engine(
                 schedule.planning_boundary()
             )))
         }
+        (ServeMode::Auto { schedule, .. }, None, None) if class_round.is_some() => {
+            Some(AutoOutcome::Online(format!(
+                "planned at iteration {}: no single repeating iteration, so auto mode records \
+                 {} more for a plan per iteration class (planned at iteration {}); the trace \
+                 ends after {marked} iteration boundaries",
+                schedule.planning_boundary(),
+                crate::auto::CLASS_ITERATIONS,
+                class_round.unwrap_or_default()
+            )))
+        }
         (ServeMode::Auto { schedule, .. }, None, None) => Some(AutoOutcome::Online(format!(
             "the trace ends after {marked} iteration boundaries, before auto mode plans its \
              recording at the {}",

@@ -408,3 +408,27 @@ fn a_first_plan_of_one_iteration_that_the_loop_does_not_keep_is_replaced_by_clas
     // After the round every class is planned: most requests of the run at their offsets.
     assert!(st.hits > 3 * st.unplanned, "{st:?}");
 }
+
+/// A loop of two classes that ends while auto mode records for a plan per class: the
+/// outcome says so (it used to say the trace ended before the first planning, which it
+/// had not: `stweaver compare` on the vendored GPT-2 XL trace run, 8 boundaries).
+#[test]
+fn a_trace_ending_during_the_class_recording_says_so() {
+    let classes: Vec<Class> = (0..4)
+        .map(|c| Class {
+            acts: vec![(c + 1) << 21, 4096 * (c + 1)],
+            grads: vec![8192],
+        })
+        .collect();
+    // No iteration repeats in the first recording (boundaries 1-5).
+    let order = [0, 1, 2, 3, 0, 2, 1, 3, 0, 1];
+    let (r, outcome) = replay_auto(&build(&classes, &order, false));
+    let Some(AutoOutcome::Online(why)) = &r.auto else {
+        panic!("{outcome}")
+    };
+    assert!(
+        why.contains("no single repeating iteration, so auto mode records 40 more")
+            && why.contains("the trace ends after 10 iteration boundaries"),
+        "{why}"
+    );
+}
