@@ -1216,37 +1216,38 @@ pub fn replay_engine(
         .engine
         .plan_abandoned()
         .map_err(Replayer::err(end, "read plan state"))?;
-    let auto = match (mode, auto, planned) {
+    let auto = match (mode, auto, planned, class_round) {
         (
             ServeMode::Auto { .. },
             Some(AutoOutcome::Switched {
                 boundary, event, ..
             }),
             _,
+            _,
         ) => Some(AutoOutcome::Switched {
             boundary,
             event,
             gave_up: plan_abandoned.clone(),
         }),
-        (ServeMode::Auto { .. }, Some(online), _) => Some(online),
-        (ServeMode::Auto { schedule, .. }, None, Some((_, at))) => {
+        (ServeMode::Auto { .. }, Some(online), _, _) => Some(online),
+        (ServeMode::Auto { schedule, .. }, None, Some((_, at)), _) => {
             Some(AutoOutcome::Online(format!(
                 "planned at iteration {}, the trace ends after {marked} iteration \
                  boundaries, before the switch at iteration {at}",
                 schedule.planning_boundary()
             )))
         }
-        (ServeMode::Auto { schedule, .. }, None, None) if class_round.is_some() => {
+        (ServeMode::Auto { schedule, .. }, None, None, Some(class_at)) => {
             Some(AutoOutcome::Online(format!(
                 "planned at iteration {}: no single repeating iteration, so auto mode records \
                  {} more for a plan per iteration class (planned at iteration {}); the trace \
                  ends after {marked} iteration boundaries",
                 schedule.planning_boundary(),
                 crate::auto::CLASS_ITERATIONS,
-                class_round.unwrap_or_default()
+                class_at
             )))
         }
-        (ServeMode::Auto { schedule, .. }, None, None) => Some(AutoOutcome::Online(format!(
+        (ServeMode::Auto { schedule, .. }, None, None, None) => Some(AutoOutcome::Online(format!(
             "the trace ends after {marked} iteration boundaries, before auto mode plans its \
              recording at the {}",
             ordinal(schedule.planning_boundary())

@@ -129,8 +129,8 @@ impl PlanServing {
     /// tail iteration online. Both measured: BENCHMARKS.md, "Moved from engine/mod.rs
     /// module docs". With several iteration classes, every other class's section too,
     /// kept clear of as the own class's next iteration (its first `hole_horizon`
-    /// requests, the large ones of the rest): an unplanned tensor that outlives its iteration (the
-    /// batch or the loss a loop keeps) must not sit where the next iteration's class,
+    /// requests, the large ones of the rest): an unplanned tensor that outlives its
+    /// iteration (the batch or the loss a loop keeps) must not sit where the next iteration's class,
     /// whichever it is, plans its largest tensors (len5's auto replay: 1.0082 x the
     /// lower bound without this, 1.0012 x with it; with a length never recorded every
     /// fifth iteration, 1.174 x and 1.001 x).
