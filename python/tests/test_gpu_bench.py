@@ -121,6 +121,21 @@ def test_cap_summary():
     assert gb.cap_summary({5: {"ok": False, "oom": True}})["largest"] is None
 
 
+def test_cap_summary_of_auto_without_a_plan_counts_native_s_iterations_only():
+    # Variable lengths: auto stays online and runs to max_iters (here 12); native ran 8. The
+    # extra iterations are short (few tokens): counting them would make auto look slower.
+    toks = [8000, 16000, 6000, 17000, 15000, 12000, 5000, 12000, 3000, 3000, 3000, 3000]
+    steps = [0.9, 0.4, 0.2, 0.4, 0.3, 0.25, 0.2, 0.25, 0.15, 0.15, 0.15, 0.15]
+    auto = run("auto", 14 * G, 13 * G, steps, [["0x1p+0"]] * 12, tokens_per_iter=toks)
+    native = run("native", 14 * G, 13 * G, steps[:8], [["0x1p+0"]] * 8, tokens_per_iter=toks[:8])
+    sa = gb.cap_summary({10: auto}, base_iters=8)
+    sn = gb.cap_summary({10: native}, base_iters=8)
+    assert sa["tokens_basis"].startswith("iterations 3-7")
+    assert sa["tokens_per_s"] == sn["tokens_per_s"]
+    # Without the window every iteration after warm-up counted, the short ones too.
+    assert gb.cap_summary({10: auto})["tokens_per_s"] < sn["tokens_per_s"]
+
+
 def test_step_rounds_are_ratios_to_the_same_rounds_native_and_their_median():
     e = entry()
     e["step_rounds"] = {"native": [0.30, 0.40, 0.20], "plan": [0.303, 0.38, 0.21],

@@ -588,7 +588,7 @@ class Driver:
                 if nb is None:
                     break
                 b = nb
-            summary = cap_summary(tried)
+            summary = cap_summary(tried, w0.get("iters"))
             doc["allocators"][alloc] = summary
             self.save()
             if summary.get("largest"):
@@ -679,7 +679,13 @@ def next_probe(b: int, fits: bool, tried: Dict[int, bool]) -> Optional[int]:
     return b - 1 if (b - 1) not in tried else None
 
 
-def cap_summary(tried: Dict[int, dict]) -> dict:
+def cap_summary(tried: Dict[int, dict], base_iters: Optional[int] = None) -> dict:
+    """The largest micro-batch that fit and its tokens/s (median of per-iteration tokens / step).
+
+    An auto run that never served a plan (variable lengths: it stays online) runs up to the
+    loop's `max_iters`, more than native's `base_iters`; its tokens/s counts only the window
+    native and expandable count (warm-up to `base_iters`), the same iterations with the same
+    sequence lengths, so a loop of random lengths compares like with like."""
     ok = {b: r for b, r in tried.items() if r.get("ok")}
     out = {"probes": [{"batch": b, "fits": bool(r.get("ok")), "oom_iter": r.get("oom_iter"),
                        "max_reserved": r.get("max_reserved"), "steady_max_reserved": r.get("steady_max_reserved"),
@@ -698,8 +704,11 @@ def cap_summary(tried: Dict[int, dict]) -> dict:
     out["tokens_basis"] = "steady iterations"
     if not steady and r.get("step_s"):
         # auto that never served a plan (e.g. rejected under the cap): its online iterations
-        steady = list(range(min(WARMUP, len(r["step_s"]) - 1), len(r["step_s"])))
-        out["tokens_basis"] = "iterations after warm-up (no plan served)"
+        n = len(r["step_s"])
+        end = min(n, base_iters) if base_iters else n
+        steady = list(range(min(WARMUP, end - 1), end))
+        out["tokens_basis"] = (f"iterations {steady[0]}-{steady[-1]}, as native's (no plan served)"
+                               if steady else "no iteration")
     times = [r["step_s"][i] for i in steady]
     toks = [r["tokens_per_iter"][i] for i in steady]
     if times:
