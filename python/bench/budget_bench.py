@@ -86,7 +86,10 @@ moved per iteration (host<-device + device<-host), achieved D2H/H2D bandwidth (s
 events: bytes / copy time) vs the link peak, and whether the losses are bitwise those of the
 unlimited run (compared over the iterations both ran). Each training child starts with
 ``STWEAVER_*`` and allocator settings cleared (as gpu_bench's); ``--child-env KEY=VALUE,...``
-sets variables in every one (an experiment knob), the rows' own after them. JSON goes to ``--out``
+sets variables in every one (an experiment knob), the rows' own after them. Each step's host
+side is kept too (``host_clock``, medians in ``host_clock_median``: the Python thread's CPU time,
+its time waiting on the run queue, context switches, the machine's steal), and ``--train-cpus``
+pins the training children to given CPUs. JSON goes to ``--out``
 (default ``$OUT`` or .) as budget_bench.json; a short table is printed last.
 """
 
@@ -546,6 +549,11 @@ def run_row(spec: dict) -> dict:
     # The gc.collect() before each step is outside the marks; collections inside a step are
     # Python's own (its thresholds), timed per phase.
     probe = _probes(_call_time_probe(st) if cuda else None, _GcClock().install().read)
+    # The host's side of each step (gpu_bench's IterClock, read outside the timed window):
+    # this thread's CPU time, its wait on the run queue, involuntary context switches and the
+    # machine's steal, so a slow step can be told apart from a busy or noisy host.
+    clock = gb.IterClock()
+    host_clock: List[dict] = []
     i = 0
     try:
         while i < max_n:
@@ -553,6 +561,7 @@ def run_row(spec: dict) -> dict:
             gc.collect()
             if cuda:
                 torch.cuda.synchronize()
+            c0 = clock.snap()
             t0 = time.perf_counter()
             marks = _PhaseMarks(torch if cuda else None, probe)
             if save_cpu is not None:
@@ -572,6 +581,7 @@ def run_row(spec: dict) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             steps.append(time.perf_counter() - t0)
+            host_clock.append(gb.IterClock.delta(c0, clock.snap()))
             phases.append(marks.done())
             losses.append(float(loss.detach().float().item()).hex())
             if offloader is not None:
@@ -647,6 +657,10 @@ def run_row(spec: dict) -> dict:
     res["step_median_s"] = statistics.median(win) if win else None
     res["moved_bytes_per_iter"] = moved[measured_from:] or moved
     res["phases_ms"] = _phase_medians(phases[measured_from:])
+    res["host_clock"] = host_clock
+    res["host_clock_median"] = host_clock_median(host_clock[measured_from:], win)
+    if spec.get("cpus"):
+        res["cpus"] = sorted(os.sched_getaffinity(0))
     res["modes"] = modes
     res["switched_at"] = switched_at
     res["offload_modes"] = offload_modes
@@ -674,6 +688,25 @@ def run_row(spec: dict) -> dict:
     if st is not None:
         res["stweaver"] = stweaver_stats(st)
     return res
+
+
+def host_clock_median(clocks: List[dict], steps: List[float]) -> dict:
+    """Medians over the measured iterations of the host clock's deltas, in ms (context switches
+    as counts), beside the step's wall time: ``cpu_ms`` close to ``step_ms`` means the Python
+    thread was busy all step (host-bound), ``runq_ms`` is time it was runnable but not running
+    (another thread or process held its CPU), ``steal_ms`` the hypervisor's share."""
+    out: Dict[str, float] = {}
+    if steps:
+        out["step_ms"] = round(statistics.median(steps) * 1e3, 3)
+    for k in ("cpu_s", "proc_cpu_s", "runq_s", "steal_s", "host_busy_s"):
+        xs = [c[k] for c in clocks if k in c]
+        if xs:
+            out[k[:-2] + "_ms"] = round(statistics.median(xs) * 1e3, 3)
+    for k in ("nivcsw", "nvcsw"):
+        xs = [c[k] for c in clocks if k in c]
+        if xs:
+            out[k] = statistics.median(xs)
+    return out
 
 
 def row_details(r: dict) -> List[str]:
@@ -718,6 +751,9 @@ def row_details(r: dict) -> List[str]:
         out.append("stweaver: mode " + str(st.get("mode")) + " " + json.dumps(dev)[:1200])
     if r.get("phases_ms"):
         out.append(f"phases (median ms): {json.dumps(r['phases_ms'])}")
+    if r.get("host_clock_median"):
+        out.append(f"host clock (median per measured step): {json.dumps(r['host_clock_median'])}"
+                   + (f" on CPUs {_cpus(r['cpus'])}" if r.get("cpus") else ""))
     if r.get("timeline"):
         out.append(f"timeline (median per phase): {json.dumps(r['timeline'])}")
     out.append(f"modes: {r.get('modes', [])[:12]} offload_modes: {r.get('offload_modes', [])[:12]}")
@@ -726,6 +762,8 @@ def row_details(r: dict) -> List[str]:
 
 def child_main() -> int:
     spec = json.loads(sys.stdin.readline())
+    if spec.get("cpus"):
+        gb.pin_process(spec["cpus"])  # before torch starts its threads: they inherit it
     try:
         res = link_probe(spec["dry_run"]) if spec["row"] == "link" else run_row(spec)
     except Exception as e:
@@ -754,6 +792,28 @@ def parse_child_env(text: str) -> Dict[str, str]:
     return env
 
 
+def _cpus(cpus: List[int]) -> str:
+    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+
+
+def train_cpus(text: str) -> Optional[List[int]]:
+    """``--train-cpus``: the training children's CPUs (None: no pinning). The calling process
+    (the driver, and the planner it runs) moves to the remaining CPUs, if any remain."""
+    if not text:
+        return None
+    avail = sorted(os.sched_getaffinity(0))
+    if text == "auto":
+        cpus, spare = gb.cpu_split(avail)
+    else:
+        cpus = [c for c in gb.parse_cpus(text) if c in avail]
+        if not cpus:
+            raise SystemExit(f"--train-cpus {text}: none of these CPUs is available (available: {_cpus(avail)})")
+        spare = [c for c in avail if c not in cpus]
+    if spare and spare != cpus:
+        os.sched_setaffinity(0, spare)
+    return cpus
+
+
 def child_env(row: str) -> dict:
     return gb.child_env(row)  # the same environment as gpu_bench's children
 
@@ -766,8 +826,12 @@ def spawn(spec: dict, tmp: str, timeout: float) -> dict:
     log_path = os.path.join(tmp, name + ".log")
     t0 = time.time()
     with open(log_path, "w") as log:
+        # --train-cpus: the child starts on its CPUs (the driver's own affinity excludes them).
+        cpus = spec.get("cpus")
+        pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child"], stdin=subprocess.PIPE,
-                             stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["row"]), text=True)
+                             stdout=log, stderr=subprocess.STDOUT, env=child_env(spec["row"]), text=True,
+                             preexec_fn=pre)
         try:
             p.stdin.write(json.dumps(spec) + "\n")
             p.stdin.close()
@@ -1030,6 +1094,10 @@ def main(argv=None) -> int:
     ap.add_argument("--served-traces", action="store_true",
                     help="plan rows: record each plan run's own requests (STWEAVER_TRACE in plan mode) "
                          "and keep them with the plan files in --out, for `stweaver replay` on a CPU")
+    ap.add_argument("--train-cpus", default="",
+                    help="pin every training child to these CPUs (e.g. 8-15; 'auto': the upper half, "
+                         "as gpu_bench does, since CPU 0 takes most interrupts); the driver and the "
+                         "planner move to the others. Default: no pinning")
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="stweaver plan --link-gbps (default: 90 %% of the slower direction of the "
                          "link measured at the start, else 25)")
@@ -1062,7 +1130,8 @@ def main(argv=None) -> int:
         args.min_bytes = 0  # tiny tensors: offload them all
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="stweaver-budget-")
-    base = {"dry_run": args.dry_run, "iters": args.iters, "warmup": args.warmup,
+    cpus = train_cpus(args.train_cpus)
+    base = {"dry_run": args.dry_run, "iters": args.iters, "cpus": cpus, "warmup": args.warmup,
             "extra_auto": args.extra_auto, "min_bytes": args.min_bytes, "profile": args.profile,
             "timeline": args.timeline, "profile_dir": args.out, "extra_env": extra_env}
     doc = {"schema": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
@@ -1090,7 +1159,8 @@ def main(argv=None) -> int:
         entry["lower_bound"] = lb
         entry["lower_bound_source"] = "torch.cuda.max_memory_allocated of the unlimited run"
         print(f"{w['name']}: unlimited ok, LB {lb / GiB:.2f} GiB, step {_s(ref.get('step_median_s'))}, "
-              f"phases (median ms) {json.dumps(ref.get('phases_ms'))}", flush=True)
+              f"phases (median ms) {json.dumps(ref.get('phases_ms'))}, "
+              f"host clock {json.dumps(ref.get('host_clock_median'))}", flush=True)
         if ref.get("timeline"):
             print(f"{w['name']}: unlimited timeline (median per phase) {json.dumps(ref['timeline'])}", flush=True)
         trace = None

@@ -194,3 +194,31 @@ def test_phase_marks_time_python_collections_per_phase():
     assert out["gc_calls_backward"] >= 1 and out["gc2_calls_backward"] >= 1
     assert out["gc_ms_backward"] > 0
     assert bb._probes(None, None) is None
+
+
+def test_host_clock_medians_are_ms_beside_the_step_and_shown_under_the_row():
+    clocks = [{"cpu_s": 0.10, "proc_cpu_s": 0.12, "runq_s": 0.001, "steal_s": 0.0, "nivcsw": 3, "nvcsw": 40},
+              {"cpu_s": 0.20, "proc_cpu_s": 0.22, "runq_s": 0.030, "steal_s": 0.0, "nivcsw": 9, "nvcsw": 44},
+              {"cpu_s": 0.12, "proc_cpu_s": 0.14, "runq_s": 0.002, "steal_s": 0.0, "nivcsw": 4, "nvcsw": 42}]
+    m = bb.host_clock_median(clocks, [0.2, 0.3, 0.25])
+    assert m == {"step_ms": 250.0, "cpu_ms": 120.0, "proc_cpu_ms": 140.0, "runq_ms": 2.0, "steal_ms": 0.0,
+                 "nivcsw": 4, "nvcsw": 42}
+    # A clock that could not read a counter leaves it out; no iterations, no medians.
+    assert bb.host_clock_median([{"cpu_s": 0.1}], []) == {"cpu_ms": 100.0}
+    row = {"row": "stweaver_auto", "ok": True, "host_clock_median": m, "cpus": [8, 9, 10, 11]}
+    details = "\n".join(bb.row_details(row))
+    assert '"runq_ms": 2.0' in details and "on CPUs 8-11" in details
+
+
+def test_train_cpus_pins_children_to_the_given_cpus_and_moves_the_driver_off_them():
+    avail = sorted(os.sched_getaffinity(0))
+    try:
+        assert bb.train_cpus("") is None
+        assert bb.train_cpus(str(avail[-1])) == [avail[-1]]
+        if len(avail) > 1:
+            assert avail[-1] not in os.sched_getaffinity(0)  # the driver left it
+        with pytest.raises(SystemExit, match="none of these CPUs"):
+            bb.train_cpus("100000")
+    finally:
+        os.sched_setaffinity(0, avail)
+    assert bb._cpus([0, 2, 3]) == "0,2,3" and bb._cpus([4, 5, 6]) == "4-6"
