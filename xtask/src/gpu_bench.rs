@@ -37,6 +37,16 @@
 //!   release `stweaver` CLI when `target/release/stweaver` exists), else the least peak
 //!   allocated of the loop's runs. `data/traces/long/gpu_ground_truth.json` holds the last
 //!   measured numbers.
+//!
+//! Issue #16's budget proof (`python/bench/budget_bench.py`: Llama 1B and GPT-2 XL without
+//! recomputation under budgets of 0.9 / 0.8 / 0.7 x the lower bound, against full
+//! recomputation, `save_on_cpu`, native and expandable; tokens/s at a fixed cap):
+//!
+//! - `cargo xtask gpu-bench --budget` — the same carry, and one device command per call
+//!   (`BUDGET_CALLS`: each fits one 600 s call; `scripts/budget_bench.sh` builds the extension
+//!   there, writes `budget_bench.json` to `$OUT` and prints its table last).
+//! - `cargo xtask gpu-bench --budget --dry-run [budget_bench.py ARGS...]` — its CPU path (tiny
+//!   models, needs `$PYTHON` with torch and transformers): the plumbing only.
 
 use std::fs;
 use std::path::PathBuf;
@@ -157,6 +167,76 @@ fn report(json: &str) -> Result<()> {
     Ok(())
 }
 
+/// The budget proof's device calls: (what, `budget_bench.py` arguments). Measured wall time
+/// on an H100 (BENCHMARKS.md, session 21): 435 s for the first, 256 s for the cap rows
+/// without native and batch 5; the second is session 19's s19-9 shape.
+const BUDGET_CALLS: [(&str, &str); 3] = [
+    (
+        "0.8 x LB, every comparison row",
+        "--workloads gpt2xl_norcp,llama1b_norcp --fractions 0.8 \
+             --rows unlimited_aa,stweaver_auto,recompute,save_on_cpu,native,expandable \
+             --iters 6 --warmup 2 --timeout-s 200 --train-cpus auto",
+    ),
+    (
+        "auto at 0.9 and 0.7 x LB",
+        "--workloads llama1b_norcp,gpt2xl_norcp --fractions 0.9,0.7 --rows stweaver_auto \
+             --iters 6 --warmup 2 --timeout-s 200 --train-cpus auto",
+    ),
+    (
+        "tokens/s under a fixed 27.62 GiB cap (0.8 x batch 8's LB), the best batch of each",
+        "--workloads llama1b_norcp --batches 5,6,7,8 --cap-gib 27.62 \
+             --rows native,expandable,stweaver_auto --iters 6 --warmup 2 --timeout-s 200 --train-cpus auto",
+    ),
+];
+
+fn budget_prepare() -> Result<()> {
+    prepare_cli_carry(CARRY, "gpu-bench --budget: ")?;
+    crate::torch_ext::pack_carry(CARRY)?;
+    for (k, (what, args)) in BUDGET_CALLS.iter().enumerate() {
+        println!(
+            "device command (call {} of {}, {what}):
+  set -o pipefail; timeout 590 bash scripts/budget_bench.sh {CARRY} {args} 2>&1 | tee $OUT/log",
+            k + 1,
+            BUDGET_CALLS.len()
+        );
+    }
+    println!(
+        "carry: [\"{CARRY}.tar.xz\"]   timeout_s: 600   (the script unpacks it; each call writes \
+         budget_bench.json and budget_bench.txt to $OUT)"
+    );
+    Ok(())
+}
+
+fn budget_dry_run(args: &[String]) -> Result<()> {
+    let out = target_dir().join("budget-dry");
+    if out.exists() {
+        fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
+    }
+    let mut c = Command::new(python());
+    c.current_dir(root())
+        .arg("python/bench/budget_bench.py")
+        .args(["--dry-run", "--out"])
+        .arg(&out)
+        .args(args);
+    run(c)?;
+    eprintln!(
+        "gpu-bench --budget --dry-run: {}",
+        out.join("budget_bench.json").display()
+    );
+    Ok(())
+}
+
+fn budget(args: &[String]) -> Result<()> {
+    match args.first().map(String::as_str) {
+        None => budget_prepare(),
+        Some("--dry-run") => budget_dry_run(&args[1..]),
+        Some(other) => bail!(
+            "gpu-bench --budget: unknown argument {other:?} (usage: gpu-bench --budget \
+             [--dry-run [budget_bench.py ARGS...]])"
+        ),
+    }
+}
+
 /// The long loops' device calls: (what, `long_loops.py` arguments).
 const LONG_LOOP_CALLS: [(&str, &str); 3] = [
     (
@@ -257,6 +337,7 @@ pub fn gpu_bench(args: &[String]) -> Result<()> {
     match args.first().map(String::as_str) {
         None => prepare(),
         Some("--long-loops") => long_loops(&args[1..]),
+        Some("--budget") => budget(&args[1..]),
         Some("--dry-run") => dry_run(&args[1..]),
         Some("--report") => match args.get(1) {
             Some(json) => report(json),
@@ -264,7 +345,7 @@ pub fn gpu_bench(args: &[String]) -> Result<()> {
         },
         Some(other) => bail!(
             "gpu-bench: unknown argument {other:?} (usage: gpu-bench [--dry-run [HARNESS ARGS...] | --report RESULT.json \
-             | --long-loops [--dry-run [ARGS...] | --report JSON...]])"
+             | --long-loops [--dry-run [ARGS...] | --report JSON...] | --budget [--dry-run [ARGS...]]])"
         ),
     }
 }

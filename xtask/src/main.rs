@@ -12,6 +12,8 @@
 //! - `gpu-bench [--dry-run | --report RESULT.json]`: the GPU benchmark (see `gpu_bench.rs`).
 //! - `gpu-bench --long-loops [--dry-run | --report JSON...]`: issue #18's 200-iteration
 //!   loops on the GPU (see `gpu_bench.rs`).
+//! - `gpu-bench --budget [--dry-run [ARGS...]]`: issue #16's budget proof on the GPU, one
+//!   device command per call (see `gpu_bench.rs`).
 //! - `gpu-test --gpus N`, `gpu-bench --gpus N` (N > 1): the distributed (torchrun, DDP and
 //!   FSDP2) tests and benchmark (see `gpu_dist.rs`).
 //! - `planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]`: the
@@ -29,7 +31,7 @@ mod planner_bench;
 mod torch_ext;
 mod wheel;
 
-const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|fuzz-smoke [--inputs N] [--seed S]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|wheel-check|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N|--long-loops [--dry-run|--report JSON...]]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
+const USAGE: &str = "usage: cargo xtask <ci|codegen [--check]|fuzz-smoke [--inputs N] [--seed S]|build-torch-ext|gpu-test [--run-here|--gpus N]|cpp-check [VERSION...]|wheel-check|gpu-bench [--dry-run [HARNESS ARGS...]|--report JSON|--gpus N|--long-loops [--dry-run|--report JSON...]|--budget [--dry-run [ARGS...]]]|planner-bench [--time-budget S] [--threads N] [--only NAME] [--json FILE]>";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
