@@ -207,17 +207,21 @@ fn budget_prepare() -> Result<()> {
     Ok(())
 }
 
-fn budget_dry_run(args: &[String]) -> Result<()> {
-    let out = target_dir().join("budget-dry");
+/// A harness's `--dry-run` in a fresh `target/DIR`: the output folder and `$PYTHON SCRIPT
+/// --dry-run` run from the repository root (the caller adds the rest, `--out` included).
+fn dry_run_command(dir: &str, script: &str) -> Result<(PathBuf, Command)> {
+    let out = target_dir().join(dir);
     if out.exists() {
         fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
     }
     let mut c = Command::new(python());
-    c.current_dir(root())
-        .arg("python/bench/budget_bench.py")
-        .args(["--dry-run", "--out"])
-        .arg(&out)
-        .args(args);
+    c.current_dir(root()).arg(script).arg("--dry-run");
+    Ok((out, c))
+}
+
+fn budget_dry_run(args: &[String]) -> Result<()> {
+    let (out, mut c) = dry_run_command("budget-dry", "python/bench/budget_bench.py")?;
+    c.arg("--out").arg(&out).args(args);
     run(c)?;
     eprintln!(
         "gpu-bench --budget --dry-run: {}",
@@ -303,14 +307,8 @@ fn long_loops_report(jsons: &[String]) -> Result<()> {
 }
 
 fn long_loops_dry_run(args: &[String]) -> Result<()> {
-    let out = target_dir().join("long-loops-dry");
-    if out.exists() {
-        fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
-    }
-    let mut c = Command::new(python());
-    c.current_dir(root())
-        .arg("python/bench/long_loops.py")
-        .args(["--dry-run", "--iters", "21", "--parallel", "2"])
+    let (out, mut c) = dry_run_command("long-loops-dry", "python/bench/long_loops.py")?;
+    c.args(["--iters", "21", "--parallel", "2"])
         .args(["--allocs", "native,expandable,auto", "--out"])
         .arg(&out)
         .args(args);
