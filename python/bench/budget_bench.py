@@ -762,8 +762,6 @@ def row_details(r: dict) -> List[str]:
 
 def child_main() -> int:
     spec = json.loads(sys.stdin.readline())
-    if spec.get("cpus"):
-        gb.pin_process(spec["cpus"])  # before torch starts its threads: they inherit it
     try:
         res = link_probe(spec["dry_run"]) if spec["row"] == "link" else run_row(spec)
     except Exception as e:

@@ -167,9 +167,10 @@ fn report(json: &str) -> Result<()> {
     Ok(())
 }
 
-/// The budget proof's device calls: (what, `budget_bench.py` arguments). Measured wall time
-/// on an H100 (BENCHMARKS.md, session 21): 435 s for the first, 256 s for the cap rows
-/// without native and batch 5; the second is session 19's s19-9 shape.
+/// The budget proof's device calls: (what, `budget_bench.py` arguments), each meant to fit
+/// one 600 s call. On an H100 (BENCHMARKS.md, session 21) the first took 435 s, and the
+/// third without native and batch 5 took 256 s; the second's rows ran as one call in
+/// session 19 (s19-9). None ran as a set, nor with `--train-cpus` but s21-7.
 const BUDGET_CALLS: [(&str, &str); 3] = [
     (
         "0.8 x LB, every comparison row",
@@ -194,8 +195,7 @@ fn budget_prepare() -> Result<()> {
     crate::torch_ext::pack_carry(CARRY)?;
     for (k, (what, args)) in BUDGET_CALLS.iter().enumerate() {
         println!(
-            "device command (call {} of {}, {what}):
-  set -o pipefail; timeout 590 bash scripts/budget_bench.sh {CARRY} {args} 2>&1 | tee $OUT/log",
+            "device command (call {} of {}, {what}):\n  set -o pipefail; timeout 590 bash scripts/budget_bench.sh {CARRY} {args} 2>&1 | tee $OUT/log",
             k + 1,
             BUDGET_CALLS.len()
         );

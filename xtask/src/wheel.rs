@@ -119,7 +119,7 @@ pub fn wheel_check() -> Result<()> {
         "-w",
     ])
     .arg(&dist);
-    if std::env::var_os("STWEAVER_WHEEL_CHECK_OPTIMIZED").is_none() {
+    if std::env::var("STWEAVER_WHEEL_CHECK_OPTIMIZED").as_deref() != Ok("1") {
         // Module docs, step 2: the same build, unoptimised, in a target directory of its own.
         c.env("CARGO_TARGET_DIR", work.join("cargo"))
             .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "0")

@@ -130,10 +130,10 @@ impl PlanServing {
     /// module docs". With several iteration classes, every other class's section too,
     /// kept clear of as the own class's next iteration (its first `hole_horizon`
     /// requests, the large ones of the rest): an unplanned tensor that outlives its
-    /// iteration (the batch or the loss a loop keeps) must not sit where the next iteration's class,
-    /// whichever it is, plans its largest tensors (len5's auto replay: 1.0082 x the
-    /// lower bound without this, 1.0012 x with it; with a length never recorded every
-    /// fifth iteration, 1.174 x and 1.001 x).
+    /// iteration (the batch or the loss a loop keeps) must not sit where the next
+    /// iteration's class, whichever it is, plans its largest tensors (len5's auto
+    /// replay: 1.0082 x the lower bound without this, 1.0012 x with it; with a length
+    /// never recorded every fifth iteration, 1.174 x and 1.001 x).
     fn unplanned_blocked(&self, len: u64) -> impl Iterator<Item = &cursor::Expected> + '_ {
         // One iteration ahead (a prologue-only plan, an aperiodic run, has none: its
         // unplanned requests are the irregular ones, short-lived), at most HOLE_SPAN_CAP.
